@@ -1,0 +1,104 @@
+"""Exports of the host CPU binary (libmojolearn_cpu.so).
+
+Build: mojo build --emit shared-lib --fp-mode contract=off
+       --target-cpu x86-64-v3 -I mojo -D ML_ARCH=x86-64-v3 ...
+The binary says what it is (vendor, numeric mode, ABI version, target) so the
+loader reads it back instead of trusting file names.
+"""
+from std.memory import Pointer
+from std.sys import get_defined_string
+from mojolearn_kernels.abi import (
+    F32Ptr, I64Ptr, ABI_VERSION, PHASE_END, PLAN_WORKSPACE,
+    OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
+)
+from mojolearn_kernels.checks import first_nonfinite_task
+from mojolearn_kernels.math_eval import math_eval
+from mojolearn_kernels.mamba1 import (
+    m1_prepare_plan, m1_prepare_task, m1_forward_plan, m1_forward_task,
+)
+
+comptime U8Ptr = Pointer[UInt8, MutUntrackedOrigin]
+comptime ARCH = get_defined_string["ML_ARCH", "x86-64-v3"]()
+comptime FEATURES = get_defined_string["ML_FEATURES", "avx2,fma,bmi2,f16c"]()
+comptime VENDOR_CPU = 0
+comptime MODE_IDENTICAL = 0
+
+
+@export("ml_abi_version")
+def ml_abi_version() abi("C") -> Int64:
+    return ABI_VERSION
+
+
+@export("ml_vendor")
+def ml_vendor() abi("C") -> Int64:
+    return VENDOR_CPU
+
+
+@export("ml_numeric_mode")
+def ml_numeric_mode() abi("C") -> Int64:
+    return MODE_IDENTICAL
+
+
+def _put(buf: U8Ptr, cap: Int, pos: Int, s: StaticString) -> Int:
+    """Copies s into buf at pos (as far as cap allows); returns the new pos."""
+    var bytes = s.as_bytes()
+    for i in range(len(bytes)):
+        if pos + i < cap:
+            buf[unsafe_offset=pos + i] = bytes[i]
+    return pos + len(bytes)
+
+
+@export("ml_describe")
+def ml_describe(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
+    """Writes 'key=value;...' (vendor, arch, features, mode) into buf and
+    returns its full length. No heap use: the binary needs no Mojo runtime."""
+    var c = Int(cap)
+    var n = _put(buf, c, 0, "vendor=cpu;arch=")
+    n = _put(buf, c, n, ARCH)
+    n = _put(buf, c, n, ";features=")
+    n = _put(buf, c, n, FEATURES)
+    n = _put(buf, c, n, ";mode=identical")
+    return Int64(n)
+
+
+@export("ml_plan")
+def ml_plan(op: Int64, args: I64Ptr, phase: Int64) abi("C") -> Int64:
+    """Tasks in `phase` of `op` (PHASE_END past the last; workspace bytes
+    for PLAN_WORKSPACE)."""
+    var p = Int(phase)
+    if op == OP_M1_FORWARD:
+        return Int64(m1_forward_plan(args, p))
+    if op == OP_M1_PREPARE:
+        return Int64(m1_prepare_plan(args, p))
+    if op == OP_FIRST_NONFINITE or op == OP_MATH_EVAL:
+        if p == PLAN_WORKSPACE:
+            return 0
+        return 1 if p == 0 else PHASE_END
+    return -2  # unknown op
+
+
+@export("ml_task")
+def ml_task(op: Int64, args: I64Ptr, phase: Int64, task: Int64) abi("C") -> Int64:
+    var p = Int(phase)
+    var t = Int(task)
+    if op == OP_M1_FORWARD:
+        m1_forward_task(args, p, t)
+    elif op == OP_M1_PREPARE:
+        m1_prepare_task(args, p, t)
+    elif op == OP_FIRST_NONFINITE:
+        first_nonfinite_task(args)
+    elif op == OP_MATH_EVAL:
+        math_eval(Int(args[unsafe_offset=0]),
+                  F32Ptr(unsafe_from_address=Int(args[unsafe_offset=1])),
+                  F32Ptr(unsafe_from_address=Int(args[unsafe_offset=2])),
+                  Int(args[unsafe_offset=3]), Int(args[unsafe_offset=4]))
+    else:
+        return -2
+    return 0
+
+
+@export("ml_math_eval")
+def ml_math_eval(fn_id: Int64, src: F32Ptr, dst: F32Ptr, n: Int64, width: Int64) abi("C") -> Int64:
+    """Elementwise own transcendental `fn_id` (for accuracy tests)."""
+    math_eval(Int(fn_id), src, dst, Int(n), Int(width))
+    return 0

@@ -1,0 +1,57 @@
+"""The C ABI between the compiled binaries and the Python layer.
+
+Every operation is driven through two exports, `ml_plan` and `ml_task`, over
+one array of Int64 argument slots (pointers as addresses, sizes as ints). An
+operation is a sequence of phases; each phase is a set of independent tasks
+that a host thread pool may run in any order, on any thread. Tasks of one
+phase never write what another task of that phase reads or writes, so the
+bits never depend on how tasks are scheduled.
+
+The numbers here are mirrored in python/mojolearn/_abi.py; keep them equal.
+"""
+from std.memory import Pointer
+
+comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
+comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
+
+# Bumped whenever an op id, an argument slot or a layout changes.
+comptime ABI_VERSION = 1
+
+# ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
+comptime PLAN_WORKSPACE = -1
+# ml_plan returns PHASE_END once the phase index is past the last phase.
+comptime PHASE_END = -1
+
+# Operation ids.
+comptime OP_FIRST_NONFINITE = 1
+comptime OP_MATH_EVAL = 2
+comptime OP_M1_PREPARE = 10
+comptime OP_M1_FORWARD = 11
+
+# Alignment of every sub-array inside a workspace or weight blob, in floats.
+comptime ALIGN_FLOATS = 16
+
+
+@always_inline
+def arg_int(args: I64Ptr, slot: Int) -> Int:
+    return Int(args[unsafe_offset=slot])
+
+
+@always_inline
+def arg_f32(args: I64Ptr, slot: Int) -> F32Ptr:
+    return F32Ptr(unsafe_from_address=Int(args[unsafe_offset=slot]))
+
+
+@always_inline
+def arg_i64(args: I64Ptr, slot: Int) -> I64Ptr:
+    return I64Ptr(unsafe_from_address=Int(args[unsafe_offset=slot]))
+
+
+@always_inline
+def round_up(n: Int, m: Int) -> Int:
+    return (n + m - 1) // m * m
+
+
+@always_inline
+def ceil_div(n: Int, m: Int) -> Int:
+    return (n + m - 1) // m

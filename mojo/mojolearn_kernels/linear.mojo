@@ -1,0 +1,123 @@
+"""Canonical matrix products: y[r, o] = sum_k x[r, k] * W[o, k].
+
+Canonical order (identical mode): every output element is one sequential fma
+chain over k in ascending order, starting from +0.0:
+    acc = 0; for k in 0..K-1: acc = fma(x[r, k], W[o, k], acc)
+The micro-kernel vectorizes across 16 outputs (one weight panel) and keeps MR
+rows in registers; it never splits or reorders the k axis, so the bits do not
+depend on the SIMD width, the tile shape or how tiles are spread on threads.
+
+Weights are packed once into panels of NR = 16 output rows, k-major:
+packed[p, k, j] = W[p * NR + j, k] (zero rows past M), so each k step loads
+16 contiguous floats.
+"""
+from std.collections import Array
+from .abi import F32Ptr, ceil_div
+
+comptime NR = 16
+comptime MR = 6
+comptime VN = SIMD[DType.float32, NR]
+
+
+def packed_floats(m: Int, k: Int) -> Int:
+    """Floats in the packed form of an (m, k) matrix."""
+    return ceil_div(m, NR) * k * NR
+
+
+def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
+    """Pack row-major W (m, k) into NR-row panels, k-major, zero padded."""
+    for p in range(ceil_div(m, NR)):
+        var base = p * k * NR
+        for kk in range(k):
+            for j in range(NR):
+                var row = p * NR + j
+                var v: Float32 = 0.0
+                if row < m:
+                    v = w[unsafe_offset=row * k + kk]
+                dst[unsafe_offset=base + kk * NR + j] = v
+
+
+@always_inline
+def _tile[R: Int](
+    x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int, ncols: Int
+):
+    """R rows x one panel: y[i, 0:ncols] = x[i, :] . panel."""
+    var acc = Array[VN, R](fill=VN(0.0))
+    for kk in range(k):
+        var wv = panel.unsafe_load[width=NR](kk * NR)
+        comptime for i in range(R):
+            acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
+    if ncols == NR:
+        comptime for i in range(R):
+            y.unsafe_store(i * ldy, acc[i])
+    else:
+        comptime for i in range(R):
+            for j in range(ncols):
+                y[unsafe_offset=i * ldy + j] = acc[i][j]
+
+
+def matmul_block(
+    x: F32Ptr,
+    ldx: Int,
+    r0: Int,
+    r1: Int,
+    wp: F32Ptr,
+    k: Int,
+    m: Int,
+    p0: Int,
+    p1: Int,
+    y: F32Ptr,
+    ldy: Int,
+):
+    """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k)."""
+    for p in range(p0, p1):
+        var panel = wp.unsafe_offset(p * k * NR)
+        var col = p * NR
+        var ncols = min(NR, m - col)
+        var r = r0
+        while r + MR <= r1:
+            _tile[MR](x.unsafe_offset(r * ldx), ldx, panel, k,
+                      y.unsafe_offset(r * ldy + col), ldy, ncols)
+            r += MR
+        while r < r1:
+            _tile[1](x.unsafe_offset(r * ldx), ldx, panel, k,
+                     y.unsafe_offset(r * ldy + col), ldy, ncols)
+            r += 1
+
+
+# Task grid for one matmul phase: row blocks x panel blocks.
+comptime ROW_BLOCK = 48
+comptime PANEL_BLOCK = 4
+
+
+def matmul_ntasks(rows: Int, m: Int) -> Int:
+    return ceil_div(rows, ROW_BLOCK) * ceil_div(ceil_div(m, NR), PANEL_BLOCK)
+
+
+struct TileRange(ImplicitlyCopyable):
+    """Rows [r0, r1) and output columns [c0, c1) one matmul task covers."""
+    var r0: Int
+    var r1: Int
+    var c0: Int
+    var c1: Int
+
+    def __init__(out self, r0: Int, r1: Int, c0: Int, c1: Int):
+        self.r0 = r0
+        self.r1 = r1
+        self.c0 = c0
+        self.c1 = c1
+
+
+def matmul_task(
+    task: Int, x: F32Ptr, ldx: Int, rows: Int, wp: F32Ptr, k: Int, m: Int,
+    y: F32Ptr, ldy: Int,
+) -> TileRange:
+    """Run task `task` of the (row block, panel block) grid."""
+    var npanels = ceil_div(m, NR)
+    var npb = ceil_div(npanels, PANEL_BLOCK)
+    var r0 = (task // npb) * ROW_BLOCK
+    var r1 = min(rows, r0 + ROW_BLOCK)
+    var p0 = (task % npb) * PANEL_BLOCK
+    var p1 = min(npanels, p0 + PANEL_BLOCK)
+    matmul_block(x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)
+    return TileRange(r0, r1, p0 * NR, min(m, p1 * NR))

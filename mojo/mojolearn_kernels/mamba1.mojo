@@ -1,0 +1,420 @@
+"""Mamba-1 block: prepare (pack weights) and forward (prefill, continuation,
+ragged rows and the one-token decode step are all this one operation).
+
+Every token's output is computed by the same per-token formula whatever the
+batch, the chunking of tokens into workspace rows, or the thread split:
+    xn  = RMSNorm(x)                              (norms.mojo)
+    hg  = in_proj @ xn          [hid | gate]      (linear.mojo)
+    u   = silu(conv(hid))                          (conv.mojo)
+    dbc = x_proj @ u            [dtr | B | C]
+    dl  = softplus(dt_proj @ dtr + dt_bias)
+    per channel c, state n = 0..15 (sequential):
+        h_n = fma(exp(dl * A_n), h_n, (dl * B_n) * u)
+        y   = fma(C_n, h_n, y)                     (y starts at +0.0)
+    y   = fma(u, D, y);  yg = y * silu(gate)
+    out = x + out_proj @ yg
+Tokens are processed in chunks of rows (B rows x Tc tokens) only to bound the
+workspace; the chunking never changes an operation's operands.
+"""
+from std.collections import Array
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
+    arg_int, arg_f32, arg_i64, round_up, ceil_div,
+)
+from .linear import NR, packed_floats, pack_panels, matmul_ntasks, matmul_task
+from .norms import rmsnorm_row
+from .conv import causal_conv_silu
+from .numerics import exp_f32, softplus_f32, silu_f32
+
+comptime NSTATE = 16
+comptime KCONV = 4
+
+# OP_M1_PREPARE argument slots.
+comptime PREP_D = 0
+comptime PREP_NORM = 1
+comptime PREP_IN = 2
+comptime PREP_CONVW = 3
+comptime PREP_CONVB = 4
+comptime PREP_X = 5
+comptime PREP_DT = 6
+comptime PREP_DTB = 7
+comptime PREP_ALOG = 8
+comptime PREP_D_SKIP = 9
+comptime PREP_OUT = 10
+comptime PREP_BLOB = 11
+
+# OP_M1_FORWARD argument slots.
+comptime FWD_B = 0
+comptime FWD_L = 1
+comptime FWD_D = 2
+comptime FWD_X = 3
+comptime FWD_Y = 4
+comptime FWD_BLOB = 5
+comptime FWD_CONV_WINDOW = 6  # 0: start from zeros, do not save
+comptime FWD_H = 7  # 0: start from zeros, do not save
+comptime FWD_LENGTHS = 8  # 0: every row has length L
+comptime FWD_WORK = 9
+
+# Stages of one token chunk.
+comptime ST_NORM = 0
+comptime ST_INPROJ = 1
+comptime ST_CONV = 2
+comptime ST_XPROJ = 3
+comptime ST_DTPROJ = 4
+comptime ST_SCAN = 5
+comptime ST_OUTPROJ = 6
+comptime NSTAGES = 7
+
+comptime NORM_ROWS_PER_TASK = 16
+comptime CONV_CHANNELS_PER_TASK = 64
+comptime SCAN_LANES = 16
+comptime MAX_CHUNK_ROWS = 256
+
+
+struct M1Dims(ImplicitlyCopyable):
+    """Sizes of a Mamba-1 block and the layout of its prepared weight blob."""
+    var d: Int
+    var di: Int
+    var r: Int  # dt_rank
+    var nx: Int  # dt_rank + 2 * NSTATE: x_proj outputs
+    var o_norm: Int
+    var o_in: Int
+    var o_convw: Int  # (4, di), tap-major
+    var o_convb: Int
+    var o_x: Int
+    var o_dt: Int
+    var o_dtb: Int
+    var o_a: Int  # (16, di) = -exp(A_log) transposed
+    var o_dskip: Int
+    var o_out: Int
+    var blob: Int  # floats
+
+    def __init__(out self, d: Int):
+        self.d = d
+        self.di = 2 * d
+        self.r = ceil_div(d, 16)
+        self.nx = self.r + 2 * NSTATE
+        var o = 0
+        self.o_norm = o
+        o += round_up(d, ALIGN_FLOATS)
+        self.o_in = o
+        o += packed_floats(2 * self.di, d)
+        self.o_convw = o
+        o += round_up(KCONV * self.di, ALIGN_FLOATS)
+        self.o_convb = o
+        o += round_up(self.di, ALIGN_FLOATS)
+        self.o_x = o
+        o += packed_floats(self.nx, self.di)
+        self.o_dt = o
+        o += packed_floats(self.di, self.r)
+        self.o_dtb = o
+        o += round_up(self.di, ALIGN_FLOATS)
+        self.o_a = o
+        o += round_up(NSTATE * self.di, ALIGN_FLOATS)
+        self.o_dskip = o
+        o += round_up(self.di, ALIGN_FLOATS)
+        self.o_out = o
+        o += packed_floats(d, self.di)
+        self.blob = o
+
+
+struct M1Work(ImplicitlyCopyable):
+    """Workspace layout of one forward call over (B, L) tokens."""
+    var b: Int
+    var l: Int
+    var tc: Int  # tokens per row in one chunk
+    var nchunks: Int
+    var o_xn: Int  # (rows, d); reused as the out_proj result
+    var o_hg: Int  # (rows, 2 di)
+    var o_u: Int  # (rows, di)
+    var o_dbc: Int  # (rows, nx)
+    var o_dl: Int  # (rows, di)
+    var o_yg: Int  # (rows, di)
+    var o_win: Int  # (B, 4, di) conv window, oldest first
+    var o_ht: Int  # (B, 16, di) SSM state, state-major
+    var floats: Int
+
+    def __init__(out self, dims: M1Dims, b: Int, l: Int):
+        self.b = b
+        self.l = l
+        self.tc = max(1, min(l, MAX_CHUNK_ROWS // b))
+        self.nchunks = ceil_div(l, self.tc)
+        var rows = b * self.tc
+        var o = 0
+        self.o_xn = o
+        o += round_up(rows * dims.d, ALIGN_FLOATS)
+        self.o_hg = o
+        o += round_up(rows * 2 * dims.di, ALIGN_FLOATS)
+        self.o_u = o
+        o += round_up(rows * dims.di, ALIGN_FLOATS)
+        self.o_dbc = o
+        o += round_up(rows * dims.nx, ALIGN_FLOATS)
+        self.o_dl = o
+        o += round_up(rows * dims.di, ALIGN_FLOATS)
+        self.o_yg = o
+        o += round_up(rows * dims.di, ALIGN_FLOATS)
+        self.o_win = o
+        o += round_up(b * KCONV * dims.di, ALIGN_FLOATS)
+        self.o_ht = o
+        o += round_up(b * NSTATE * dims.di, ALIGN_FLOATS)
+        self.floats = o
+
+    def chunk_tokens(self, c: Int) -> Int:
+        return min(self.tc, self.l - c * self.tc)
+
+
+# ---------------------------------------------------------------- prepare
+
+
+def m1_prepare_plan(args: I64Ptr, phase: Int) -> Int:
+    if phase == PLAN_WORKSPACE:
+        return M1Dims(arg_int(args, PREP_D)).blob * 4
+    if phase == 0:
+        return 7
+    return PHASE_END
+
+
+def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
+    var dims = M1Dims(arg_int(args, PREP_D))
+    var blob = arg_f32(args, PREP_BLOB)
+    var d = dims.d
+    var di = dims.di
+    if task == 0:
+        pack_panels(arg_f32(args, PREP_IN), 2 * di, d, blob.unsafe_offset(dims.o_in))
+    elif task == 1:
+        pack_panels(arg_f32(args, PREP_X), dims.nx, di, blob.unsafe_offset(dims.o_x))
+    elif task == 2:
+        pack_panels(arg_f32(args, PREP_DT), di, dims.r, blob.unsafe_offset(dims.o_dt))
+    elif task == 3:
+        pack_panels(arg_f32(args, PREP_OUT), d, di, blob.unsafe_offset(dims.o_out))
+    elif task == 4:
+        var alog = arg_f32(args, PREP_ALOG)
+        for c in range(di):
+            for n in range(NSTATE):
+                var a = exp_f32[1](alog[unsafe_offset=c * NSTATE + n])
+                blob[unsafe_offset=dims.o_a + n * di + c] = -a
+    elif task == 5:
+        var cw = arg_f32(args, PREP_CONVW)
+        for c in range(di):
+            for k in range(KCONV):
+                blob[unsafe_offset=dims.o_convw + k * di + c] = cw[unsafe_offset=c * KCONV + k]
+    else:
+        _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
+        _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
+        _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)
+        _copy(arg_f32(args, PREP_D_SKIP), blob.unsafe_offset(dims.o_dskip), di)
+
+
+@always_inline
+def _copy(src: F32Ptr, dst: F32Ptr, n: Int):
+    for i in range(n):
+        dst[unsafe_offset=i] = src[unsafe_offset=i]
+
+
+# ---------------------------------------------------------------- forward
+
+
+def m1_forward_plan(args: I64Ptr, phase: Int) -> Int:
+    var dims = M1Dims(arg_int(args, FWD_D))
+    var b = arg_int(args, FWD_B)
+    var wk = M1Work(dims, b, arg_int(args, FWD_L))
+    if phase == PLAN_WORKSPACE:
+        return wk.floats * 4
+    if phase == 0:
+        return b
+    var last = 1 + wk.nchunks * NSTAGES
+    if phase == last:
+        return b if arg_int(args, FWD_H) != 0 else 0
+    if phase > last:
+        return PHASE_END
+    var c = (phase - 1) // NSTAGES
+    var stage = (phase - 1) % NSTAGES
+    var rows = b * wk.chunk_tokens(c)
+    if stage == ST_NORM:
+        return ceil_div(rows, NORM_ROWS_PER_TASK)
+    if stage == ST_INPROJ:
+        return matmul_ntasks(rows, 2 * dims.di)
+    if stage == ST_CONV:
+        return ceil_div(dims.di, CONV_CHANNELS_PER_TASK)
+    if stage == ST_XPROJ:
+        return matmul_ntasks(rows, dims.nx)
+    if stage == ST_DTPROJ:
+        return matmul_ntasks(rows, dims.di)
+    if stage == ST_SCAN:
+        return b * ceil_div(dims.di, SCAN_LANES)
+    return matmul_ntasks(rows, dims.d)
+
+
+def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
+    var dims = M1Dims(arg_int(args, FWD_D))
+    var b = arg_int(args, FWD_B)
+    var wk = M1Work(dims, b, arg_int(args, FWD_L))
+    var work = arg_f32(args, FWD_WORK)
+    if phase == 0:
+        _load_state(args, dims, wk, work, task)
+        return
+    if phase == 1 + wk.nchunks * NSTAGES:
+        _save_state(args, dims, wk, work, task)
+        return
+    var c = (phase - 1) // NSTAGES
+    var stage = (phase - 1) % NSTAGES
+    var t0 = c * wk.tc
+    var nc = wk.chunk_tokens(c)
+    var rows = b * nc
+    var blob = arg_f32(args, FWD_BLOB)
+    var d = dims.d
+    var di = dims.di
+    var xn = work.unsafe_offset(wk.o_xn)
+    var hg = work.unsafe_offset(wk.o_hg)
+    var u = work.unsafe_offset(wk.o_u)
+    var dbc = work.unsafe_offset(wk.o_dbc)
+    var dl = work.unsafe_offset(wk.o_dl)
+    var yg = work.unsafe_offset(wk.o_yg)
+    if stage == ST_NORM:
+        _norm_rows(args, dims, t0, nc, task, blob.unsafe_offset(dims.o_norm), xn)
+    elif stage == ST_INPROJ:
+        _ = matmul_task(task, xn, d, rows, blob.unsafe_offset(dims.o_in), d, 2 * di, hg, 2 * di)
+    elif stage == ST_CONV:
+        var c0 = task * CONV_CHANNELS_PER_TASK
+        var c1 = min(di, c0 + CONV_CHANNELS_PER_TASK)
+        for bb in range(b):
+            causal_conv_silu(
+                work.unsafe_offset(wk.o_win + bb * KCONV * di), di,
+                hg.unsafe_offset(bb * nc * 2 * di), 2 * di, nc,
+                blob.unsafe_offset(dims.o_convw), di,
+                blob.unsafe_offset(dims.o_convb), c0, c1,
+                u.unsafe_offset(bb * nc * di), di,
+            )
+    elif stage == ST_XPROJ:
+        _ = matmul_task(task, u, di, rows, blob.unsafe_offset(dims.o_x), di, dims.nx, dbc, dims.nx)
+    elif stage == ST_DTPROJ:
+        var t = matmul_task(task, dbc, dims.nx, rows, blob.unsafe_offset(dims.o_dt), dims.r, di, dl, di)
+        var bias = blob.unsafe_offset(dims.o_dtb)
+        for r in range(t.r0, t.r1):
+            for col in range(t.c0, t.c1):
+                var v = dl[unsafe_offset=r * di + col] + bias[unsafe_offset=col]
+                dl[unsafe_offset=r * di + col] = softplus_f32[1](v)
+    elif stage == ST_SCAN:
+        var nblk = ceil_div(di, SCAN_LANES)
+        var bb = task // nblk
+        var c0 = (task % nblk) * SCAN_LANES
+        var c1 = min(di, c0 + SCAN_LANES)
+        var row0 = bb * nc
+        var ht = work.unsafe_offset(wk.o_ht + bb * NSTATE * di)
+        if c1 - c0 == SCAN_LANES:
+            _scan_lanes[SCAN_LANES](dims, blob, ht, dl, u, dbc, hg, yg, row0, nc, c0)
+        else:
+            for cc in range(c0, c1):
+                _scan_lanes[1](dims, blob, ht, dl, u, dbc, hg, yg, row0, nc, cc)
+    else:
+        var t = matmul_task(task, yg, di, rows, blob.unsafe_offset(dims.o_out), di, d, xn, d)
+        _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
+
+
+def _norm_rows(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int, task: Int,
+               w: F32Ptr, xn: F32Ptr):
+    var b = arg_int(args, FWD_B)
+    var l = arg_int(args, FWD_L)
+    var x = arg_f32(args, FWD_X)
+    var lens = arg_i64(args, FWD_LENGTHS)
+    var ragged = arg_int(args, FWD_LENGTHS) != 0
+    var d = dims.d
+    var r0 = task * NORM_ROWS_PER_TASK
+    var r1 = min(b * nc, r0 + NORM_ROWS_PER_TASK)
+    for r in range(r0, r1):
+        var bb = r // nc
+        var t = t0 + r % nc
+        var dst = xn.unsafe_offset(r * d)
+        if ragged and t >= Int(lens[unsafe_offset=bb]):
+            for j in range(d):  # padding reads as +0.0, whatever it holds
+                dst[unsafe_offset=j] = 0.0
+        else:
+            rmsnorm_row(x.unsafe_offset((bb * l + t) * d), d, w, dst)
+
+
+def _residual(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int,
+              r0: Int, r1: Int, c0: Int, c1: Int, proj: F32Ptr):
+    var l = arg_int(args, FWD_L)
+    var x = arg_f32(args, FWD_X)
+    var y = arg_f32(args, FWD_Y)
+    var lens = arg_i64(args, FWD_LENGTHS)
+    var ragged = arg_int(args, FWD_LENGTHS) != 0
+    var d = dims.d
+    for r in range(r0, r1):
+        var bb = r // nc
+        var t = t0 + r % nc
+        var off = (bb * l + t) * d
+        if ragged and t >= Int(lens[unsafe_offset=bb]):
+            for col in range(c0, c1):
+                y[unsafe_offset=off + col] = 0.0
+        else:
+            for col in range(c0, c1):
+                y[unsafe_offset=off + col] = x[unsafe_offset=off + col] + proj[unsafe_offset=r * d + col]
+
+
+@always_inline
+def _scan_lanes[W: Int](
+    dims: M1Dims, blob: F32Ptr, ht: F32Ptr, dl: F32Ptr, u: F32Ptr,
+    dbc: F32Ptr, hg: F32Ptr, yg: F32Ptr, row0: Int, nc: Int, c: Int,
+):
+    """Selective scan of W channels from c over nc tokens (rows row0..)."""
+    comptime V = SIMD[DType.float32, W]
+    var di = dims.di
+    var nx = dims.nx
+    var r = dims.r
+    var h = Array[V, NSTATE](fill=V(0.0))
+    var a = Array[V, NSTATE](fill=V(0.0))
+    comptime for n in range(NSTATE):
+        h[n] = ht.unsafe_load[width=W](n * di + c)
+        a[n] = blob.unsafe_load[width=W](dims.o_a + n * di + c)
+    var dskip = blob.unsafe_load[width=W](dims.o_dskip + c)
+    for j in range(nc):
+        var row = row0 + j
+        var delta = dl.unsafe_load[width=W](row * di + c)
+        var uu = u.unsafe_load[width=W](row * di + c)
+        var bc = dbc.unsafe_offset(row * nx + r)
+        var y = V(0.0)
+        comptime for n in range(NSTATE):
+            var da = exp_f32[W](delta * a[n])
+            var dbu = (delta * V(bc[unsafe_offset=n])) * uu
+            h[n] = da.fma(h[n], dbu)
+            y = V(bc[unsafe_offset=NSTATE + n]).fma(h[n], y)
+        y = uu.fma(dskip, y)
+        var gate = hg.unsafe_load[width=W](row * 2 * di + di + c)
+        yg.unsafe_store(row * di + c, y * silu_f32[W](gate))
+    comptime for n in range(NSTATE):
+        ht.unsafe_store(n * di + c, h[n])
+
+
+def _load_state(args: I64Ptr, dims: M1Dims, wk: M1Work, work: F32Ptr, bb: Int):
+    """Row bb: carried state (or zeros) into the workspace layouts."""
+    var di = dims.di
+    var win = work.unsafe_offset(wk.o_win + bb * KCONV * di)
+    var ht = work.unsafe_offset(wk.o_ht + bb * NSTATE * di)
+    var has_state = arg_int(args, FWD_H) != 0
+    var cw = arg_f32(args, FWD_CONV_WINDOW)
+    var h = arg_f32(args, FWD_H)
+    for c in range(di):
+        for k in range(KCONV):
+            var v: Float32 = 0.0
+            if has_state:
+                v = cw[unsafe_offset=(bb * di + c) * KCONV + k]
+            win[unsafe_offset=k * di + c] = v
+        for n in range(NSTATE):
+            var v: Float32 = 0.0
+            if has_state:
+                v = h[unsafe_offset=(bb * di + c) * NSTATE + n]
+            ht[unsafe_offset=n * di + c] = v
+
+
+def _save_state(args: I64Ptr, dims: M1Dims, wk: M1Work, work: F32Ptr, bb: Int):
+    var di = dims.di
+    var win = work.unsafe_offset(wk.o_win + bb * KCONV * di)
+    var ht = work.unsafe_offset(wk.o_ht + bb * NSTATE * di)
+    var cw = arg_f32(args, FWD_CONV_WINDOW)
+    var h = arg_f32(args, FWD_H)
+    for c in range(di):
+        for k in range(KCONV):
+            cw[unsafe_offset=(bb * di + c) * KCONV + k] = win[unsafe_offset=k * di + c]
+        for n in range(NSTATE):
+            h[unsafe_offset=(bb * di + c) * NSTATE + n] = ht[unsafe_offset=n * di + c]

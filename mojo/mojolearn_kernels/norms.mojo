@@ -1,0 +1,36 @@
+"""RMSNorm, the one normalization every block uses (eps = 1e-5).
+
+Canonical order for a row v of n values with weight w:
+    s = 0; for j in 0..n-1: s = fma(v_j, v_j, s)      (sequential)
+    r = 1 / sqrt(s / n + 1e-5)                          (own sqrt, exact div)
+    out_j = w_j * (v_j * r)
+"""
+from .abi import F32Ptr
+from .numerics import sqrt_f32
+
+comptime RMS_EPS: Float32 = 1e-5
+
+
+@always_inline
+def rms_scale(v: F32Ptr, n: Int) -> Float32:
+    """1 / sqrt(mean(v^2) + eps), in the canonical order."""
+    var s: Float32 = 0.0
+    for j in range(n):
+        var vj = v[unsafe_offset=j]
+        s = vj.fma(vj, s)
+    var ms = s / Float32(n)
+    return Float32(1.0) / sqrt_f32[1](ms + RMS_EPS)
+
+
+def rmsnorm_row(v: F32Ptr, n: Int, w: F32Ptr, dst: F32Ptr):
+    """dst = w * (v * r), r = rms_scale(v)."""
+    var r = rms_scale(v, n)
+    comptime W = 16
+    var j = 0
+    while j + W <= n:
+        var vv = v.unsafe_load[width=W](j)
+        dst.unsafe_store(j, w.unsafe_load[width=W](j) * (vv * r))
+        j += W
+    while j < n:
+        dst[unsafe_offset=j] = w[unsafe_offset=j] * (v[unsafe_offset=j] * r)
+        j += 1

@@ -1,0 +1,38 @@
+"""mojolearn: bit-reproducible Mamba blocks in float32, Mojo kernels.
+
+Importing this package loads no binary: the host layer and a kernel binary
+are loaded on first use (constructing a block, or touching mojolearn.Array).
+"""
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Array": "._array",
+    "Mamba1Block": ".mamba",
+    "Mamba1BlockInference": ".mamba",
+    "Mamba1State": ".mamba",
+    "Mamba1DecodeSession": ".mamba",
+    "mamba": None,
+    "set_num_threads": "._loader",
+    "get_num_threads": "._loader",
+    "BinaryNotFoundError": "._loader",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mojolearn' has no attribute {name!r}")
+    where = _LAZY[name]
+    if where is None:
+        value = import_module(f".{name}", __name__)
+    else:
+        value = getattr(import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

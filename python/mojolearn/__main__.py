@@ -1,0 +1,46 @@
+"""python -m mojolearn info: version, binaries found, which would be used,
+threads, and the CPU features the binary needs."""
+import sys
+
+
+def info() -> int:
+    import mojolearn
+    from . import _loader
+
+    print(f"mojolearn {mojolearn.__version__}")
+    print(f"python {sys.version.split()[0]}")
+    print("library folders searched: " + ", ".join(str(d) for d in _loader.lib_dirs()))
+    found = _loader.find_binaries()
+    if not found:
+        print("binaries found: none (install is incomplete; see README.md)")
+        return 1
+    print("binaries found:")
+    for path in found:
+        try:
+            lib = _loader.native().Library(str(path))
+            d = _loader.describe(lib)
+            print(f"  {path.name}: vendor={d.get('vendor')} arch={d.get('arch')} "
+                  f"mode={d.get('mode')} abi={lib.abi_version} "
+                  f"needs CPU features: {d.get('features')}")
+        except Exception as e:  # report every binary, even a broken one
+            print(f"  {path.name}: cannot load ({e})")
+    try:
+        vendor = _loader.requested_vendor()
+        print(f"would use: {_loader.library_path(vendor)} (vendor {vendor})")
+    except Exception as e:
+        print(f"would use: none ({e})")
+        return 1
+    print(f"threads: {_loader.get_num_threads()}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] == "info":
+        return info()
+    print("usage: python -m mojolearn info", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

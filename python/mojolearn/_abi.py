@@ -1,0 +1,15 @@
+"""Op ids and argument slots of the binaries' C ABI.
+
+Mirrors mojo/mojolearn_kernels/abi.mojo and the slot constants at the top of
+each kernel module; keep them equal (ABI_VERSION guards a mismatch).
+"""
+
+ABI_VERSION = 1
+
+VENDORS = {0: "cpu", 1: "cuda", 2: "hip", 3: "metal"}
+NUMERIC_MODES = {0: "identical", 1: "fast"}
+
+OP_FIRST_NONFINITE = 1
+OP_MATH_EVAL = 2
+OP_M1_PREPARE = 10
+OP_M1_FORWARD = 11

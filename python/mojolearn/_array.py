@@ -1,0 +1,146 @@
+"""mojolearn.Array: the C-contiguous container returned for outputs, states
+and gradients.
+
+Memory is 64-byte aligned and owned by the host layer, which exports the
+buffer protocol (format, shape, strides), so `memoryview(a)` and
+`numpy.asarray(a)` see the same memory without a copy. Importing this module
+loads the host layer (`mojolearn._native`), not a kernel binary.
+"""
+from __future__ import annotations
+
+from ._loader import native
+
+# buffer format -> (dtype name, itemsize)
+DTYPES = {
+    "f": ("float32", 4),
+    "d": ("float64", 8),
+    "e": ("float16", 2),
+    "b": ("int8", 1),
+    "B": ("uint8", 1),
+    "H": ("uint16", 2),
+    "i": ("int32", 4),
+    "q": ("int64", 8),
+}
+_FORMAT_OF = {name: (fmt, size) for fmt, (name, size) in DTYPES.items()}
+
+
+def _shape_tuple(shape) -> tuple:
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    for s in dims:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"shape must hold non-negative ints, got {shape!r}")
+    return dims
+
+
+class Array(native().Storage):
+    """A C-contiguous n-dimensional array (float32 by default).
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        Dimensions.
+    dtype : str, default 'float32'
+        One of float32, float64, float16, int8, uint8, uint16, int32, int64.
+    zero : bool, default True
+        Fill with zeros (otherwise the contents are undefined).
+
+    Attributes
+    ----------
+    shape, dtype, ndim, size, nbytes, strides, itemsize
+
+    Notes
+    -----
+    Exports the buffer protocol: ``numpy.asarray(a)`` is zero-copy (same
+    address), ``memoryview(a)`` works without NumPy. Not thread-safe for
+    concurrent writes, like any array.
+    """
+
+    def __init__(self, shape, dtype: str = "float32", *, zero: bool = True, _base=None):
+        if dtype not in _FORMAT_OF:
+            raise TypeError(f"unsupported dtype {dtype!r}; use one of {sorted(_FORMAT_OF)}")
+        fmt, size = _FORMAT_OF[dtype]
+        super().__init__(list(_shape_tuple(shape)), fmt, size, zero, _base)
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def dtype(self) -> str:
+        return DTYPES[self._format][0]
+
+    @property
+    def itemsize(self) -> int:
+        return self._itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self._shape:
+            n *= s
+        return n
+
+    @property
+    def strides(self) -> tuple:
+        out, st = [], self._itemsize
+        for s in reversed(self._shape):
+            out.append(st)
+            st *= s
+        return tuple(reversed(out))
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d Array")
+        return self._shape[0]
+
+    def tolist(self):
+        """Nested Python lists of the values (a scalar for 0-d)."""
+        return memoryview(self).tolist()
+
+    def reshape(self, *shape) -> "Array":
+        """A view with another shape and the same size (shares memory)."""
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = shape[0]
+        if isinstance(shape, int):
+            shape = (shape,)
+        dims = list(shape)
+        if dims.count(-1) > 1:
+            raise ValueError("only one dimension can be -1")
+        if -1 in dims:
+            known = 1
+            for s in dims:
+                if s != -1:
+                    known *= s
+            if known == 0 or self.size % known:
+                raise ValueError(f"cannot reshape {self._shape} into {tuple(shape)}")
+            dims[dims.index(-1)] = self.size // known
+        dims = _shape_tuple(dims)
+        n = 1
+        for s in dims:
+            n *= s
+        if n != self.size:
+            raise ValueError(f"cannot reshape {self._shape} into {tuple(dims)}")
+        return Array(dims, self.dtype, _base=self)
+
+    def copy(self) -> "Array":
+        """A new Array with the same shape, dtype and values."""
+        out = Array(self._shape, self.dtype, zero=False)
+        memoryview(out).cast("B")[:] = memoryview(self).cast("B")
+        return out
+
+    def __repr__(self) -> str:
+        return f"mojolearn.Array(shape={self._shape}, dtype={self.dtype})"
+
+    def __eq__(self, other):  # arrays are containers; compare bytes explicitly
+        return NotImplemented
+
+    __hash__ = None

@@ -1,0 +1,138 @@
+"""Intake of caller buffers: any float32 buffer, no NumPy needed.
+
+Every check raises before anything is written, so a failed call leaves the
+state and every caller buffer as they were. Messages name the array.
+"""
+from __future__ import annotations
+
+from array import array as _pyarray
+
+from . import _abi
+from ._loader import native
+
+_FORMAT_NAMES = {
+    "f": "float32", "d": "float64", "e": "float16", "b": "int8", "B": "uint8",
+    "h": "int16", "H": "uint16", "i": "int32", "I": "uint32", "l": "int64",
+    "L": "uint64", "q": "int64", "Q": "uint64", "?": "bool",
+}
+
+
+def _dtype_name_of(obj) -> str | None:
+    """The dtype an object declares (numpy, torch, ml_dtypes...), if any."""
+    dt = getattr(obj, "dtype", None)
+    if dt is None:
+        return None
+    name = str(dt)
+    return name[6:] if name.startswith("torch.") else name
+
+
+class View:
+    """A validated caller buffer: its memoryview (held for the call), its
+    address and shape."""
+
+    __slots__ = ("mv", "address", "shape", "name")
+
+    def __init__(self, mv, address, shape, name):
+        self.mv = mv
+        self.address = address
+        self.shape = shape
+        self.name = name
+
+
+def float32_view(obj, name: str, *, ndim=None, writable: bool = False,
+                 contiguous_only: bool = False) -> View:
+    """Validate obj as a float32 buffer and return a View of it.
+
+    Non-contiguous inputs are copied to a contiguous buffer unless
+    contiguous_only (state buffers, which are written in place).
+    """
+    declared = _dtype_name_of(obj)
+    if declared is not None and declared not in ("float32", "float"):
+        raise TypeError(f"{name} must be float32, got {declared}; convert it "
+                        "explicitly (mojolearn never converts dtypes)")
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise ValueError(f"{name} must be a float32 buffer (NumPy array, "
+                         f"array.array('f'), memoryview, mojolearn.Array), got "
+                         f"{type(obj).__name__}") from None
+    fmt = mv.format.lstrip("@=<")
+    if fmt != "f" or mv.itemsize != 4:
+        got = _FORMAT_NAMES.get(fmt, f"buffer format {mv.format!r}")
+        if fmt == "H" and declared is None:
+            got = "uint16 (bfloat16 bits?)"
+        raise TypeError(f"{name} must be float32, got {got}; convert it "
+                        "explicitly (mojolearn never converts dtypes)")
+    if ndim is not None and mv.ndim not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(str(n) for n in ndim)} "
+                         f"dimensions, got shape {tuple(mv.shape)}")
+    if writable and mv.readonly:
+        raise ValueError(f"{name} is read-only; state buffers are updated in place")
+    if not mv.c_contiguous:
+        if contiguous_only:
+            raise ValueError(f"{name} must be C-contiguous (it is updated in place)")
+        shape = tuple(mv.shape)
+        data = _pyarray("f")
+        data.frombytes(mv.tobytes())
+        mv = memoryview(data).cast("B").cast("f", shape) if shape else memoryview(data)
+    return View(mv, native().address(mv, writable), tuple(mv.shape), name)
+
+
+def check_shape(v: View, expected: tuple, what: str = "") -> None:
+    if v.shape != tuple(expected):
+        raise ValueError(f"{v.name} must have shape {tuple(expected)}{what}, got {v.shape}")
+
+
+def check_finite(lib, v: View, *, rows=None, lengths_address: int = 0) -> None:
+    """ValueError naming v and the first flat index of a NaN or infinity.
+
+    With lengths, v is (B, L, inner) and only real positions are checked
+    (padding may hold anything).
+    """
+    n = 1
+    for s in v.shape:
+        n *= s
+    if n == 0:
+        return
+    if rows is None:
+        b, l, inner = 1, 1, n
+    else:
+        b, l = rows
+        inner = n // (b * l)
+    out = _pyarray("q", [-1])
+    out_mv = memoryview(out)
+    lib.run(_abi.OP_FIRST_NONFINITE,
+            [v.address, b, l, inner, lengths_address, native().address(out_mv, True)])
+    if out[0] >= 0:
+        raise ValueError(f"{v.name} contains a non-finite value (NaN or inf) at "
+                         f"flat index {out[0]}")
+
+
+def as_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        # integers from NumPy are accepted through __index__
+        idx = getattr(type(value), "__index__", None)
+        if idx is None or isinstance(value, bool) or _dtype_name_of(value) == "bool":
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        value = idx(value)
+    return int(value)
+
+
+def lengths_array(lengths, batch: int, seq_len: int):
+    """Validate ragged lengths; returns (int64 array, its memoryview, address)."""
+    try:
+        items = list(lengths)
+    except TypeError:
+        raise TypeError(f"lengths must be a sequence of ints, got "
+                        f"{type(lengths).__name__}") from None
+    if len(items) != batch:
+        raise ValueError(f"lengths must have one entry per row (B={batch}), got {len(items)}")
+    vals = []
+    for i, v in enumerate(items):
+        iv = as_int(v, f"lengths[{i}]")
+        if not 1 <= iv <= seq_len:
+            raise ValueError(f"lengths[{i}] = {iv} is outside [1, L={seq_len}]")
+        vals.append(iv)
+    arr = _pyarray("q", vals)
+    mv = memoryview(arr)
+    return arr, mv, native().address(mv)

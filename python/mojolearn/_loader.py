@@ -1,0 +1,150 @@
+"""Finding and loading the compiled binaries.
+
+Nothing here runs at `import mojolearn`: the host layer (`_native`) and a
+kernel binary are loaded on first use. Binaries live in `mojolearn/lib/`
+(or in the folder named by MOJOLEARN_LIB_DIR) as `libmojolearn_<vendor>.so`;
+each says what it is (vendor, numeric mode, ABI version), and that is what
+the loader believes, not the file name.
+
+Choice of binary: MOJOLEARN_VENDOR (cpu, cuda, hip, metal) if set, else the
+host CPU binary (GPU binaries are not built yet).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from . import _abi
+
+
+class BinaryNotFoundError(ImportError):
+    """No usable compiled binary: the install is incomplete."""
+
+
+_lock = threading.Lock()
+_libraries: dict = {}
+_native_module = None
+
+
+def native():
+    """The host layer extension module, imported on first use."""
+    global _native_module
+    if _native_module is None:
+        try:
+            from . import _native as mod
+        except ImportError as e:
+            raise BinaryNotFoundError(
+                "mojolearn's host layer (mojolearn._native) is not installed or "
+                f"cannot be loaded ({e}); reinstall with `pip install .` from a "
+                "source checkout (see README.md)") from e
+        _native_module = mod
+    return _native_module
+
+
+def lib_dirs() -> list[Path]:
+    dirs = []
+    env = os.environ.get("MOJOLEARN_LIB_DIR")
+    if env:
+        dirs.append(Path(env))
+    dirs.append(Path(__file__).resolve().parent / "lib")
+    return dirs
+
+
+def find_binaries() -> list[Path]:
+    """Every kernel binary file found, in search order."""
+    found = []
+    for d in lib_dirs():
+        if d.is_dir():
+            found.extend(sorted(d.glob("libmojolearn_*.so")))
+    return found
+
+
+def requested_vendor() -> str:
+    v = os.environ.get("MOJOLEARN_VENDOR", "").strip().lower()
+    if v and v not in _abi.VENDORS.values():
+        raise ValueError(f"MOJOLEARN_VENDOR={v!r} is not one of "
+                         f"{sorted(_abi.VENDORS.values())}")
+    return v or "cpu"
+
+
+def library_path(vendor: str | None = None) -> Path:
+    """Path of the binary that would be used for `vendor` (default: chosen)."""
+    vendor = vendor or requested_vendor()
+    name = f"libmojolearn_{vendor}.so"
+    for d in lib_dirs():
+        p = d / name
+        if p.is_file():
+            return p
+    raise BinaryNotFoundError(
+        f"mojolearn: no compiled kernel binary {name} found (looked in "
+        f"{', '.join(str(d) for d in lib_dirs())}); the package was installed "
+        "without its binaries. Reinstall with `pip install .` from a source "
+        "checkout with the Mojo compiler available (see README.md).")
+
+
+def library(numeric_mode: str = "identical"):
+    """The loaded kernel binary (a `_native.Library`) for numeric_mode."""
+    vendor = requested_vendor()
+    key = (vendor, numeric_mode)
+    lib = _libraries.get(key)
+    if lib is not None:
+        return lib
+    with _lock:
+        lib = _libraries.get(key)
+        if lib is None:
+            lib = _load(library_path(vendor), vendor, numeric_mode)
+            _libraries[key] = lib
+    return lib
+
+
+def _load(path: Path, vendor: str, numeric_mode: str):
+    try:
+        lib = native().Library(str(path))
+    except RuntimeError as e:
+        raise BinaryNotFoundError(f"mojolearn: cannot use {path}: {e}") from e
+    if lib.abi_version != _abi.ABI_VERSION:
+        raise BinaryNotFoundError(
+            f"mojolearn: {path} has ABI version {lib.abi_version}, this Python "
+            f"package needs {_abi.ABI_VERSION}; rebuild the package")
+    got_vendor = _abi.VENDORS.get(lib.vendor, f"unknown({lib.vendor})")
+    if got_vendor != vendor:
+        raise BinaryNotFoundError(
+            f"mojolearn: {path} reports vendor {got_vendor!r}, expected {vendor!r}")
+    got_mode = _abi.NUMERIC_MODES.get(lib.numeric_mode, f"unknown({lib.numeric_mode})")
+    if got_mode != numeric_mode:
+        raise BinaryNotFoundError(
+            f"mojolearn: {path} runs numeric mode {got_mode!r}, expected "
+            f"{numeric_mode!r}")
+    return lib
+
+
+def describe(lib) -> dict:
+    """The binary's self-description as a dict."""
+    out = {}
+    for part in lib.description.split(";"):
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[k] = v
+    return out
+
+
+def available_modes() -> list[str]:
+    """Numeric modes for which a binary exists (only 'identical' so far)."""
+    return ["identical"]
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the kernels use (default: MOJOLEARN_NUM_THREADS or all cores).
+
+    Results are bit-identical for every thread count.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"number of threads must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"number of threads must be >= 1, got {n}")
+    native().set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return native().get_num_threads()

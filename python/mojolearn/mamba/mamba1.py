@@ -1,0 +1,257 @@
+"""Mamba-1: Mamba1Block, Mamba1BlockInference and Mamba1State."""
+from __future__ import annotations
+
+from .. import _abi, _intake
+from ._base import _MambaBase, weight_views
+
+D_STATE = 16
+D_CONV = 4
+
+
+def mamba1_weight_shapes(d: int) -> dict:
+    di, r = 2 * d, -(-d // 16)
+    return {
+        "norm.weight": (d,),
+        "in_proj.weight": (2 * di, d),
+        "conv1d.weight": ((di, 1, D_CONV), (di, D_CONV)),
+        "conv1d.bias": (di,),
+        "x_proj.weight": (r + 2 * D_STATE, di),
+        "dt_proj.weight": (di, r),
+        "dt_proj.bias": (di,),
+        "A_log": (di, D_STATE),
+        "D": (di,),
+        "out_proj.weight": (d, di),
+    }
+
+
+def _copy_into(dst, src_mv) -> None:
+    memoryview(dst).cast("B")[:] = src_mv.cast("B")
+
+
+class Mamba1State:
+    """Recurrent state of a Mamba1Block, owned by the caller.
+
+    Make one with ``Mamba1Block.allocate_state``; it is all zeros before the
+    first token. forward and step update the arrays in place. The arrays are
+    mojolearn.Array when allocate_state made them, or any writable, C-contiguous
+    float32 buffer you supply; their bytes can be saved and restored exactly.
+
+    Parameters
+    ----------
+    conv_window : float32 buffer, shape (B, d_inner, 4)
+        The last four inputs to the convolution, oldest first.
+    h : float32 buffer, shape (B, d_inner, 16)
+        SSM state.
+    profile_id : int, default 1
+        Caller's tag for the state; kept, not interpreted.
+    absolute_position : int, default 0
+        Tokens consumed so far; forward and step advance it.
+    affine_boundary, affine_a, affine_b : None
+        Reserved; anything but None raises ValueError.
+    """
+
+    def __init__(self, conv_window, h, *, profile_id=1, absolute_position=0,
+                 affine_boundary=None, affine_a=None, affine_b=None):
+        for name, val in (("affine_boundary", affine_boundary), ("affine_a", affine_a),
+                          ("affine_b", affine_b)):
+            if val is not None:
+                raise ValueError(f"{name} is not supported by this version; pass None")
+        self.conv_window = conv_window
+        self.h = h
+        self.profile_id = _intake.as_int(profile_id, "profile_id")
+        self.absolute_position = _intake.as_int(absolute_position, "absolute_position")
+        self.affine_boundary = self.affine_a = self.affine_b = None
+        self._held_by = None  # an open Mamba1DecodeSession
+
+    def __repr__(self):
+        shape = getattr(memoryview(self.h), "shape", None)
+        return f"Mamba1State(h shape={tuple(shape) if shape else None}, " \
+               f"absolute_position={self.absolute_position})"
+
+
+class Mamba1Block(_MambaBase):
+    """One Mamba-1 block: RMSNorm, selective-scan mixer and residual.
+
+    Matches Hugging Face's ``MambaBlock.forward``. Takes (B, L, d_model)
+    float32 and returns (B, L, d_model) float32, with the recurrent state
+    explicit and caller-owned (Mamba1State).
+
+    Fixed by the block: d_state 16, d_conv 4, expand 2, dt_rank
+    ceil(d_model / 16), convolution bias on, projection bias off, SiLU.
+
+    Parameters
+    ----------
+    weights : dict of str to float32 buffer
+        norm.weight (d,), in_proj.weight (4d, d), conv1d.weight (2d, 1, 4) or
+        (2d, 4), conv1d.bias (2d,), x_proj.weight (R + 32, 2d), dt_proj.weight
+        (2d, R), dt_proj.bias (2d,), A_log (2d, 16), D (2d,), out_proj.weight
+        (d, 2d), with R = ceil(d / 16). Copied at construction.
+    numeric_mode : {'identical', 'fast'}, default 'identical'
+        'identical': every output bit is a pure function of the inputs (any
+        thread count, batch composition, prefill or decode).
+
+    Attributes
+    ----------
+    d_model, d_inner, dt_rank : int
+    weight_format : str
+        Format the weights were given in ('float32').
+
+    Notes
+    -----
+    Thread safety: forward may be called concurrently on one block; step
+    too (a concurrent step gets its own workspace). A state must not be used
+    by two calls at once.
+    """
+
+    def __init__(self, weights, *, numeric_mode: str = "identical"):
+        self._setup_common(numeric_mode)
+        if not hasattr(weights, "keys") or "norm.weight" not in weights:
+            weight_views(weights, mamba1_weight_shapes(1), self._lib)  # names the problem
+        norm = _intake.float32_view(weights["norm.weight"], "norm.weight", ndim=(1,))
+        d = norm.shape[0]
+        if d < 1:
+            raise ValueError("norm.weight must have d_model >= 1 entries")
+        views = weight_views(weights, mamba1_weight_shapes(d), self._lib)
+        from .._array import Array
+        self._weights = {}
+        for name, v in views.items():
+            a = Array(v.shape, zero=False)
+            _copy_into(a, v.mv)
+            self._weights[name] = a
+        self.d_model = d
+        self.d_inner = 2 * d
+        self.dt_rank = -(-d // 16)
+        self.weight_format = "float32"
+        w = self._weights
+        args = [d] + [w[n].address for n in (
+            "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
+            "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
+            "out_proj.weight")] + [0]
+        self._blob = Array((self._lib.workspace_bytes(_abi.OP_M1_PREPARE, args) // 4,), zero=True)
+        args[-1] = self._blob.address
+        self._lib.run(_abi.OP_M1_PREPARE, args)
+
+    # -- state --------------------------------------------------------------
+    def allocate_state(self, batch_size) -> Mamba1State:
+        """Return a zero Mamba1State for batch_size sequences."""
+        from .._array import Array
+        b = _intake.as_int(batch_size, "batch_size")
+        if b < 1:
+            raise ValueError(f"batch_size must be >= 1, got {b}")
+        return Mamba1State(Array((b, self.d_inner, D_CONV)), Array((b, self.d_inner, D_STATE)))
+
+    def _state_views(self, state, batch):
+        if not isinstance(state, Mamba1State):
+            raise TypeError(f"state must be a Mamba1State, got {type(state).__name__}")
+        if state._held_by is not None:
+            raise ValueError("state is held by an open Mamba1DecodeSession; use the "
+                             "session's step, or close()/sync_state() it first")
+        cw = _intake.float32_view(state.conv_window, "state.conv_window", ndim=(3,),
+                                  writable=True, contiguous_only=True)
+        h = _intake.float32_view(state.h, "state.h", ndim=(3,), writable=True,
+                                 contiguous_only=True)
+        b = cw.shape[0] if batch is None else batch
+        if cw.shape[0] != b or h.shape[0] != b:
+            raise ValueError(f"batch mismatch: x has B={b}, state.conv_window has "
+                             f"{cw.shape[0]} rows and state.h {h.shape[0]}")
+        _intake.check_shape(cw, (b, self.d_inner, D_CONV))
+        _intake.check_shape(h, (b, self.d_inner, D_STATE))
+        _intake.check_finite(self._lib, cw)
+        _intake.check_finite(self._lib, h)
+        return cw, h
+
+    # -- compute ------------------------------------------------------------
+    def forward(self, x, state=None, *, lengths=None):
+        """Run the block over a sequence.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, L, d_model)
+        state : Mamba1State or None
+            None: a self-contained prefill from a zero state. A state is read
+            at entry and updated in place.
+        lengths : sequence of int or None
+            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0.
+            Not allowed together with state.
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, L, d_model)
+        """
+        from .._array import Array
+        xv = self._x_view(x)
+        b, l, d = xv.shape
+        lens_addr, lens_keep = 0, None
+        if lengths is not None:
+            if state is not None:
+                raise ValueError("lengths cannot be combined with a state")
+            lens_keep = _intake.lengths_array(lengths, b, l)
+            lens_addr = lens_keep[2]
+        cw = h = None
+        if state is not None:
+            cw, h = self._state_views(state, b)
+        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
+        y = Array((b, l, d), zero=False)
+        args = [b, l, d, xv.address, y.address, self._blob.address,
+                cw.address if cw else 0, h.address if h else 0, lens_addr, 0]
+        work = Array((max(1, self._lib.workspace_bytes(_abi.OP_M1_FORWARD, args) // 4),),
+                     zero=False)
+        args[9] = work.address
+        self._lib.run(_abi.OP_M1_FORWARD, args)
+        if state is not None:
+            state.absolute_position += l
+        return y
+
+    def step(self, x, state):
+        """Run one decode token: forward at L = 1 with the state carried.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
+        state : Mamba1State (required; updated in place)
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, 1, d_model)
+        """
+        from .._array import Array
+        if state is None:
+            raise ValueError("step needs a state (use allocate_state)")
+        xv, b = self._step_x_view(x)
+        cw, h = self._state_views(state, b)
+        _intake.check_finite(self._lib, xv)
+        y = Array((b, 1, self.d_model), zero=False)
+        args = [b, 1, self.d_model, xv.address, y.address, self._blob.address,
+                cw.address, h.address, 0, 0]
+        work, lock = self._step_workspace(_abi.OP_M1_FORWARD, args)
+        try:
+            args[9] = work.address
+            self._lib.run(_abi.OP_M1_FORWARD, args)
+        finally:
+            if lock is not None:
+                lock.release()
+        state.absolute_position += 1
+        return y
+
+    def backward(self, x, grad_output):
+        """Gradients of a zero-state prefill: not available in this version."""
+        raise NotImplementedError("Mamba1Block.backward is not implemented in this "
+                                  "version of mojolearn")
+
+    def decode_session(self, state):
+        """Open a Mamba1DecodeSession for fast token-by-token decoding."""
+        from .session import Mamba1DecodeSession
+        return Mamba1DecodeSession(self, state)
+
+
+class Mamba1BlockInference(Mamba1Block):
+    """Forward-only Mamba1Block on the CPU host binary.
+
+    Same constructor and checks as Mamba1Block; forward, allocate_state,
+    step and decode_session give the same bits. backward raises
+    NotImplementedError.
+    """
+
+    def backward(self, x, grad_output):
+        raise NotImplementedError("Mamba1BlockInference is forward-only; use "
+                                  "Mamba1Block for gradients")

@@ -1,0 +1,121 @@
+"""Mamba1DecodeSession: token-by-token decoding on one block and one state."""
+from __future__ import annotations
+
+from .. import _abi, _intake
+
+
+class Mamba1DecodeSession:
+    """Token-by-token decoding on one Mamba1Block and one Mamba1State.
+
+    Made by ``Mamba1Block.decode_session(state)``. Every output is byte for
+    byte what ``Mamba1Block.step`` gives. On a CPU-only install the session
+    holds its own copies of the state and a preallocated workspace, so a
+    step validates only x. Until close() or sync_state() the state's arrays
+    are stale and the block refuses that state; weight edits (set_params)
+    after opening are not seen; edits to the state arrays are not seen until
+    load_state(). Not thread-safe. Use it as a context manager.
+    """
+
+    def __init__(self, block, state):
+        from .._array import Array
+        cw, h = block._state_views(state, None)
+        self._block = block
+        self._lib = block._lib
+        self._blob = block._blob  # pinned: later set_params is not seen
+        self._state = state
+        self._b = cw.shape[0]
+        self._cw = Array(cw.shape, zero=False)
+        self._h = Array(h.shape, zero=False)
+        self._d = block.d_model
+        self._args = [self._b, 1, self._d, 0, 0, self._blob.address,
+                      self._cw.address, self._h.address, 0, 0]
+        self._work = Array((max(1, self._lib.workspace_bytes(
+            _abi.OP_M1_FORWARD, self._args) // 4),), zero=False)
+        self._args[9] = self._work.address
+        self._copy_in(cw.mv, h.mv)
+        state._held_by = self
+        self._open = True
+
+    @property
+    def state(self):
+        """The Mamba1State this session decodes from."""
+        return self._state
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the session is open."""
+        return self._open
+
+    def _check_open(self):
+        if not self._open:
+            raise ValueError("the Mamba1DecodeSession is closed")
+
+    def _copy_in(self, cw_mv, h_mv):
+        memoryview(self._cw).cast("B")[:] = cw_mv.cast("B")
+        memoryview(self._h).cast("B")[:] = h_mv.cast("B")
+
+    def step(self, x):
+        """Decode one token per row.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, 1, d_model)
+        """
+        from .._array import Array
+        self._check_open()
+        xv, b = self._block._step_x_view(x)
+        if b != self._b:
+            raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
+        _intake.check_finite(self._lib, xv)
+        y = Array((b, 1, self._d), zero=False)
+        args = self._args
+        args[3] = xv.address
+        args[4] = y.address
+        self._lib.run(_abi.OP_M1_FORWARD, args)
+        self._state.absolute_position += 1
+        return y
+
+    def sync_state(self):
+        """Copy the session's state into the Mamba1State arrays; return it."""
+        self._check_open()
+        memoryview(self._state.conv_window).cast("B")[:] = memoryview(self._cw).cast("B")
+        memoryview(self._state.h).cast("B")[:] = memoryview(self._h).cast("B")
+        return self._state
+
+    def load_state(self):
+        """Reload the session from the Mamba1State arrays; return it."""
+        self._check_open()
+        holder, self._state._held_by = self._state._held_by, None
+        try:
+            cw, h = self._block._state_views(self._state, self._b)
+        finally:
+            self._state._held_by = holder
+        self._copy_in(cw.mv, h.mv)
+        return self._state
+
+    def close(self):
+        """Copy the state back, release the buffers and close. Idempotent."""
+        if not self._open:
+            return
+        self.sync_state()
+        self._state._held_by = None
+        self._open = False
+        self._cw = self._h = self._work = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            if self._open:
+                self._state._held_by = None
+        except AttributeError:
+            pass

@@ -1,0 +1,359 @@
+// _native: the thin host layer between Python and the Mojo binaries.
+//
+// * loads a Mojo kernel binary (dlopen, RTLD_LOCAL) and reads back what it is;
+// * runs its operations: an op is a sequence of phases, each a set of
+//   independent tasks (see mojo/mojolearn_kernels/abi.mojo), spread over a
+//   persistent thread pool with cheap wake-ups; the GIL is released;
+// * Storage: aligned memory exporting the buffer protocol, the base of
+//   mojolearn.Array;
+// * address(): the data address of any contiguous buffer.
+//
+// Thread safety: run() may be called from several Python threads; only one
+// uses the pool at a time, the others run their tasks on their own thread
+// (same bits, since tasks are independent).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <dlfcn.h>
+#include <immintrin.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+using PlanFn = int64_t (*)(int64_t, int64_t *, int64_t);
+using TaskFn = int64_t (*)(int64_t, int64_t *, int64_t, int64_t);
+using IntFn = int64_t (*)();
+using DescribeFn = int64_t (*)(uint8_t *, int64_t);
+
+constexpr int64_t kPhaseEnd = -1;
+constexpr int64_t kPlanWorkspace = -1;
+
+// ------------------------------------------------------------------ pool
+
+struct Job {
+  TaskFn task;
+  int64_t op;
+  int64_t *args;
+  int64_t phase;
+  int64_t ntasks;
+};
+
+class Pool {
+ public:
+  explicit Pool(int nthreads) : nthreads_(nthreads < 1 ? 1 : nthreads) {
+    for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    stop_.store(true);
+    epoch_.fetch_add(1, std::memory_order_release);
+    epoch_.notify_all();
+    for (auto &t : workers_) t.join();
+  }
+  int threads() const { return nthreads_; }
+
+  // Runs job.ntasks tasks; returns the first nonzero task status (or 0).
+  int64_t run(const Job &job) {
+    if (job.ntasks <= 0) return 0;
+    if (workers_.empty() || job.ntasks == 1) return run_inline(job);
+    job_ = job;
+    status_.store(0, std::memory_order_relaxed);
+    next_.store(0, std::memory_order_relaxed);
+    busy_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    epoch_.fetch_add(1, std::memory_order_release);
+    epoch_.notify_all();
+    work();
+    while (busy_.load(std::memory_order_acquire) != 0) _mm_pause();
+    return status_.load(std::memory_order_relaxed);
+  }
+
+  static int64_t run_inline(const Job &job) {
+    for (int64_t t = 0; t < job.ntasks; ++t) {
+      int64_t s = job.task(job.op, job.args, job.phase, t);
+      if (s != 0) return s;
+    }
+    return 0;
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
+      if (t >= job_.ntasks) return;
+      int64_t s = job_.task(job_.op, job_.args, job_.phase, t);
+      if (s != 0) status_.store(s, std::memory_order_relaxed);
+    }
+  }
+  void loop() {
+    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    for (;;) {
+      uint64_t e;
+      int spins = 0;
+      // Spin briefly (decode issues phases microseconds apart), then sleep.
+      while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
+        if (++spins < kSpins) {
+          _mm_pause();
+        } else {
+          epoch_.wait(seen, std::memory_order_acquire);
+        }
+      }
+      seen = e;
+      if (stop_.load()) return;
+      work();
+      busy_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  static constexpr int kSpins = 200000;  // ~ 0.1-1 ms of pause instructions
+  int nthreads_;
+  std::vector<std::thread> workers_;
+  Job job_{};
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int64_t> next_{0};
+  std::atomic<int> busy_{0};
+  std::atomic<int64_t> status_{0};
+  std::atomic<bool> stop_{false};
+};
+
+std::mutex g_pool_mutex;  // guards g_pool replacement and use
+std::unique_ptr<Pool> g_pool;
+int g_threads = 0;  // 0: not chosen yet
+
+int default_threads() {
+  if (const char *s = std::getenv("MOJOLEARN_NUM_THREADS")) {
+    int n = std::atoi(s);
+    if (n > 0) return n;
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+// ------------------------------------------------------------------ library
+
+struct Library {
+  std::string path;
+  void *handle = nullptr;
+  PlanFn plan = nullptr;
+  TaskFn task = nullptr;
+  int64_t abi_version = 0, vendor = -1, numeric_mode = -1;
+  std::string description;
+
+  explicit Library(const std::string &p) : path(p) {
+    handle = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle) throw std::runtime_error(std::string("cannot load ") + p + ": " + dlerror());
+    auto need = [&](const char *name) {
+      void *s = dlsym(handle, name);
+      if (!s) throw std::runtime_error(p + " does not export " + name + ": not a mojolearn binary");
+      return s;
+    };
+    plan = reinterpret_cast<PlanFn>(need("ml_plan"));
+    task = reinterpret_cast<TaskFn>(need("ml_task"));
+    abi_version = reinterpret_cast<IntFn>(need("ml_abi_version"))();
+    vendor = reinterpret_cast<IntFn>(need("ml_vendor"))();
+    numeric_mode = reinterpret_cast<IntFn>(need("ml_numeric_mode"))();
+    auto describe = reinterpret_cast<DescribeFn>(need("ml_describe"));
+    std::vector<uint8_t> buf(512);
+    int64_t n = describe(buf.data(), static_cast<int64_t>(buf.size()));
+    if (n > static_cast<int64_t>(buf.size())) {
+      buf.resize(static_cast<size_t>(n));
+      describe(buf.data(), n);
+    }
+    description.assign(reinterpret_cast<char *>(buf.data()), static_cast<size_t>(n));
+  }
+  // The handle is never closed: kernels may be running on pool threads of
+  // other libraries' users, and unloading a Mojo binary is not supported.
+
+  uintptr_t symbol(const std::string &name) const {
+    void *s = dlsym(handle, name.c_str());
+    if (!s) throw std::runtime_error(path + " does not export " + name);
+    return reinterpret_cast<uintptr_t>(s);
+  }
+
+  int64_t workspace_bytes(int64_t op, std::vector<int64_t> args) const {
+    int64_t n = plan(op, args.data(), kPlanWorkspace);
+    if (n < 0) throw std::runtime_error("unknown op " + std::to_string(op));
+    return n;
+  }
+
+  void run(int64_t op, std::vector<int64_t> args) const {
+    int64_t status = 0;
+    {
+      nb::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(g_pool_mutex, std::try_to_lock);
+      Pool *pool = nullptr;
+      if (lock.owns_lock()) {
+        if (!g_pool) g_pool = std::make_unique<Pool>(g_threads > 0 ? g_threads : default_threads());
+        pool = g_pool.get();
+      }
+      for (int64_t phase = 0;; ++phase) {
+        int64_t n = plan(op, args.data(), phase);
+        if (n == kPhaseEnd) break;
+        if (n < 0) {
+          status = n;
+          break;
+        }
+        Job job{task, op, args.data(), phase, n};
+        status = pool ? pool->run(job) : Pool::run_inline(job);
+        if (status != 0) break;
+      }
+    }
+    if (status != 0)
+      throw std::runtime_error("kernel op " + std::to_string(op) + " failed with status " +
+                               std::to_string(status) + " (internal error)");
+  }
+};
+
+// ------------------------------------------------------------------ storage
+
+// Aligned memory with a shape and a format, exporting the buffer protocol.
+// A view shares the memory of its base and keeps it alive.
+struct Storage {
+  void *data = nullptr;
+  size_t nbytes = 0;
+  bool owns = false;
+  std::string format;
+  Py_ssize_t itemsize = 4;
+  std::vector<Py_ssize_t> shape, strides;
+  nb::object base;  // for views
+
+  void set_shape(const std::vector<int64_t> &s) {
+    shape.assign(s.begin(), s.end());
+    strides.assign(s.size(), 0);
+    Py_ssize_t st = itemsize;
+    for (size_t i = s.size(); i-- > 0;) {
+      strides[i] = st;
+      st *= static_cast<Py_ssize_t>(s[i]);
+    }
+  }
+  ~Storage() {
+    if (owns) std::free(data);
+  }
+};
+
+size_t count_of(const std::vector<int64_t> &shape) {
+  size_t n = 1;
+  for (int64_t s : shape) {
+    if (s < 0) throw std::invalid_argument("negative dimension in shape");
+    n *= static_cast<size_t>(s);
+  }
+  return n;
+}
+
+// Storage(shape, format, itemsize, zero, base): new aligned memory, or, with
+// base, a view sharing base's memory under another shape (same size).
+void storage_init(Storage *self, const std::vector<int64_t> &shape, const std::string &format,
+                  int64_t itemsize, bool zero, nb::handle base_obj) {
+  new (self) Storage();
+  if (base_obj.is_valid() && !base_obj.is_none()) {
+    Storage &base = nb::cast<Storage &>(base_obj);
+    self->itemsize = base.itemsize;
+    self->format = base.format;
+    self->set_shape(shape);
+    if (count_of(shape) * static_cast<size_t>(base.itemsize) != base.nbytes)
+      throw std::invalid_argument("cannot view " + std::to_string(base.nbytes) + " bytes as shape of " +
+                                  std::to_string(count_of(shape)) + " items");
+    self->data = base.data;
+    self->nbytes = base.nbytes;
+    self->base = nb::borrow(base_obj);
+    return;
+  }
+  self->format = format;
+  self->itemsize = static_cast<Py_ssize_t>(itemsize);
+  self->set_shape(shape);
+  self->nbytes = count_of(shape) * static_cast<size_t>(itemsize);
+  size_t alloc = (self->nbytes + 63) / 64 * 64;
+  if (alloc == 0) alloc = 64;
+  self->data = std::aligned_alloc(64, alloc);
+  if (!self->data) throw std::bad_alloc();
+  self->owns = true;
+  if (zero) std::memset(self->data, 0, alloc);
+}
+
+int storage_getbuffer(PyObject *exporter, Py_buffer *view, int flags) {
+  Storage *s = nb::inst_ptr<Storage>(exporter);
+  view->obj = exporter;
+  Py_INCREF(exporter);
+  view->buf = s->data;
+  view->len = static_cast<Py_ssize_t>(s->nbytes);
+  view->readonly = 0;
+  view->itemsize = s->itemsize;
+  view->format = (flags & PyBUF_FORMAT) ? const_cast<char *>(s->format.c_str()) : nullptr;
+  view->ndim = static_cast<int>(s->shape.size());
+  view->shape = (flags & PyBUF_ND) ? s->shape.data() : nullptr;
+  view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? s->strides.data() : nullptr;
+  view->suboffsets = nullptr;
+  view->internal = nullptr;
+  return 0;
+}
+
+void storage_releasebuffer(PyObject *, Py_buffer *) {}
+
+PyType_Slot storage_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void *>(storage_getbuffer)},
+                               {Py_bf_releasebuffer, reinterpret_cast<void *>(storage_releasebuffer)},
+                               {0, nullptr}};
+
+uintptr_t address_of(nb::handle obj, bool writable) {
+  Py_buffer view;
+  int flags = PyBUF_ANY_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw nb::python_error();
+  uintptr_t a = reinterpret_cast<uintptr_t>(view.buf);
+  PyBuffer_Release(&view);
+  return a;
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "mojolearn host layer: binary loader, task runner, aligned storage.";
+
+  nb::class_<Library>(m, "Library")
+      .def(nb::init<const std::string &>(), nb::arg("path"))
+      .def_ro("path", &Library::path)
+      .def_ro("abi_version", &Library::abi_version)
+      .def_ro("vendor", &Library::vendor)
+      .def_ro("numeric_mode", &Library::numeric_mode)
+      .def_ro("description", &Library::description)
+      .def("symbol", &Library::symbol, nb::arg("name"))
+      .def("workspace_bytes", &Library::workspace_bytes, nb::arg("op"), nb::arg("args"))
+      .def("run", &Library::run, nb::arg("op"), nb::arg("args"),
+           "Run op over the int64 argument slots, all phases, GIL released.");
+
+  nb::class_<Storage>(m, "Storage", nb::type_slots(storage_slots))
+      .def("__init__", &storage_init, nb::arg("shape"), nb::arg("format") = "f",
+           nb::arg("itemsize") = 4, nb::arg("zero") = true, nb::arg("base") = nb::none())
+      .def_prop_ro("address", [](const Storage &s) { return reinterpret_cast<uintptr_t>(s.data); })
+      .def_prop_ro("nbytes", [](const Storage &s) { return s.nbytes; })
+      .def_prop_ro("_shape", [](const Storage &s) {
+        nb::list l;
+        for (auto v : s.shape) l.append(v);
+        return nb::tuple(l);
+      })
+      .def_prop_ro("_format", [](const Storage &s) { return s.format; })
+      .def_prop_ro("_itemsize", [](const Storage &s) { return s.itemsize; });
+
+  m.def("address", &address_of, nb::arg("obj"), nb::arg("writable") = false,
+        "Data address of a contiguous buffer (the caller keeps it alive).");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 1) throw std::invalid_argument("number of threads must be >= 1");
+        nb::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_pool_mutex);
+        g_threads = n;
+        g_pool.reset();
+      },
+      nb::arg("n"));
+  m.def("get_num_threads", [] { return g_threads > 0 ? g_threads : default_threads(); });
+}
