@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +52,11 @@ struct Job {
   int64_t ntasks;
 };
 
+// Persistent workers. A job's tasks are claimed through one 64-bit ticket,
+// (epoch << 32) | next task, so a worker that wakes late can never claim a
+// task of a newer job with an older job's fields. The caller waits for the
+// tasks to be done, not for the workers to wake: on a loaded machine a
+// descheduled worker just does nothing while the caller runs the tasks.
 class Pool {
  public:
   explicit Pool(int nthreads) : nthreads_(nthreads < 1 ? 1 : nthreads) {
@@ -70,12 +76,13 @@ class Pool {
     if (workers_.empty() || job.ntasks == 1) return run_inline(job);
     job_ = job;
     status_.store(0, std::memory_order_relaxed);
-    next_.store(0, std::memory_order_relaxed);
-    busy_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-    epoch_.fetch_add(1, std::memory_order_release);
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t e = epoch_.load(std::memory_order_relaxed) + 1;
+    ticket_.store(e << 32, std::memory_order_release);
+    epoch_.store(e, std::memory_order_release);
     epoch_.notify_all();
-    work();
-    while (busy_.load(std::memory_order_acquire) != 0) _mm_pause();
+    work(e);
+    while (done_.load(std::memory_order_acquire) != job.ntasks) _mm_pause();
     return status_.load(std::memory_order_relaxed);
   }
 
@@ -88,41 +95,48 @@ class Pool {
   }
 
  private:
-  void work() {
+  void work(uint64_t e) {
     for (;;) {
-      int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
-      if (t >= job_.ntasks) return;
-      int64_t s = job_.task(job_.op, job_.args, job_.phase, t);
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      for (;;) {
+        if ((t >> 32) != (e & 0xffffffffu)) return;  // that job is over
+        if (static_cast<int64_t>(t & 0xffffffffu) >= job_.ntasks) return;
+        if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) break;
+      }
+      // The claimed task keeps its job alive: the caller cannot start the
+      // next job before this task is counted done.
+      int64_t s = job_.task(job_.op, job_.args, job_.phase, static_cast<int64_t>(t & 0xffffffffu));
       if (s != 0) status_.store(s, std::memory_order_relaxed);
+      done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
   void loop() {
-    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    uint64_t seen = 0;
     for (;;) {
       uint64_t e;
+      auto spin_start = std::chrono::steady_clock::now();
       int spins = 0;
       // Spin briefly (decode issues phases microseconds apart), then sleep.
       while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
-        if (++spins < kSpins) {
-          _mm_pause();
-        } else {
+        _mm_pause();
+        if ((++spins & 63) == 0 &&
+            std::chrono::steady_clock::now() - spin_start > std::chrono::microseconds(kSpinMicros)) {
           epoch_.wait(seen, std::memory_order_acquire);
         }
       }
       seen = e;
       if (stop_.load()) return;
-      work();
-      busy_.fetch_sub(1, std::memory_order_release);
+      work(e);
     }
   }
 
-  static constexpr int kSpins = 200000;  // ~ 0.1-1 ms of pause instructions
+  static constexpr int kSpinMicros = 50;
   int nthreads_;
   std::vector<std::thread> workers_;
   Job job_{};
   std::atomic<uint64_t> epoch_{0};
-  std::atomic<int64_t> next_{0};
-  std::atomic<int> busy_{0};
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> done_{0};
   std::atomic<int64_t> status_{0};
   std::atomic<bool> stop_{false};
 };

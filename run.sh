@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The project's two commands (README.md):
+#   ./run.sh demo   set up, build, and run the demo (prefill vs decode, bits, speed)
+#   ./run.sh test   set up, build, and run the whole test suite
+# Needs only Python 3.10+ with pip and venv (and a C++ compiler). Everything
+# else comes from PyPI into ./.venv. Set PYTHON to choose the interpreter.
+set -euo pipefail
+cd "$(dirname "$0")"
+what=${1:-}
+case "$what" in demo|test) ;; *) echo "usage: ./run.sh demo|test [pytest args]" >&2; exit 2;; esac
+shift || true
+
+PY=${PYTHON:-python3}
+VENV=${MOJOLEARN_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+# Build tools first (the package is built without isolation so the ~600 MB
+# Mojo toolchain is installed once, not per build), then the package itself.
+"$VPY" -m pip install -q --disable-pip-version-check \
+  "mojo==1.2.0" "scikit-build-core>=0.10" "nanobind>=2.0" "cmake>=3.18"
+if [ "$what" = test ]; then extra="[test]"; else extra=""; fi
+"$VPY" -m pip install -q --disable-pip-version-check --no-build-isolation ".$extra"
+
+if [ "$what" = demo ]; then
+  exec "$VPY" examples/demo.py "$@"
+fi
+# pytest exits 5 when nothing was collected, so an empty selection fails.
+exec "$VPY" -m pytest "$@"
