@@ -79,10 +79,20 @@ def matmul_block(
             _tile[MR](x.unsafe_offset(r * ldx), ldx, panel, k,
                       y.unsafe_offset(r * ldy + col), ldy, ncols)
             r += MR
-        while r < r1:
-            _tile[1](x.unsafe_offset(r * ldx), ldx, panel, k,
-                     y.unsafe_offset(r * ldy + col), ldy, ncols)
-            r += 1
+        # Leftover rows in one tile, so the panel is streamed once more only.
+        var rem = r1 - r
+        var xr = x.unsafe_offset(r * ldx)
+        var yr = y.unsafe_offset(r * ldy + col)
+        if rem == 5:
+            _tile[5](xr, ldx, panel, k, yr, ldy, ncols)
+        elif rem == 4:
+            _tile[4](xr, ldx, panel, k, yr, ldy, ncols)
+        elif rem == 3:
+            _tile[3](xr, ldx, panel, k, yr, ldy, ncols)
+        elif rem == 2:
+            _tile[2](xr, ldx, panel, k, yr, ldy, ncols)
+        elif rem == 1:
+            _tile[1](xr, ldx, panel, k, yr, ldy, ncols)
 
 
 # Task grid for one matmul phase: row blocks x panel blocks.

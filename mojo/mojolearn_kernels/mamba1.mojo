@@ -291,9 +291,7 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
         var t = matmul_task(task, dbc, dims.nx, rows, blob.unsafe_offset(dims.o_dt), dims.r, di, dl, di)
         var bias = blob.unsafe_offset(dims.o_dtb)
         for r in range(t.r0, t.r1):
-            for col in range(t.c0, t.c1):
-                var v = dl[unsafe_offset=r * di + col] + bias[unsafe_offset=col]
-                dl[unsafe_offset=r * di + col] = softplus_f32[1](v)
+            _bias_softplus(dl.unsafe_offset(r * di), bias, t.c0, t.c1)
     elif stage == ST_SCAN:
         var nblk = ceil_div(di, SCAN_LANES)
         var bb = task // nblk
@@ -309,6 +307,19 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
     else:
         var t = matmul_task(task, yg, di, rows, blob.unsafe_offset(dims.o_out), di, d, xn, d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
+
+
+def _bias_softplus(row: F32Ptr, bias: F32Ptr, c0: Int, c1: Int):
+    """row[c] = softplus(row[c] + bias[c]) for c in [c0, c1), lane-wise."""
+    comptime W = 16
+    var c = c0
+    while c + W <= c1:
+        var v = row.unsafe_load[width=W](c) + bias.unsafe_load[width=W](c)
+        row.unsafe_store(c, softplus_f32[W](v))
+        c += W
+    while c < c1:
+        row[unsafe_offset=c] = softplus_f32[1](row[unsafe_offset=c] + bias[unsafe_offset=c])
+        c += 1
 
 
 def _norm_rows(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int, task: Int,
@@ -348,8 +359,15 @@ def _residual(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int,
             for col in range(c0, c1):
                 y[unsafe_offset=off + col] = 0.0
         else:
-            for col in range(c0, c1):
+            comptime W = 16
+            var col = c0
+            while col + W <= c1:
+                y.unsafe_store(off + col, x.unsafe_load[width=W](off + col)
+                               + proj.unsafe_load[width=W](r * d + col))
+                col += W
+            while col < c1:
                 y[unsafe_offset=off + col] = x[unsafe_offset=off + col] + proj[unsafe_offset=r * d + col]
+                col += 1
 
 
 @always_inline

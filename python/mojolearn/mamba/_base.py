@@ -59,8 +59,8 @@ class _MambaBase:
     def _setup_common(self, numeric_mode):
         self.numeric_mode = check_numeric_mode(numeric_mode)
         self._lib = library(self.numeric_mode)
-        self._step_lock = threading.Lock()
-        self._step_work = {}
+        self._work_lock = threading.Lock()
+        self._work = None
 
     # -- estimator API ------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict:
@@ -122,17 +122,19 @@ class _MambaBase:
             raise ValueError(f"x has d_model {d}, the block has {self.d_model}")
         return v, b
 
-    def _step_workspace(self, op, args):
-        """Cached workspace for decode steps (no allocation per token);
-        a concurrent caller gets its own."""
+    def _workspace(self, op, args):
+        """(workspace Array, lock or None) for one call of op.
+
+        The block keeps one workspace (grown to the largest call so far), so
+        repeated calls neither allocate nor fault in fresh pages; a caller
+        that finds it in use (another thread) gets a private one. Release
+        the returned lock after the call.
+        """
         from .._array import Array
-        key = (op, args[0])
-        if self._step_lock.acquire(blocking=False):
-            work = self._step_work.get(key)
-            if work is None:
-                n = self._lib.workspace_bytes(op, args)
-                work = Array((max(1, n // 4),), zero=False)
-                self._step_work[key] = work
-            return work, self._step_lock
-        n = self._lib.workspace_bytes(op, args)
-        return Array((max(1, n // 4),), zero=False), None
+        floats = max(1, -(-self._lib.workspace_bytes(op, args) // 4))
+        if self._work_lock.acquire(blocking=False):
+            if self._work is None or self._work.size < floats:
+                self._work = None
+                self._work = Array((floats,), zero=False)
+            return self._work, self._work_lock
+        return Array((floats,), zero=False), None

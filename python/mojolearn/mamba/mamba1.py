@@ -194,10 +194,7 @@ class Mamba1Block(_MambaBase):
         y = Array((b, l, d), zero=False)
         args = [b, l, d, xv.address, y.address, self._blob.address,
                 cw.address if cw else 0, h.address if h else 0, lens_addr, 0]
-        work = Array((max(1, self._lib.workspace_bytes(_abi.OP_M1_FORWARD, args) // 4),),
-                     zero=False)
-        args[9] = work.address
-        self._lib.run(_abi.OP_M1_FORWARD, args)
+        self._run(args)
         if state is not None:
             state.absolute_position += l
         return y
@@ -223,15 +220,19 @@ class Mamba1Block(_MambaBase):
         y = Array((b, 1, self.d_model), zero=False)
         args = [b, 1, self.d_model, xv.address, y.address, self._blob.address,
                 cw.address, h.address, 0, 0]
-        work, lock = self._step_workspace(_abi.OP_M1_FORWARD, args)
+        self._run(args)
+        state.absolute_position += 1
+        return y
+
+    def _run(self, args):
+        """Run the forward op with the block's workspace in slot FWD_WORK."""
+        work, lock = self._workspace(_abi.OP_M1_FORWARD, args)
         try:
             args[9] = work.address
             self._lib.run(_abi.OP_M1_FORWARD, args)
         finally:
             if lock is not None:
                 lock.release()
-        state.absolute_position += 1
-        return y
 
     def backward(self, x, grad_output):
         """Gradients of a zero-state prefill: not available in this version."""
