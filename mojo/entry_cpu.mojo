@@ -10,11 +10,18 @@ from std.sys import get_defined_string
 from mojolearn_kernels.abi import (
     F32Ptr, I64Ptr, ABI_VERSION, PHASE_END, PLAN_WORKSPACE,
     OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
+    OP_M2_PREPARE, OP_M2_FORWARD, OP_M3_PREPARE, OP_M3_FORWARD,
 )
 from mojolearn_kernels.checks import first_nonfinite_task
 from mojolearn_kernels.math_eval import math_eval
 from mojolearn_kernels.mamba1 import (
     m1_prepare_plan, m1_prepare_task, m1_forward_plan, m1_forward_task,
+)
+from mojolearn_kernels.mamba2 import (
+    m2_prepare_plan, m2_prepare_task, m2_forward_plan, m2_forward_task,
+)
+from mojolearn_kernels.mamba3 import (
+    m3_prepare_plan, m3_prepare_task, m3_forward_plan, m3_forward_task,
 )
 
 comptime U8Ptr = Pointer[UInt8, MutUntrackedOrigin]
@@ -70,6 +77,14 @@ def ml_plan(op: Int64, args: I64Ptr, phase: Int64) abi("C") -> Int64:
         return Int64(m1_forward_plan(args, p))
     if op == OP_M1_PREPARE:
         return Int64(m1_prepare_plan(args, p))
+    if op == OP_M2_FORWARD:
+        return Int64(m2_forward_plan(args, p))
+    if op == OP_M2_PREPARE:
+        return Int64(m2_prepare_plan(args, p))
+    if op == OP_M3_FORWARD:
+        return Int64(m3_forward_plan(args, p))
+    if op == OP_M3_PREPARE:
+        return Int64(m3_prepare_plan(args, p))
     if op == OP_FIRST_NONFINITE or op == OP_MATH_EVAL:
         if p == PLAN_WORKSPACE:
             return 0
@@ -85,6 +100,14 @@ def ml_task(op: Int64, args: I64Ptr, phase: Int64, task: Int64) abi("C") -> Int6
         m1_forward_task(args, p, t)
     elif op == OP_M1_PREPARE:
         m1_prepare_task(args, p, t)
+    elif op == OP_M2_FORWARD:
+        m2_forward_task(args, p, t)
+    elif op == OP_M2_PREPARE:
+        m2_prepare_task(args, p, t)
+    elif op == OP_M3_FORWARD:
+        m3_forward_task(args, p, t)
+    elif op == OP_M3_PREPARE:
+        m3_prepare_task(args, p, t)
     elif op == OP_FIRST_NONFINITE:
         first_nonfinite_task(args)
     elif op == OP_MATH_EVAL:

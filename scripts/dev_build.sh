@@ -3,12 +3,19 @@
 # CMake and places them inside python/mojolearn/ (git-ignored), so that
 # `PYTHONPATH=python pytest` runs against the working tree. Users and CI use
 # `pip install .` instead (README.md).
+#   BUILD_DIR  build folder (default build/dev)
+#   LIB_DIR    where the kernel binary goes (default python/mojolearn/lib);
+#              point MOJOLEARN_LIB_DIR at it when it is not the default
+#   ENTRY      Mojo entry file (default mojo/entry_cpu.mojo)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
-cmake -S "$root" -B "$root/build/dev" -DPython_EXECUTABLE="$py" \
-      -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$root/build/dev" -j 2
-mkdir -p "$root/python/mojolearn/lib"
-cp "$root"/build/dev/_native*.so "$root/python/mojolearn/"
-cp "$root/build/dev/libmojolearn_cpu.so" "$root/python/mojolearn/lib/"
+build=${BUILD_DIR:-$root/build/dev}
+libdir=${LIB_DIR:-$root/python/mojolearn/lib}
+entry=${ENTRY:-$root/mojo/entry_cpu.mojo}
+cmake -S "$root" -B "$build" -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release \
+      -DML_ENTRY="$entry" >/dev/null
+cmake --build "$build" -j 2
+mkdir -p "$libdir"
+cp "$build"/_native*.so "$root/python/mojolearn/"
+cp "$build/libmojolearn_cpu.so" "$libdir/"
