@@ -5,7 +5,25 @@ step(x, state), allocate_state(...) and backward(x, grad_output). The
 recurrent state is explicit and owned by the caller, so prefill,
 continuation and token-by-token decode give the same bits.
 """
-from .mamba1 import Mamba1Block, Mamba1BlockInference, Mamba1State
-from .session import Mamba1DecodeSession
+from importlib import import_module
 
-__all__ = ["Mamba1Block", "Mamba1BlockInference", "Mamba1State", "Mamba1DecodeSession"]
+_LAZY = {
+    "Mamba1Block": ".mamba1", "Mamba1BlockInference": ".mamba1", "Mamba1State": ".mamba1",
+    "Mamba1DecodeSession": ".session",
+    "Mamba2Block": ".mamba2", "Mamba2BlockInference": ".mamba2", "Mamba2State": ".mamba2",
+    "Mamba3Block": ".mamba3", "Mamba3BlockInference": ".mamba3", "Mamba3State": ".mamba3",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mojolearn.mamba' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
