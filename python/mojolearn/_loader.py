@@ -98,11 +98,42 @@ def library(numeric_mode: str = "identical"):
     return lib
 
 
+def cpu_flags() -> set | None:
+    """The host CPU's feature flags (Linux /proc/cpuinfo), or None if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+# binary feature name -> /proc/cpuinfo flag
+_FLAG_NAMES = {"avx2": "avx2", "fma": "fma", "bmi2": "bmi2", "f16c": "f16c",
+               "avx512f": "avx512f"}
+
+
+def missing_cpu_features(lib) -> list[str]:
+    """Features the binary needs that this CPU lacks (empty if unknown)."""
+    flags = cpu_flags()
+    if flags is None:
+        return []
+    need = describe(lib).get("features", "")
+    return [f for f in need.split(",") if f in _FLAG_NAMES and _FLAG_NAMES[f] not in flags]
+
+
 def _load(path: Path, vendor: str, numeric_mode: str):
     try:
         lib = native().Library(str(path))
     except RuntimeError as e:
         raise BinaryNotFoundError(f"mojolearn: cannot use {path}: {e}") from e
+    missing = missing_cpu_features(lib)
+    if missing:
+        raise BinaryNotFoundError(
+            f"mojolearn: {path} needs CPU features {missing} that this machine "
+            "lacks; rebuild with -DML_CPU_TARGET=<an older target>")
     if lib.abi_version != _abi.ABI_VERSION:
         raise BinaryNotFoundError(
             f"mojolearn: {path} has ABI version {lib.abi_version}, this Python "
