@@ -17,5 +17,8 @@ cmake -S "$root" -B "$build" -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Releas
       -DML_ENTRY="$entry" >/dev/null
 cmake --build "$build" -j 2
 mkdir -p "$libdir"
-cp "$build"/_native*.so "$root/python/mojolearn/"
-cp "$build/libmojolearn_cpu.so" "$libdir/"
+# Replace atomically (copy, then rename): overwriting a loaded .so in place
+# crashes every process that has it mapped.
+place() { cp "$1" "$2.tmp.$$" && mv -f "$2.tmp.$$" "$2"; }
+for f in "$build"/_native*.so; do place "$f" "$root/python/mojolearn/$(basename "$f")"; done
+place "$build/libmojolearn_cpu.so" "$libdir/libmojolearn_cpu.so"
