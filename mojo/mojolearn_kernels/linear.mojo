@@ -56,6 +56,41 @@ def _tile[R: Int](
                 y[unsafe_offset=i * ldy + j] = acc[i][j]
 
 
+@always_inline
+def _tile_panels[R: Int, NP: Int](
+    x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int
+):
+    """R rows x NP consecutive full panels. With few rows, one panel has too
+    few independent fma chains to hide the fma latency; several panels do."""
+    var acc = Array[VN, R * NP](fill=VN(0.0))
+    var pstride = k * NR
+    for kk in range(k):
+        comptime for q in range(NP):
+            var wv = panel.unsafe_load[width=NR](q * pstride + kk * NR)
+            comptime for i in range(R):
+                acc[i * NP + q] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
+    comptime for i in range(R):
+        comptime for q in range(NP):
+            y.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
+
+
+def _rows_few[R: Int](
+    x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
+    y: F32Ptr, ldy: Int,
+):
+    """R (< MR) rows over panels [p0, p1): four full panels at a time."""
+    comptime NP = 4
+    var p = p0
+    while p + NP <= p1 and (p + NP) * NR <= m:
+        _tile_panels[R, NP](x, ldx, wp.unsafe_offset(p * k * NR), k,
+                            y.unsafe_offset(p * NR), ldy)
+        p += NP
+    while p < p1:
+        _tile[R](x, ldx, wp.unsafe_offset(p * k * NR), k,
+                 y.unsafe_offset(p * NR), ldy, min(NR, m - p * NR))
+        p += 1
+
+
 def matmul_block(
     x: F32Ptr,
     ldx: Int,
@@ -70,29 +105,30 @@ def matmul_block(
     ldy: Int,
 ):
     """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k)."""
+    var full = r0 + (r1 - r0) // MR * MR
     for p in range(p0, p1):
         var panel = wp.unsafe_offset(p * k * NR)
         var col = p * NR
         var ncols = min(NR, m - col)
         var r = r0
-        while r + MR <= r1:
+        while r < full:
             _tile[MR](x.unsafe_offset(r * ldx), ldx, panel, k,
                       y.unsafe_offset(r * ldy + col), ldy, ncols)
             r += MR
-        # Leftover rows in one tile, so the panel is streamed once more only.
-        var rem = r1 - r
-        var xr = x.unsafe_offset(r * ldx)
-        var yr = y.unsafe_offset(r * ldy + col)
-        if rem == 5:
-            _tile[5](xr, ldx, panel, k, yr, ldy, ncols)
-        elif rem == 4:
-            _tile[4](xr, ldx, panel, k, yr, ldy, ncols)
-        elif rem == 3:
-            _tile[3](xr, ldx, panel, k, yr, ldy, ncols)
-        elif rem == 2:
-            _tile[2](xr, ldx, panel, k, yr, ldy, ncols)
-        elif rem == 1:
-            _tile[1](xr, ldx, panel, k, yr, ldy, ncols)
+    # Leftover rows: all of them in one pass over the panels.
+    var rem = r1 - full
+    var xr = x.unsafe_offset(full * ldx)
+    var yr = y.unsafe_offset(full * ldy)
+    if rem == 5:
+        _rows_few[5](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+    elif rem == 4:
+        _rows_few[4](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+    elif rem == 3:
+        _rows_few[3](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+    elif rem == 2:
+        _rows_few[2](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+    elif rem == 1:
+        _rows_few[1](xr, ldx, wp, k, m, p0, p1, yr, ldy)
 
 
 # Task grid for one matmul phase: row blocks x panel blocks.

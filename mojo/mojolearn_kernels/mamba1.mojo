@@ -54,6 +54,13 @@ comptime FWD_CONV_WINDOW = 6  # 0: start from zeros, do not save
 comptime FWD_H = 7  # 0: start from zeros, do not save
 comptime FWD_LENGTHS = 8  # 0: every row has length L
 comptime FWD_WORK = 9
+comptime FWD_FLAGS = 10  # bit set of the FLAG_* below; 0 for a plain call
+
+# A decode session keeps the state resident in its own workspace (in the
+# kernel's layout) between steps, and converts only when it opens or syncs.
+comptime FLAG_NO_LOAD = 1  # the workspace already holds the state
+comptime FLAG_NO_SAVE = 2  # leave the state in the workspace
+comptime FLAG_NO_TOKENS = 4  # only load and/or save the state
 
 # Stages of one token chunk.
 comptime ST_NORM = 0
@@ -220,13 +227,17 @@ def m1_forward_plan(args: I64Ptr, phase: Int) -> Int:
     var wk = M1Work(dims, b, arg_int(args, FWD_L))
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
+    var flags = arg_int(args, FWD_FLAGS)
     if phase == 0:
-        return b
+        return 0 if (flags & FLAG_NO_LOAD) != 0 else b
     var last = 1 + wk.nchunks * NSTAGES
     if phase == last:
-        return b if arg_int(args, FWD_H) != 0 else 0
+        var save = arg_int(args, FWD_H) != 0 and (flags & FLAG_NO_SAVE) == 0
+        return b if save else 0
     if phase > last:
         return PHASE_END
+    if (flags & FLAG_NO_TOKENS) != 0:
+        return 0
     var c = (phase - 1) // NSTAGES
     var stage = (phase - 1) % NSTAGES
     var rows = b * wk.chunk_tokens(c)

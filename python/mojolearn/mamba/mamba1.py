@@ -140,7 +140,7 @@ class Mamba1Block(_MambaBase):
             raise ValueError(f"batch_size must be >= 1, got {b}")
         return Mamba1State(Array((b, self.d_inner, D_CONV)), Array((b, self.d_inner, D_STATE)))
 
-    def _state_views(self, state, batch):
+    def _state_views(self, state, batch, check_finite=True):
         if not isinstance(state, Mamba1State):
             raise TypeError(f"state must be a Mamba1State, got {type(state).__name__}")
         if state._held_by is not None:
@@ -156,8 +156,9 @@ class Mamba1Block(_MambaBase):
                              f"{cw.shape[0]} rows and state.h {h.shape[0]}")
         _intake.check_shape(cw, (b, self.d_inner, D_CONV))
         _intake.check_shape(h, (b, self.d_inner, D_STATE))
-        _intake.check_finite(self._lib, cw)
-        _intake.check_finite(self._lib, h)
+        if check_finite:
+            _intake.check_finite(self._lib, cw)
+            _intake.check_finite(self._lib, h)
         return cw, h
 
     # -- compute ------------------------------------------------------------
@@ -193,7 +194,7 @@ class Mamba1Block(_MambaBase):
         _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
         y = Array((b, l, d), zero=False)
         args = [b, l, d, xv.address, y.address, self._blob.address,
-                cw.address if cw else 0, h.address if h else 0, lens_addr, 0]
+                cw.address if cw else 0, h.address if h else 0, lens_addr, 0, 0]
         self._run(args)
         if state is not None:
             state.absolute_position += l
@@ -219,7 +220,7 @@ class Mamba1Block(_MambaBase):
         _intake.check_finite(self._lib, xv)
         y = Array((b, 1, self.d_model), zero=False)
         args = [b, 1, self.d_model, xv.address, y.address, self._blob.address,
-                cw.address, h.address, 0, 0]
+                cw.address, h.address, 0, 0, 0]
         self._run(args)
         state.absolute_position += 1
         return y

@@ -9,12 +9,15 @@ class Mamba1DecodeSession:
 
     Made by ``Mamba1Block.decode_session(state)``. Every output is byte for
     byte what ``Mamba1Block.step`` gives. On a CPU-only install the session
-    holds its own copies of the state and a preallocated workspace, so a
-    step validates only x. Until close() or sync_state() the state's arrays
+    keeps the state in its own workspace, in the kernel's layout, so a step
+    validates only x and converts nothing. Until close() or sync_state() the state's arrays
     are stale and the block refuses that state; weight edits (set_params)
     after opening are not seen; edits to the state arrays are not seen until
     load_state(). Not thread-safe. Use it as a context manager.
     """
+
+    # FWD_FLAGS bits (mojo/mojolearn_kernels/mamba1.mojo)
+    _NO_LOAD, _NO_SAVE, _NO_TOKENS = 1, 2, 4
 
     def __init__(self, block, state):
         from .._array import Array
@@ -24,17 +27,24 @@ class Mamba1DecodeSession:
         self._blob = block._blob  # pinned: later set_params is not seen
         self._state = state
         self._b = cw.shape[0]
-        self._cw = Array(cw.shape, zero=False)
-        self._h = Array(h.shape, zero=False)
         self._d = block.d_model
-        self._args = [self._b, 1, self._d, 0, 0, self._blob.address,
-                      self._cw.address, self._h.address, 0, 0]
-        self._work = Array((max(1, self._lib.workspace_bytes(
-            _abi.OP_M1_FORWARD, self._args) // 4),), zero=False)
-        self._args[9] = self._work.address
-        self._copy_in(cw.mv, h.mv)
+        # The state lives in this private workspace, in the kernel's layout,
+        # from open to close; steps neither load nor save it.
+        args = [self._b, 1, self._d, 0, 0, self._blob.address, 0, 0, 0, 0, 0]
+        self._work = Array((max(1, -(-self._lib.workspace_bytes(
+            _abi.OP_M1_FORWARD, args) // 4)),), zero=True)
+        args[9] = self._work.address
+        self._args = args
+        self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
+        args[10] = self._NO_LOAD | self._NO_SAVE
         state._held_by = self
         self._open = True
+
+    def _transfer(self, cw, h, flags):
+        """Load (NO_SAVE) or save (NO_LOAD) the state through the kernel."""
+        args = list(self._args)
+        args[6], args[7], args[10] = cw.address, h.address, flags
+        self._lib.run(_abi.OP_M1_FORWARD, args)
 
     @property
     def state(self):
@@ -49,10 +59,6 @@ class Mamba1DecodeSession:
     def _check_open(self):
         if not self._open:
             raise ValueError("the Mamba1DecodeSession is closed")
-
-    def _copy_in(self, cw_mv, h_mv):
-        memoryview(self._cw).cast("B")[:] = cw_mv.cast("B")
-        memoryview(self._h).cast("B")[:] = h_mv.cast("B")
 
     def step(self, x):
         """Decode one token per row.
@@ -79,11 +85,18 @@ class Mamba1DecodeSession:
         self._state.absolute_position += 1
         return y
 
+    def _views(self):
+        holder, self._state._held_by = self._state._held_by, None
+        try:
+            return self._block._state_views(self._state, self._b, check_finite=False)
+        finally:
+            self._state._held_by = holder
+
     def sync_state(self):
         """Copy the session's state into the Mamba1State arrays; return it."""
         self._check_open()
-        memoryview(self._state.conv_window).cast("B")[:] = memoryview(self._cw).cast("B")
-        memoryview(self._state.h).cast("B")[:] = memoryview(self._h).cast("B")
+        cw, h = self._views()
+        self._transfer(cw, h, self._NO_LOAD | self._NO_TOKENS)
         return self._state
 
     def load_state(self):
@@ -94,7 +107,7 @@ class Mamba1DecodeSession:
             cw, h = self._block._state_views(self._state, self._b)
         finally:
             self._state._held_by = holder
-        self._copy_in(cw.mv, h.mv)
+        self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
         return self._state
 
     def close(self):
@@ -104,7 +117,7 @@ class Mamba1DecodeSession:
         self.sync_state()
         self._state._held_by = None
         self._open = False
-        self._cw = self._h = self._work = None
+        self._work = None
 
     def __enter__(self):
         return self
