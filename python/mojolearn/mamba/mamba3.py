@@ -1,0 +1,437 @@
+"""Mamba-3 (SISO): Mamba3Block, Mamba3BlockInference and Mamba3State.
+
+Every token goes through one per-token evaluation of the chunked (Q = 64)
+formula in the kernel (mojo/mojolearn_kernels/mamba3.mojo, order in
+docs/mamba3.md); the working chunk's rows live in the state, so prefill,
+continuation and token-by-token decode give the same bits.
+"""
+from __future__ import annotations
+
+from array import array as _pyarray
+
+from .. import _abi, _intake
+from ._base import _MambaBase, weight_views
+
+D_STATE = 128      # N
+HEAD_DIM = 64      # P
+N_ANGLES = 32      # R
+CHUNK = 64         # Q
+
+_WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "dt_bias", "B_norm.weight",
+                 "C_norm.weight", "B_bias", "C_bias", "D", "out_proj.weight")
+_STATE_BUFFERS = ("theta", "h", "buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt",
+                  "buffer_sig", "buffer_adt", "pending_k", "pending_v")
+_N_SLOTS = 25
+
+
+def mamba3_dims(d: int) -> dict:
+    di = 2 * d
+    h = di // HEAD_DIM
+    return {"d_model": d, "d_inner": di, "nheads": h,
+            "d_in_proj": 2 * di + 2 * D_STATE + 3 * h + N_ANGLES}
+
+
+def mamba3_weight_shapes(d: int) -> dict:
+    dm = mamba3_dims(d)
+    di, h = dm["d_inner"], dm["nheads"]
+    return {
+        "block_norm.weight": (d,),
+        "in_proj.weight": (dm["d_in_proj"], d),
+        "dt_bias": (h,),
+        "B_norm.weight": (D_STATE,),
+        "C_norm.weight": (D_STATE,),
+        "B_bias": (h, D_STATE),
+        "C_bias": (h, D_STATE),
+        "D": (h,),
+        "out_proj.weight": (d, di),
+    }
+
+
+def _state_shapes(b: int, h: int) -> dict:
+    return {
+        "theta": (b, h, N_ANGLES),
+        "h": (b, h, HEAD_DIM, D_STATE),
+        "buffer_qrot": (b, CHUNK, h, D_STATE),
+        "buffer_krot": (b, CHUNK, h, D_STATE),
+        "buffer_v": (b, CHUNK, h, HEAD_DIM),
+        "buffer_dt": (b, CHUNK, h),
+        "buffer_sig": (b, CHUNK, h),
+        "buffer_adt": (b, CHUNK, h),
+        "pending_k": (b, h, D_STATE),
+        "pending_v": (b, h, HEAD_DIM),
+    }
+
+
+def _count_after(n0: int, k: int) -> int:
+    """buffered_tokens after k more tokens (chunks aligned to positions)."""
+    return n0 if k == 0 else (n0 + k - 1) % CHUNK + 1
+
+
+def _copy_into(dst, src_mv) -> None:
+    memoryview(dst).cast("B")[:] = src_mv.cast("B")
+
+
+class Mamba3State:
+    """Recurrent state of a Mamba3Block, owned by the caller.
+
+    With H = d_model / 32 heads, N = 128, P = 64, R = 32 and Q = 64. Make one
+    with ``Mamba3Block.allocate_state``; it is all zeros (buffered_tokens 0,
+    pending False) before the first token. forward and step update it in
+    place. Any writable, C-contiguous float32 buffers are accepted; their
+    bytes can be saved and restored exactly.
+
+    Parameters
+    ----------
+    theta : (B, H, R)          rotary angles, each in [0, 2 pi)
+    h : (B, H, P, N)           SSM state entering the working chunk
+    buffer_qrot, buffer_krot : (B, Q, H, N)
+        rotated, bias-added, unscaled q and k rows of the working chunk
+    buffer_v : (B, Q, H, P)    raw v rows
+    buffer_dt, buffer_sig, buffer_adt : (B, Q, H)
+        dt, sigmoid(trap) and A * dt rows
+    pending_k : (B, H, N), pending_v : (B, H, P)
+        input-state k and v, used only while pending
+    buffered_tokens : int      valid buffer rows, in [0, Q]; [1, Q] after a call
+    pending : bool             set by set_input_states, consumed by the next call
+    """
+
+    def __init__(self, theta, h, buffer_qrot, buffer_krot, buffer_v, buffer_dt,
+                 buffer_sig, buffer_adt, pending_k, pending_v, buffered_tokens=0,
+                 pending=False):
+        self.theta = theta
+        self.h = h
+        self.buffer_qrot = buffer_qrot
+        self.buffer_krot = buffer_krot
+        self.buffer_v = buffer_v
+        self.buffer_dt = buffer_dt
+        self.buffer_sig = buffer_sig
+        self.buffer_adt = buffer_adt
+        self.pending_k = pending_k
+        self.pending_v = pending_v
+        self.buffered_tokens = _intake.as_int(buffered_tokens, "buffered_tokens")
+        if not isinstance(pending, bool):
+            raise TypeError(f"pending must be a bool, got {type(pending).__name__}")
+        self.pending = pending
+        self._calls = 0  # advanced by every call that uses the state
+
+    def set_input_states(self, theta, h, k, v):
+        """Start from a reference Input_States continuation.
+
+        Copies theta, h, k (the last rotated k) and v into theta, h,
+        pending_k and pending_v and marks them pending. The next call must
+        be the state's first (buffered_tokens == 0), else it raises
+        ValueError; its first token adds ``v k^T * dt_0 * (1 - sg_0)`` to h.
+        Arrays must be float32 of the state's shapes; nothing is converted.
+        """
+        targets = {}
+        for name, val, dst_name in (("theta", theta, "theta"), ("h", h, "h"),
+                                    ("k", k, "pending_k"), ("v", v, "pending_v")):
+            dst = _intake.float32_view(getattr(self, dst_name), f"state.{dst_name}",
+                                       writable=True, contiguous_only=True)
+            src = _intake.float32_view(val, name)
+            if src.shape != dst.shape:
+                raise ValueError(f"{name} must have shape {dst.shape} (the state's "
+                                 f"{dst_name}), got {src.shape}")
+            targets[dst_name] = (dst, src)
+        for dst_name, (dst, src) in targets.items():
+            _copy_into(getattr(self, dst_name), src.mv)
+        self.pending = True
+        return self
+
+    def __repr__(self):
+        shape = getattr(memoryview(self.h), "shape", None)
+        return (f"Mamba3State(h shape={tuple(shape) if shape else None}, "
+                f"buffered_tokens={self.buffered_tokens}, pending={self.pending})")
+
+
+class Mamba3Block(_MambaBase):
+    """One Mamba-3 (SISO) block: RMSNorm, mixer and residual.
+
+    Takes (B, L, d_model) float32 and returns (B, L, d_model) float32, with
+    the recurrent state explicit and caller-owned (Mamba3State). d_model must
+    be a multiple of 32. Fixed: d_state 128, head dimension 64, one group, 32
+    rotary angles, A floor 1e-4, chunk size 64, expand 2, no convolution.
+
+    Parameters
+    ----------
+    weights : dict of str to float32 buffer
+        block_norm.weight (d,), in_proj.weight (d_in_proj, d) in row order
+        z | x | B | C | dd_dt | dd_A | trap | angle, dt_bias (H,),
+        B_norm.weight (128,), C_norm.weight (128,), B_bias (H, 128),
+        C_bias (H, 128), D (H,), out_proj.weight (d, 2d); copied.
+    numeric_mode : {'identical', 'fast'}, default 'identical'
+
+    Attributes
+    ----------
+    d_model, d_inner, nheads, d_in_proj : int
+    weight_format : str
+    h_last_, k_last_, v_last_, theta_last_ : mojolearn.Array or None
+        Reports of the last call (state after all its tokens, the last token
+        at gamma only; the last rotated k and v; the angles). Computed on
+        first access from the state that call left, so read them before the
+        state is edited or advanced (afterwards access raises ValueError).
+    """
+
+    def __init__(self, weights, *, numeric_mode: str = "identical"):
+        self._setup_common(numeric_mode)
+        if not hasattr(weights, "keys") or "block_norm.weight" not in weights:
+            weight_views(weights, mamba3_weight_shapes(32), self._lib)  # names the problem
+        norm = _intake.float32_view(weights["block_norm.weight"], "block_norm.weight",
+                                    ndim=(1,))
+        d = norm.shape[0]
+        if d < 32 or d % 32:
+            raise ValueError(f"Mamba-3 needs d_model a positive multiple of 32 "
+                             f"(block_norm.weight has {d} entries)")
+        views = weight_views(weights, mamba3_weight_shapes(d), self._lib)
+        from .._array import Array
+        self._weights = {}
+        for name, v in views.items():
+            a = Array(v.shape, zero=False)
+            _copy_into(a, v.mv)
+            self._weights[name] = a
+        dm = mamba3_dims(d)
+        self.d_model = d
+        self.d_inner = dm["d_inner"]
+        self.nheads = dm["nheads"]
+        self.d_in_proj = dm["d_in_proj"]
+        self.weight_format = "float32"
+        w = self._weights
+        args = [d] + [w[n].address for n in _WEIGHT_ORDER] + [0]
+        self._blob = Array((self._lib.workspace_bytes(_abi.OP_M3_PREPARE, args) // 4,),
+                           zero=True)
+        args[-1] = self._blob.address
+        self._lib.run(_abi.OP_M3_PREPARE, args)
+        self._report = None
+        self._session = None
+
+    # -- state --------------------------------------------------------------
+    def allocate_state(self, batch_size) -> Mamba3State:
+        """Return a zero Mamba3State for batch_size sequences."""
+        from .._array import Array
+        b = _intake.as_int(batch_size, "batch_size")
+        if b < 1:
+            raise ValueError(f"batch_size must be >= 1, got {b}")
+        shapes = _state_shapes(b, self.nheads)
+        return Mamba3State(*(Array(shapes[n]) for n in _STATE_BUFFERS))
+
+    def _scratch_state(self, b):
+        """A fresh state for a stateless call: only theta and h need zeros
+        (buffer rows are written before they are read, pending_k/v unused)."""
+        from .._array import Array
+        shapes = _state_shapes(b, self.nheads)
+        return Mamba3State(*(Array(shapes[n], zero=n in ("theta", "h", "pending_k", "pending_v"))
+                             for n in _STATE_BUFFERS))
+
+    def _state_views(self, state, batch):
+        if not isinstance(state, Mamba3State):
+            raise TypeError(f"state must be a Mamba3State, got {type(state).__name__}")
+        views = {}
+        for n in _STATE_BUFFERS:
+            views[n] = _intake.float32_view(getattr(state, n), f"state.{n}",
+                                            writable=True, contiguous_only=True)
+        for n, v in views.items():
+            if len(v.shape) < 1 or v.shape[0] != batch:
+                raise ValueError(f"batch mismatch: x has B={batch}, state.{n} has shape "
+                                 f"{v.shape}")
+        shapes = _state_shapes(batch, self.nheads)
+        for n, v in views.items():
+            _intake.check_shape(v, shapes[n])
+        nb = state.buffered_tokens
+        if isinstance(nb, bool) or not isinstance(nb, int):
+            nb = _intake.as_int(nb, "state.buffered_tokens")
+        if not 0 <= nb <= CHUNK:
+            raise ValueError(f"state.buffered_tokens = {nb} is outside [0, {CHUNK}]")
+        if not isinstance(state.pending, bool):
+            raise TypeError(f"state.pending must be a bool, got "
+                            f"{type(state.pending).__name__}")
+        if state.pending and nb != 0:
+            raise ValueError("state.pending is set (set_input_states) but the state is "
+                             f"not fresh (buffered_tokens = {nb}); input states apply "
+                             "only to a state's first call")
+        for n in ("theta", "h"):
+            _intake.check_finite(self._lib, views[n])
+        if state.pending:
+            _intake.check_finite(self._lib, views["pending_k"])
+            _intake.check_finite(self._lib, views["pending_v"])
+        if nb:
+            # only the valid rows [0, buffered_tokens) are ever read
+            lens = _pyarray("q", [nb] * batch)
+            lmv = memoryview(lens)
+            from .._loader import native
+            addr = native().address(lmv, False)
+            for n in ("buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt",
+                      "buffer_sig", "buffer_adt"):
+                _intake.check_finite(self._lib, views[n], rows=(batch, CHUNK),
+                                     lengths_address=addr)
+        return views, nb
+
+    # -- compute ------------------------------------------------------------
+    def forward(self, x, state=None, *, lengths=None):
+        """Run the block over a sequence.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, L, d_model)
+        state : Mamba3State or None
+            None: a self-contained prefill from a zero state. A state is read
+            at entry and updated in place.
+        lengths : sequence of int or None
+            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0.
+            Not allowed together with state.
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, L, d_model)
+        """
+        from .._array import Array
+        xv = self._x_view(x)
+        b, l, d = xv.shape
+        lens_keep, lens_addr = None, 0
+        if lengths is not None:
+            if state is not None:
+                raise ValueError("lengths cannot be combined with a state")
+            lens_keep = _intake.lengths_array(lengths, b, l)
+            lens_addr = lens_keep[2]
+        if state is not None:
+            views, nb = self._state_views(state, b)
+        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
+        if state is None:
+            state = self._scratch_state(b)
+            views, nb = self._state_views(state, b)
+        y = Array((b, l, d), zero=False)
+        self._call(xv, y, b, l, views, nb, state, lens_keep, "forward")
+        return y
+
+    def step(self, x, state):
+        """Run one decode token: forward at L = 1 with the state carried.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
+        state : Mamba3State (required; updated in place)
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, 1, d_model)
+        """
+        from .._array import Array
+        if state is None:
+            raise ValueError("step needs a state (use allocate_state)")
+        xv, b = self._step_x_view(x)
+        views, nb = self._state_views(state, b)
+        _intake.check_finite(self._lib, xv)
+        y = Array((b, 1, self.d_model), zero=False)
+        self._call(xv, y, b, 1, views, nb, state, None, "step")
+        return y
+
+    def _args(self, b, l, xaddr, yaddr, views, nb, pending, lens_addr, mode):
+        args = [0] * _N_SLOTS
+        args[0:11] = [b, l, self.d_model, xaddr, yaddr, self._blob.address, lens_addr, 0,
+                      nb, 1 if pending else 0, mode]
+        for i, n in enumerate(_STATE_BUFFERS):
+            args[11 + i] = views[n].address
+        return args
+
+    def _call(self, xv, y, b, l, views, nb, state, lens_keep, kind):
+        lens_addr = lens_keep[2] if lens_keep is not None else 0
+        args = self._args(b, l, xv.address, y.address, views, nb, state.pending,
+                          lens_addr, 0)
+        self._run(args)
+        state.buffered_tokens = _count_after(nb, l)
+        state.pending = False
+        state._calls += 1
+        self._report = {"state": state, "calls": state._calls, "lengths": lens_keep,
+                        "b": b, "cache": None}
+        s = self._session
+        if s is None:
+            s = self._session = {"forward_calls": 0, "step_calls": 0, "tokens": 0,
+                                 "weight_uploads": 1, "weight_recopies": 0,
+                                 "weight_reuses": -1, "backward_stage_reuses": 0,
+                                 "forward_recomputes": 0, "stages_held": 0}
+        s[f"{kind}_calls"] += 1
+        s["tokens"] += b * l
+        s["weight_reuses"] += 1
+
+    def _run(self, args):
+        """Run the forward op with the block's workspace in slot 7."""
+        work, lock = self._workspace(_abi.OP_M3_FORWARD, args)
+        try:
+            args[7] = work.address
+            self._lib.run(_abi.OP_M3_FORWARD, args)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    # -- reports ------------------------------------------------------------
+    def _reports(self):
+        r = self._report
+        if r is None:
+            return None
+        if r["cache"] is None:
+            from .._array import Array
+            state = r["state"]
+            if state._calls != r["calls"]:
+                raise ValueError("the reports of the last call are no longer available: "
+                                 "its state was advanced by a later call; read h_last_, "
+                                 "k_last_, v_last_, theta_last_ right after the call")
+            b, h = r["b"], self.nheads
+            views = {n: _intake.float32_view(getattr(state, n), f"state.{n}",
+                                             writable=True, contiguous_only=True)
+                     for n in _STATE_BUFFERS}
+            out = {"h": Array((b, h, HEAD_DIM, D_STATE), zero=False),
+                   "k": Array((b, h, D_STATE), zero=False),
+                   "v": Array((b, h, HEAD_DIM), zero=False),
+                   "theta": Array((b, h, N_ANGLES), zero=False)}
+            lens = r["lengths"]
+            args = self._args(b, 0, 0, 0, views, state.buffered_tokens, False,
+                              lens[2] if lens is not None else 0, 1)
+            args[21:25] = [out["h"].address, out["k"].address, out["v"].address,
+                           out["theta"].address]
+            self._run(args)
+            r["cache"] = out
+        return r["cache"]
+
+    def _report_value(self, key):
+        rep = self._reports()
+        return None if rep is None else rep[key]
+
+    @property
+    def h_last_(self):
+        """State after all tokens of the last call (last token at gamma only)."""
+        return self._report_value("h")
+
+    @property
+    def k_last_(self):
+        """Last token's rotated, bias-added k, (B, H, 128)."""
+        return self._report_value("k")
+
+    @property
+    def v_last_(self):
+        """Last token's v, (B, H, 64)."""
+        return self._report_value("v")
+
+    @property
+    def theta_last_(self):
+        """Angles after the last token, (B, H, 32)."""
+        return self._report_value("theta")
+
+    def session_info(self):
+        """Counters of the prefill session as a dict, or None before the first call."""
+        return None if self._session is None else dict(self._session)
+
+    def backward(self, x, grad_output):
+        """Gradients of a zero-state prefill: not available in this version."""
+        raise NotImplementedError("Mamba3Block.backward is not implemented in this "
+                                  "version of mojolearn")
+
+
+class Mamba3BlockInference(Mamba3Block):
+    """Forward-only Mamba3Block on the CPU host binary.
+
+    Same constructor and checks as Mamba3Block; forward, allocate_state and
+    step give the same bits. backward raises NotImplementedError.
+    """
+
+    def backward(self, x, grad_output):
+        raise NotImplementedError("Mamba3BlockInference is forward-only; use "
+                                  "Mamba3Block for gradients")

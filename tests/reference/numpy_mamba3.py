@@ -1,0 +1,90 @@
+"""Float64 NumPy Mamba-3 SISO block (SPEC.md section 4) in the token-by-token
+RECURRENCE form, written from the spec (not chunked, shares no code with
+the kernel):
+
+    S_t = exp(adt_t) S_{t-1} + exp(adt_t) dt_t (1 - sg_t) v_{t-1} k_{t-1}^T
+          + dt_t sg_t v_t k_t^T,     y_t = S_t q_t + D v_t,   o = y silu(z)
+
+with q, k rotated by the running angles. State in and out is the tuple
+(theta (B,H,32), S (B,H,64,128), k (B,H,128) rotated, v (B,H,64)), which is
+also the Input_States form of mamba_ssm: passing a state continues exactly.
+Everything is float64; the only float32 quantity is ``TWO_PI32``: the angle
+modulus is float32(2 pi), as in the kernel (and in a float32 framework).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .numpy_mamba import rmsnorm, silu, softplus
+
+__all__ = ["mamba3_numpy", "TWO_PI32"]
+
+TWO_PI32 = float(np.float32(2 * math.pi))
+
+
+def _phi(u):
+    return np.where(u >= 0, 1.0 + u, 1.0 / (1.0 - np.minimum(u, 0.0)))
+
+
+def _rotate(t, cos, sin):
+    """Rotate interleaved pairs (2r, 2r+1), r < 32, of t (..., 128)."""
+    out = t.copy()
+    a, b = t[..., 0:64:2], t[..., 1:64:2]
+    out[..., 0:64:2] = a * cos - b * sin
+    out[..., 1:64:2] = a * sin + b * cos
+    return out
+
+
+def mamba3_numpy(weights: dict, x, state=None, mod=TWO_PI32, theta_f32=False):
+    """Returns (y (B, L, d), (theta, S, k, v)) after the last token, float64.
+
+    ``state`` None means zeros (equivalently: no input states).
+    ``theta_f32`` rounds the angles to float32 after every token, as a float32
+    state does (the rest stays float64); see docs/mamba3.md, accuracy."""
+    W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    x = np.asarray(x, dtype=np.float64)
+    Bsz, L, d = x.shape
+    di = 2 * d
+    H, P, N, R = di // 64, 64, 128, 32
+    if state is None:
+        theta = np.zeros((Bsz, H, R))
+        S = np.zeros((Bsz, H, P, N))
+        kp = np.zeros((Bsz, H, N))
+        vp = np.zeros((Bsz, H, P))
+    else:
+        theta, S, kp, vp = (np.array(a, dtype=np.float64) for a in state)
+    ys = np.empty((Bsz, L, d))
+    c = 2 * di
+    for t in range(L):
+        xt = x[:, t]
+        proj = rmsnorm(xt, W["block_norm.weight"]) @ W["in_proj.weight"].T
+        z, v = proj[:, :di], proj[:, di:2 * di].reshape(Bsz, H, P)
+        Bp, Cp = proj[:, c:c + N], proj[:, c + N:c + 2 * N]
+        dd_dt = proj[:, c + 2 * N:c + 2 * N + H]
+        dd_A = proj[:, c + 2 * N + H:c + 2 * N + 2 * H]
+        trap = proj[:, c + 2 * N + 2 * H:c + 2 * N + 3 * H]
+        ang = proj[:, c + 2 * N + 3 * H:c + 2 * N + 3 * H + R]
+        A = np.minimum(-_phi(dd_A), -1e-4)
+        dt = softplus(dd_dt + W["dt_bias"])                          # (B, H)
+        adt = A * dt
+        sg = 1.0 / (1.0 + np.exp(-trap))
+        k = rmsnorm(Bp, W["B_norm.weight"])[:, None, :] + W["B_bias"][None]   # (B, H, N)
+        q = rmsnorm(Cp, W["C_norm.weight"])[:, None, :] + W["C_bias"][None]
+        theta = theta + np.tanh(ang)[:, None, :] * math.pi * dt[:, :, None]
+        theta = theta - mod * np.floor(theta / mod)
+        if theta_f32:
+            theta = theta.astype(np.float32).astype(np.float64)
+        cos, sin = np.cos(theta), np.sin(theta)
+        qr, kr = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        alpha = np.exp(adt)[:, :, None, None]
+        beta = (dt * (1.0 - sg))[:, :, None, None]
+        gamma = (dt * sg)[:, :, None, None]
+        S = (alpha * S + alpha * beta * (vp[:, :, :, None] * kp[:, :, None, :])
+             + gamma * (v[:, :, :, None] * kr[:, :, None, :]))
+        y = np.einsum("bhpn,bhn->bhp", S, qr) + W["D"][None, :, None] * v
+        o = y.reshape(Bsz, di) * silu(z)
+        ys[:, t] = xt + o @ W["out_proj.weight"].T
+        kp, vp = kr, v
+    return ys, (theta, S, kp, vp)
