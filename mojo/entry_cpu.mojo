@@ -12,7 +12,7 @@ from mojolearn_kernels.abi import (
     OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
     OP_M2_PREPARE, OP_M2_FORWARD, OP_M3_PREPARE, OP_M3_FORWARD,
 )
-from mojolearn_kernels.checks import first_nonfinite_task
+from mojolearn_kernels.checks import first_nonfinite_task, first_nonfinite
 from mojolearn_kernels.math_eval import math_eval
 from mojolearn_kernels.mamba1 import (
     m1_prepare_plan, m1_prepare_task, m1_forward_plan, m1_forward_task,
@@ -125,3 +125,10 @@ def ml_math_eval(fn_id: Int64, src: F32Ptr, dst: F32Ptr, n: Int64, width: Int64)
     """Elementwise own transcendental `fn_id` (for accuracy tests)."""
     math_eval(Int(fn_id), src, dst, Int(n), Int(width))
     return 0
+
+
+@export("ml_first_nonfinite")
+def ml_first_nonfinite(p: F32Ptr, n: Int64) abi("C") -> Int64:
+    """First flat index of a NaN or infinity in p[0:n], or -1 (direct call:
+    the per-step input check costs no task launch)."""
+    return Int64(first_nonfinite(p, Int(n)))

@@ -13,7 +13,7 @@ comptime NF_OUT = 5  # Int64: first flat index of a NaN or inf, or -1
 
 
 @always_inline
-def _first_nonfinite(p: F32Ptr, n: Int) -> Int:
+def first_nonfinite(p: F32Ptr, n: Int) -> Int:
     comptime W = 16
     comptime EXP = SIMD[DType.uint32, W](0x7F800000)
     var i = 0
@@ -44,7 +44,7 @@ def first_nonfinite_task(args: I64Ptr):
         if ragged:
             n = Int(lens[unsafe_offset=bb])
         var base = bb * l * inner
-        var i = _first_nonfinite(p.unsafe_offset(base), n * inner)
+        var i = first_nonfinite(p.unsafe_offset(base), n * inner)
         if i >= 0:
             dst[unsafe_offset=0] = Int64(base + i)
             return

@@ -94,18 +94,19 @@ def check_finite(lib, v: View, *, rows=None, lengths_address: int = 0) -> None:
         n *= s
     if n == 0:
         return
-    if rows is None:
-        b, l, inner = 1, 1, n
+    if rows is None or not lengths_address:
+        bad = lib.first_nonfinite(v.address, n)
     else:
         b, l = rows
-        inner = n // (b * l)
-    out = _pyarray("q", [-1])
-    out_mv = memoryview(out)
-    lib.run(_abi.OP_FIRST_NONFINITE,
-            [v.address, b, l, inner, lengths_address, native().address(out_mv, True)])
-    if out[0] >= 0:
+        out = _pyarray("q", [-1])
+        out_mv = memoryview(out)
+        lib.run(_abi.OP_FIRST_NONFINITE,
+                [v.address, b, l, n // (b * l), lengths_address,
+                 native().address(out_mv, True)])
+        bad = out[0]
+    if bad >= 0:
         raise ValueError(f"{v.name} contains a non-finite value (NaN or inf) at "
-                         f"flat index {out[0]}")
+                         f"flat index {bad}")
 
 
 def as_int(value, name: str) -> int:

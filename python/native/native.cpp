@@ -38,6 +38,7 @@ using PlanFn = int64_t (*)(int64_t, int64_t *, int64_t);
 using TaskFn = int64_t (*)(int64_t, int64_t *, int64_t, int64_t);
 using IntFn = int64_t (*)();
 using DescribeFn = int64_t (*)(uint8_t *, int64_t);
+using NonFiniteFn = int64_t (*)(float *, int64_t);
 
 constexpr int64_t kPhaseEnd = -1;
 constexpr int64_t kPlanWorkspace = -1;
@@ -161,6 +162,7 @@ struct Library {
   void *handle = nullptr;
   PlanFn plan = nullptr;
   TaskFn task = nullptr;
+  NonFiniteFn nonfinite = nullptr;
   int64_t abi_version = 0, vendor = -1, numeric_mode = -1;
   std::string description;
 
@@ -174,6 +176,7 @@ struct Library {
     };
     plan = reinterpret_cast<PlanFn>(need("ml_plan"));
     task = reinterpret_cast<TaskFn>(need("ml_task"));
+    nonfinite = reinterpret_cast<NonFiniteFn>(need("ml_first_nonfinite"));
     abi_version = reinterpret_cast<IntFn>(need("ml_abi_version"))();
     vendor = reinterpret_cast<IntFn>(need("ml_vendor"))();
     numeric_mode = reinterpret_cast<IntFn>(need("ml_numeric_mode"))();
@@ -193,6 +196,12 @@ struct Library {
     void *s = dlsym(handle, name.c_str());
     if (!s) throw std::runtime_error(path + " does not export " + name);
     return reinterpret_cast<uintptr_t>(s);
+  }
+
+  // First flat index of a NaN/inf among n floats at address, or -1.
+  int64_t first_nonfinite(uintptr_t address, int64_t n) const {
+    if (n <= 0) return -1;
+    return nonfinite(reinterpret_cast<float *>(address), n);
   }
 
   int64_t workspace_bytes(int64_t op, std::vector<int64_t> args) const {
@@ -340,6 +349,7 @@ NB_MODULE(_native, m) {
       .def_ro("numeric_mode", &Library::numeric_mode)
       .def_ro("description", &Library::description)
       .def("symbol", &Library::symbol, nb::arg("name"))
+      .def("first_nonfinite", &Library::first_nonfinite, nb::arg("address"), nb::arg("n"))
       .def("workspace_bytes", &Library::workspace_bytes, nb::arg("op"), nb::arg("args"))
       .def("run", &Library::run, nb::arg("op"), nb::arg("args"),
            "Run op over the int64 argument slots, all phases, GIL released.");
