@@ -27,10 +27,15 @@ comptime OP_FIRST_NONFINITE = 1
 comptime OP_MATH_EVAL = 2
 comptime OP_M1_PREPARE = 10
 comptime OP_M1_FORWARD = 11
+comptime OP_M1_BACKWARD = 12
 comptime OP_M2_PREPARE = 20
 comptime OP_M2_FORWARD = 21
+comptime OP_M2_BACKWARD = 22
 comptime OP_M3_PREPARE = 30
 comptime OP_M3_FORWARD = 31
+comptime OP_M3_BACKWARD = 32
+comptime OP_LOWBIT_PACK = 40
+comptime OP_LOWBIT_UNPACK = 41
 
 # Alignment of every sub-array inside a workspace or weight blob, in floats.
 comptime ALIGN_FLOATS = 16

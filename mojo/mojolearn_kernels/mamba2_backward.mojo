@@ -1,0 +1,10 @@
+"""Mamba-2 backward (not implemented yet: every plan reports an unknown op)."""
+from .abi import I64Ptr
+
+
+def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
+    return -2
+
+
+def m2_backward_task(args: I64Ptr, phase: Int, task: Int):
+    pass
