@@ -1,18 +1,310 @@
-"""Mamba-2 block (not implemented yet: every plan reports an unknown op)."""
-from .abi import I64Ptr
+"""Mamba-2 (SSD) block: prepare (pack weights) and forward (prefill,
+continuation, ragged rows, the one-token decode step and the h_last report
+are all this one operation). The canonical order is written out in
+docs/mamba2.md; in short, per token:
+    xn = RMSNorm(x);  [z | xBC | dtraw] = in_proj @ xn
+    xBC = silu(conv(xBC)) = [x | B | C]
+    dt  = min(max(softplus(dtraw + dt_bias), lo), hi);  dA = dt * A_h
+and per head over the chunk of Q = 256 rows aligned to absolute positions
+(rows i, j counted from the chunk start):
+    S_i(i)  = 0;  S_i(j) = S_i(j+1) + dA_{j+1}  for j = i-1 down to -1
+              (the decay sum from row j to row i, no cancellation)
+    CB_ij   = fma chain over n of C_i[n] B_j[n]
+    u_ij    = (CB_ij * exp(S_i(j))) * dt_j
+    Ydiag_i = fma chain over j = 0..i of u_ij x_j
+    Yoff_i  = (fma chain over n of C_i[n] h[p][n]) * exp(S_i(-1))
+    y_i     = fma(x_i, D_h, Ydiag_i + Yoff_i);   yg = y * silu(z)
+    g = RMSNorm(yg, norm.weight);  out = x + out_proj @ g
+    fold (256th row; the h_last report on a partial chunk of nr rows,
+    last = nr - 1):
+      h[p][n] = exp(S_last(-1)) * h[p][n]
+      for i = 0..nr-1: h[p][n] = fma((exp(S_last(i)) * dt_i) * x_i[p], B_i[n], h[p][n])
+A call that continues a state re-runs the open chunk: its first `s`
+(buffered) rows are read from the state buffers, only new rows produce
+outputs, and every row goes through the same code as in a one-shot prefill.
+
+Phases of OP_M2_FORWARD: 0 loads the state (one task per row); then per
+group of a chunk's new rows (at most MAX_GROUP_ROWS rows in all): norm,
+in_proj, conv (+ dt/dA rows and B transposed, per 64-channel block), CB
+(per row and 16 new rows), SSD (per row and head: outputs; the fold and the
+h_last report after the chunk's last group; mamba2_ssd.mojo), gated norm,
+out_proj + residual; last, the state is saved (one task per row).
+"""
+from std.memory import bitcast
+from .abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
+from .linear import pack_panels, matmul_ntasks, matmul_task
+from .norms import rmsnorm_row
+from .conv import causal_conv_silu
+from .numerics import exp_f32
+from .mamba2_layout import (
+    P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
+    PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
+    PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
+    ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
+    M2Dims, M2Call, M2Group,
+)
+from .mamba2_ssd import dt_rows, cb_task, ssd_task
+
+
+# ---------------------------------------------------------------- prepare
+
+
+def _f32_bits(v: Int) -> Float32:
+    return bitcast[DType.float32, 1](Int32(v))
 
 
 def m2_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    return -2
+    if phase == PLAN_WORKSPACE:
+        return M2Dims(arg_int(args, PREP_D)).blob * 4
+    if phase == 0:
+        return 4
+    return PHASE_END
 
 
 def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    pass
+    var dims = M2Dims(arg_int(args, PREP_D))
+    var blob = arg_f32(args, PREP_BLOB)
+    var d = dims.d
+    if task == 0:
+        pack_panels(arg_f32(args, PREP_IN), dims.npj, d, blob.unsafe_offset(dims.o_in))
+    elif task == 1:
+        pack_panels(arg_f32(args, PREP_OUT), d, dims.di, blob.unsafe_offset(dims.o_out))
+    elif task == 2:
+        var cw = arg_f32(args, PREP_CONVW)
+        for c in range(dims.cd):
+            for k in range(KCONV):
+                blob[unsafe_offset=dims.o_convw + k * dims.cd + c] = cw[unsafe_offset=c * KCONV + k]
+    else:
+        _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
+        _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
+        _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
+        _copy(arg_f32(args, PREP_DSKIP), blob.unsafe_offset(dims.o_dskip), dims.nh)
+        _copy(arg_f32(args, PREP_GNORM), blob.unsafe_offset(dims.o_gnorm), dims.di)
+        var alog = arg_f32(args, PREP_ALOG)
+        for hh in range(dims.nh):
+            blob[unsafe_offset=dims.o_a + hh] = -exp_f32[1](alog[unsafe_offset=hh])
+        blob[unsafe_offset=dims.o_lim] = _f32_bits(arg_int(args, PREP_LO))
+        blob[unsafe_offset=dims.o_lim + 1] = _f32_bits(arg_int(args, PREP_HI))
+
+
+@always_inline
+def _copy(src: F32Ptr, dst: F32Ptr, n: Int):
+    for i in range(n):
+        dst[unsafe_offset=i] = src[unsafe_offset=i]
+
+
+# ---------------------------------------------------------------- forward
 
 
 def m2_forward_plan(args: I64Ptr, phase: Int) -> Int:
-    return -2
+    var cl = M2Call(args)
+    var wk = cl.wk
+    var dims = cl.dims
+    if phase == PLAN_WORKSPACE:
+        return wk.floats * 4
+    if phase == 0:
+        return wk.b
+    var last = 1 + wk.ngroups_total() * NSTAGES
+    if phase == last:
+        return wk.b if cl.save else 0
+    if phase > last:
+        return PHASE_END
+    var gp = wk.group((phase - 1) // NSTAGES)
+    var stage = (phase - 1) % NSTAGES
+    var rows = wk.b * gp.gn
+    if stage == ST_NORM or stage == ST_GNORM:
+        return ceil_div(rows, NORM_ROWS_PER_TASK)
+    if stage == ST_INPROJ:
+        return matmul_ntasks(rows, dims.npj)
+    if stage == ST_CONV:
+        return dims.nh + 4
+    if stage == ST_CB:
+        return wk.b * ceil_div(gp.gn, CB_ROWS_PER_TASK)
+    if stage == ST_SSD:
+        return wk.b * dims.nh
+    return matmul_ntasks(rows, dims.d)
 
 
 def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
-    pass
+    var cl = M2Call(args)
+    var wk = cl.wk
+    var dims = cl.dims
+    if phase == 0:
+        _load_state(cl, task)
+        return
+    var ng = wk.ngroups_total()
+    if phase == 1 + ng * NSTAGES:
+        _save_state(cl, task)
+        return
+    var gp = wk.group((phase - 1) // NSTAGES)
+    var stage = (phase - 1) % NSTAGES
+    var rows = wk.b * gp.gn
+    var work = cl.work
+    var blob = cl.blob
+    if stage == ST_NORM:
+        _norm_rows(cl, gp, task)
+    elif stage == ST_INPROJ:
+        _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, rows,
+                        blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
+                        work.unsafe_offset(wk.o_zx), dims.npj)
+    elif stage == ST_CONV:
+        _conv_task(cl, gp, task)
+    elif stage == ST_CB:
+        cb_task(cl, gp, task)
+    elif stage == ST_SSD:
+        ssd_task(cl, gp, task // dims.nh, task % dims.nh, task)
+    elif stage == ST_GNORM:
+        _gnorm_rows(cl, gp, task)
+    else:
+        var t = matmul_task(task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+                            blob.unsafe_offset(dims.o_out), dims.di, dims.d,
+                            work.unsafe_offset(wk.o_xn), dims.d)
+        _residual(cl, gp, t.r0, t.r1, t.c0, t.c1)
+
+
+def _is_pad(cl: M2Call, bb: Int, t: Int) -> Bool:
+    return cl.ragged and t >= Int(cl.lens[unsafe_offset=bb])
+
+
+def _norm_rows(cl: M2Call, gp: M2Group, task: Int):
+    var d = cl.dims.d
+    var gn = gp.gn
+    var xn = cl.work.unsafe_offset(cl.wk.o_xn)
+    var w = cl.blob.unsafe_offset(cl.dims.o_norm)
+    var r0 = task * NORM_ROWS_PER_TASK
+    var r1 = min(cl.wk.b * gn, r0 + NORM_ROWS_PER_TASK)
+    for r in range(r0, r1):
+        var bb = r // gn
+        var t = gp.t0 + r % gn
+        var dst = xn.unsafe_offset(r * d)
+        if _is_pad(cl, bb, t):
+            for j in range(d):  # padding reads as +0.0, whatever it holds
+                dst[unsafe_offset=j] = 0.0
+        else:
+            rmsnorm_row(cl.x.unsafe_offset((bb * cl.wk.l + t) * d), d, w, dst)
+
+
+def _gnorm_rows(cl: M2Call, gp: M2Group, task: Int):
+    var di = cl.dims.di
+    var gn = gp.gn
+    var yg = cl.work.unsafe_offset(cl.wk.o_yg)
+    var w = cl.blob.unsafe_offset(cl.dims.o_gnorm)
+    var r0 = task * NORM_ROWS_PER_TASK
+    var r1 = min(cl.wk.b * gn, r0 + NORM_ROWS_PER_TASK)
+    for r in range(r0, r1):
+        var bb = r // gn
+        var t = gp.t0 + r % gn
+        if not _is_pad(cl, bb, t):  # padding rows stay +0.0
+            var row = yg.unsafe_offset(r * di)
+            rmsnorm_row(row, di, w, row)
+
+
+def _residual(cl: M2Call, gp: M2Group, r0: Int, r1: Int, c0: Int, c1: Int):
+    var d = cl.dims.d
+    var gn = gp.gn
+    var proj = cl.work.unsafe_offset(cl.wk.o_xn)
+    var x = cl.x
+    var y = cl.y
+    for r in range(r0, r1):
+        var bb = r // gn
+        var t = gp.t0 + r % gn
+        var off = (bb * cl.wk.l + t) * d
+        if _is_pad(cl, bb, t):
+            for col in range(c0, c1):
+                y[unsafe_offset=off + col] = 0.0
+        else:
+            var col = c0
+            while col + VW <= c1:
+                y.unsafe_store(off + col, x.unsafe_load[width=VW](off + col)
+                               + proj.unsafe_load[width=VW](r * d + col))
+                col += VW
+            while col < c1:
+                y[unsafe_offset=off + col] = x[unsafe_offset=off + col] + proj[unsafe_offset=r * d + col]
+                col += 1
+
+
+def _conv_task(cl: M2Call, gp: M2Group, task: Int):
+    """Channel block `task` (64 channels) of the conv for the group's rows;
+    then for a head block: the raw dt of the group's rows, dt and dA of
+    chunk rows [lo, hi); for a B block: B transposed for those rows (only
+    when the chunk's CB uses the transposed form)."""
+    var dims = cl.dims
+    var wk = cl.wk
+    var cd = dims.cd
+    var di = dims.di
+    var nh = dims.nh
+    var work = cl.work
+    var blob = cl.blob
+    var gn = gp.gn
+    var c0 = task * P
+    for bb in range(wk.b):
+        if gn > 0:
+            causal_conv_silu(
+                work.unsafe_offset(wk.o_win + bb * KCONV * cd), cd,
+                work.unsafe_offset(wk.o_zx + bb * gn * dims.npj + di), dims.npj, gn,
+                blob.unsafe_offset(dims.o_convw), cd,
+                blob.unsafe_offset(dims.o_convb), c0, c0 + P,
+                work.unsafe_offset(wk.o_cx + (bb * wk.nn + gp.gs) * cd), cd,
+            )
+        if task < nh:
+            var hh = task
+            var draw = work.unsafe_offset(wk.o_draw + (bb * nh + hh) * Q)
+            for r in range(gn):
+                draw[unsafe_offset=gp.i0 + gp.gs + r] = work[
+                    unsafe_offset=wk.o_zx + (bb * gn + r) * dims.npj + di + cd + hh]
+            dt_rows(cl, gp.c, bb, hh, gp.lo, gp.hi)
+        elif task < nh + 2 and gp.nnew > DIRECT_CB_MAX:
+            var n0 = (task - nh) * P
+            var bt = work.unsafe_offset(wk.o_bt + bb * N * Q)
+            for i in range(gp.lo, gp.hi):
+                var br = cl.xbc_row(bb, gp.c, i).unsafe_offset(di)
+                for n in range(n0, n0 + P):
+                    bt[unsafe_offset=n * Q + i] = br[unsafe_offset=n]
+
+
+def _load_state(cl: M2Call, bb: Int):
+    var cd = cl.dims.cd
+    var win = cl.work.unsafe_offset(cl.wk.o_win + bb * KCONV * cd)
+    for ch in range(cd):
+        for k in range(KCONV):
+            var v: Float32 = 0.0
+            if cl.has_state:
+                v = cl.cw[unsafe_offset=(bb * cd + ch) * KCONV + k]
+            win[unsafe_offset=k * cd + ch] = v
+    if not cl.has_state:
+        var hw = cl.work.unsafe_offset(cl.wk.o_h + bb * cl.dims.nh * P * N)
+        for k in range(cl.dims.nh * P * N):
+            hw[unsafe_offset=k] = 0.0
+
+
+def _save_state(cl: M2Call, bb: Int):
+    """Conv window back; the open chunk's new rows into the buffers; rows
+    past the open chunk cleared once a chunk completed in this call."""
+    var dims = cl.dims
+    var wk = cl.wk
+    var cd = dims.cd
+    var nh = dims.nh
+    var win = cl.work.unsafe_offset(wk.o_win + bb * KCONV * cd)
+    for ch in range(cd):
+        for k in range(KCONV):
+            cl.cw[unsafe_offset=(bb * cd + ch) * KCONV + k] = win[unsafe_offset=k * cd + ch]
+    var cl_last = wk.nch - 1
+    var n_last = wk.rows(cl_last)
+    var i0 = wk.i0(cl_last)
+    var open_end = 0
+    if n_last < Q:
+        open_end = n_last
+        for i in range(i0, n_last):
+            var src = cl.xbc_row(bb, cl_last, i)
+            var dst = cl.bufx.unsafe_offset((bb * Q + i) * cd)
+            for ch in range(cd):
+                dst[unsafe_offset=ch] = src[unsafe_offset=ch]
+            for hh in range(nh):
+                cl.bufd[unsafe_offset=(bb * Q + i) * nh + hh] = cl.dtraw(bb, cl_last, i, hh)
+    if wk.s + wk.l >= Q:
+        for i in range(open_end, Q):
+            var dst = cl.bufx.unsafe_offset((bb * Q + i) * cd)
+            for ch in range(cd):
+                dst[unsafe_offset=ch] = 0.0
+            for hh in range(nh):
+                cl.bufd[unsafe_offset=(bb * Q + i) * nh + hh] = 0.0

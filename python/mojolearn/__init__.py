@@ -16,6 +16,7 @@ _LAZY = {
     "Mamba2Block": ".mamba",
     "Mamba2BlockInference": ".mamba",
     "Mamba2State": ".mamba",
+    "Mamba2DecodeSession": ".mamba",
     "Mamba3Block": ".mamba",
     "Mamba3BlockInference": ".mamba",
     "Mamba3State": ".mamba",
@@ -23,6 +24,10 @@ _LAZY = {
     "set_num_threads": "._loader",
     "get_num_threads": "._loader",
     "BinaryNotFoundError": "._loader",
+    "lowbit": None,
+    "checkpoints": None,
+    "load_checkpoint": ".checkpoints",
+    "read_safetensors": ".checkpoints",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -11,6 +11,7 @@ _LAZY = {
     "Mamba1Block": ".mamba1", "Mamba1BlockInference": ".mamba1", "Mamba1State": ".mamba1",
     "Mamba1DecodeSession": ".session",
     "Mamba2Block": ".mamba2", "Mamba2BlockInference": ".mamba2", "Mamba2State": ".mamba2",
+    "Mamba2DecodeSession": ".mamba2",
     "Mamba3Block": ".mamba3", "Mamba3BlockInference": ".mamba3", "Mamba3State": ".mamba3",
 }
 

@@ -39,7 +39,10 @@ def weight_views(weights, shapes: dict, lib) -> dict:
         if unknown:
             parts.append(f"unknown {unknown}")
         raise ValueError("weights: " + "; ".join(parts) + f" (expected {sorted(shapes)})")
-    views = {}
+    from .. import lowbit  # packed weights: expanded exactly to float32 (SPEC section 8)
+    weights, fmt = lowbit.unpack(weights)
+    views = _Views()
+    views.weight_format = fmt
     for name, want in shapes.items():
         v = _intake.float32_view(weights[name], name)
         options = want if isinstance(want[0], tuple) else (want,)
@@ -49,6 +52,13 @@ def weight_views(weights, shapes: dict, lib) -> dict:
         _intake.check_finite(lib, v)
         views[name] = v
     return views
+
+
+class _Views(dict):
+    """weight_views' result: {name: View} plus the format the weights were
+    given in (weight_format: 'float32', 'bfloat16' or 'int8')."""
+
+    weight_format = "float32"
 
 
 class _MambaBase:
@@ -67,6 +77,9 @@ class _MambaBase:
         """Constructor parameters: {'weights': copies, 'numeric_mode': ...}."""
         p = {"weights": {k: v.copy() for k, v in self._weights.items()},
              "numeric_mode": self.numeric_mode}
+        if getattr(self, "weight_format", "float32") != "float32":
+            from .. import lowbit  # re-packing the exact expansion gives the same values
+            p["weights"] = lowbit.pack(p["weights"], self.weight_format)
         return p
 
     def set_params(self, **params):

@@ -69,6 +69,12 @@ class Mamba1State:
                f"absolute_position={self.absolute_position})"
 
 
+# Gradient arrays of Mamba1Block.backward, in the kernel's argument order.
+_BACKWARD_GRAD_NAMES = ("norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
+                        "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
+                        "out_proj.weight")
+
+
 class Mamba1Block(_MambaBase):
     """One Mamba-1 block: RMSNorm, selective-scan mixer and residual.
 
@@ -121,7 +127,7 @@ class Mamba1Block(_MambaBase):
         self.d_model = d
         self.d_inner = 2 * d
         self.dt_rank = -(-d // 16)
-        self.weight_format = "float32"
+        self.weight_format = views.weight_format
         w = self._weights
         args = [d] + [w[n].address for n in (
             "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
@@ -236,9 +242,48 @@ class Mamba1Block(_MambaBase):
                 lock.release()
 
     def backward(self, x, grad_output):
-        """Gradients of a zero-state prefill: not available in this version."""
-        raise NotImplementedError("Mamba1Block.backward is not implemented in this "
-                                  "version of mojolearn")
+        """Gradients of a zero-state prefill (a vector-Jacobian product).
+
+        Recomputes the forward with the current weights on every call; no
+        earlier forward or state is used or changed. Kernel order and memory:
+        docs/backward.md.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, L, d_model)
+        grad_output : float32 buffer, shape (B, L, d_model), finite
+
+        Returns
+        -------
+        grads : dict of str to mojolearn.Array
+            'x' (B, L, d_model) and one entry per constructor weight, under the
+            same name and in the shape the weight was given.
+        """
+        from .._array import Array
+        xv = self._x_view(x)
+        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
+        if gv.shape != xv.shape:
+            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
+                             f"got {gv.shape}")
+        _intake.check_finite(self._lib, xv)
+        _intake.check_finite(self._lib, gv)
+        b, l, d = xv.shape
+        w = self._weights
+        grads = {"x": Array((b, l, d), zero=False)}
+        for name in _BACKWARD_GRAD_NAMES:
+            grads[name] = Array(w[name].shape, zero=True)
+        args = [b, l, d, xv.address, gv.address, self._blob.address, 0,
+                grads["x"].address] + [w[n].address for n in (
+                    "in_proj.weight", "x_proj.weight", "dt_proj.weight",
+                    "out_proj.weight")] + [grads[n].address for n in _BACKWARD_GRAD_NAMES]
+        work, lock = self._workspace(_abi.OP_M1_BACKWARD, args)
+        try:
+            args[6] = work.address
+            self._lib.run(_abi.OP_M1_BACKWARD, args)
+        finally:
+            if lock is not None:
+                lock.release()
+        return grads
 
     def decode_session(self, state):
         """Open a Mamba1DecodeSession for fast token-by-token decoding."""

@@ -194,7 +194,7 @@ class Mamba3Block(_MambaBase):
         self.d_inner = dm["d_inner"]
         self.nheads = dm["nheads"]
         self.d_in_proj = dm["d_in_proj"]
-        self.weight_format = "float32"
+        self.weight_format = views.weight_format
         w = self._weights
         args = [d] + [w[n].address for n in _WEIGHT_ORDER] + [0]
         self._blob = Array((self._lib.workspace_bytes(_abi.OP_M3_PREPARE, args) // 4,),

@@ -1,0 +1,120 @@
+"""Strided matrix products for backward passes: out[i, j] (+)= sum_k a(i, k) M[k, j].
+
+a(i, k) = A[i * sai + k * sak] (so A or A^T, any row stride), M row-major
+with row stride ldm (read unpacked: row k, 16 contiguous columns at a time).
+
+Canonical order (identical mode): every output element is one sequential
+fma chain over k in ascending order, starting from +0.0, or, with
+`accumulate`, from the value already in `out` (so successive calls over
+consecutive k ranges continue one single chain):
+    acc = 0 or out[i, j]; for k in 0..K-1: acc = fma(a(i, k), M[k, j], acc)
+Vectorized across 16 output columns only; the k axis is never split or
+reordered, so the bits do not depend on tile shapes or the thread split.
+"""
+from std.collections import Array
+from .abi import F32Ptr, ceil_div
+from .linear import TileRange
+
+comptime GW = 16
+comptime GV = SIMD[DType.float32, GW]
+comptime GMR = 6
+comptime G_ROW_BLOCK = 48
+comptime G_COL_BLOCK = 64
+
+
+@always_inline
+def _gtile[R: Int, NP: Int](
+    a: F32Ptr, sai: Int, sak: Int, m: F32Ptr, ldm: Int, k: Int,
+    dst: F32Ptr, ldo: Int, accumulate: Bool,
+):
+    """R rows x NP * 16 full columns; a, m, out at the tile origin."""
+    var acc = Array[GV, R * NP](fill=GV(0.0))
+    if accumulate:
+        comptime for i in range(R):
+            comptime for q in range(NP):
+                acc[i * NP + q] = dst.unsafe_load[width=GW](i * ldo + q * GW)
+    for kk in range(k):
+        comptime for q in range(NP):
+            var mv = m.unsafe_load[width=GW](kk * ldm + q * GW)
+            comptime for i in range(R):
+                acc[i * NP + q] = GV(a[unsafe_offset=i * sai + kk * sak]).fma(mv, acc[i * NP + q])
+    comptime for i in range(R):
+        comptime for q in range(NP):
+            dst.unsafe_store(i * ldo + q * GW, acc[i * NP + q])
+
+
+@always_inline
+def _gcol(
+    a: F32Ptr, sai: Int, sak: Int, m: F32Ptr, ldm: Int, k: Int,
+    dst: F32Ptr, ldo: Int, accumulate: Bool, nrows: Int,
+):
+    """One column (scalar), nrows rows: the column tail."""
+    for i in range(nrows):
+        var acc: Float32 = 0.0
+        if accumulate:
+            acc = dst[unsafe_offset=i * ldo]
+        for kk in range(k):
+            acc = a[unsafe_offset=i * sai + kk * sak].fma(m[unsafe_offset=kk * ldm], acc)
+        dst[unsafe_offset=i * ldo] = acc
+
+
+@always_inline
+def _gpanels[NP: Int](
+    a: F32Ptr, sai: Int, sak: Int, m: F32Ptr, ldm: Int, k: Int,
+    dst: F32Ptr, ldo: Int, accumulate: Bool, i0: Int, i1: Int, j: Int,
+):
+    var i = i0
+    while i + GMR <= i1:
+        _gtile[GMR, NP](a.unsafe_offset(i * sai), sai, sak, m.unsafe_offset(j), ldm, k,
+                        dst.unsafe_offset(i * ldo + j), ldo, accumulate)
+        i += GMR
+    var rem = i1 - i
+    var ap = a.unsafe_offset(i * sai)
+    var mp = m.unsafe_offset(j)
+    var op = dst.unsafe_offset(i * ldo + j)
+    if rem == 5:
+        _gtile[5, NP](ap, sai, sak, mp, ldm, k, op, ldo, accumulate)
+    elif rem == 4:
+        _gtile[4, NP](ap, sai, sak, mp, ldm, k, op, ldo, accumulate)
+    elif rem == 3:
+        _gtile[3, NP](ap, sai, sak, mp, ldm, k, op, ldo, accumulate)
+    elif rem == 2:
+        _gtile[2, NP](ap, sai, sak, mp, ldm, k, op, ldo, accumulate)
+    elif rem == 1:
+        _gtile[1, NP](ap, sai, sak, mp, ldm, k, op, ldo, accumulate)
+
+
+def gemm_block(
+    a: F32Ptr, sai: Int, sak: Int, m: F32Ptr, ldm: Int, k: Int,
+    dst: F32Ptr, ldo: Int, accumulate: Bool, i0: Int, i1: Int, j0: Int, j1: Int,
+):
+    """Rows [i0, i1) x columns [j0, j1) of out (+)= a @ M."""
+    var j = j0
+    while j + 2 * GW <= j1:
+        _gpanels[2](a, sai, sak, m, ldm, k, dst, ldo, accumulate, i0, i1, j)
+        j += 2 * GW
+    while j + GW <= j1:
+        _gpanels[1](a, sai, sak, m, ldm, k, dst, ldo, accumulate, i0, i1, j)
+        j += GW
+    while j < j1:
+        _gcol(a.unsafe_offset(i0 * sai), sai, sak, m.unsafe_offset(j), ldm, k,
+              dst.unsafe_offset(i0 * ldo + j), ldo, accumulate, i1 - i0)
+        j += 1
+
+
+def gemm_ntasks(nrows: Int, ncols: Int) -> Int:
+    return ceil_div(nrows, G_ROW_BLOCK) * ceil_div(ncols, G_COL_BLOCK)
+
+
+def gemm_task(
+    task: Int, a: F32Ptr, sai: Int, sak: Int, m: F32Ptr, ldm: Int, k: Int,
+    dst: F32Ptr, ldo: Int, nrows: Int, ncols: Int, accumulate: Bool,
+) -> TileRange:
+    """Task `task` of the (row block, column block) grid of out (nrows, ncols)."""
+    var ncb = ceil_div(ncols, G_COL_BLOCK)
+    var i0 = (task // ncb) * G_ROW_BLOCK
+    var i1 = min(nrows, i0 + G_ROW_BLOCK)
+    var j0 = (task % ncb) * G_COL_BLOCK
+    var j1 = min(ncols, j0 + G_COL_BLOCK)
+    gemm_block(a, sai, sak, m, ldm, k, dst, ldo, accumulate, i0, i1, j0, j1)
+    return TileRange(i0, i1, j0, j1)

@@ -1,0 +1,313 @@
+"""Mamba-2 kernel layout: sizes, argument slots, the prepared weight blob,
+the per-call workspace and the decoded arguments of one forward call.
+Mirrored in python/mojolearn/mamba/mamba2.py (slot numbers)."""
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
+)
+from .linear import packed_floats
+
+comptime P = 64  # head dim
+comptime N = 128  # state size
+comptime Q = 256  # chunk
+comptime KCONV = 4
+comptime VW = 16
+comptime V = SIMD[DType.float32, VW]
+
+# OP_M2_PREPARE argument slots.
+comptime PREP_D = 0
+comptime PREP_NORM = 1
+comptime PREP_IN = 2
+comptime PREP_CONVW = 3
+comptime PREP_CONVB = 4
+comptime PREP_DTB = 5
+comptime PREP_ALOG = 6
+comptime PREP_DSKIP = 7
+comptime PREP_GNORM = 8
+comptime PREP_OUT = 9
+comptime PREP_LO = 10  # float32 bits of dt_limit[0] (as a signed int32)
+comptime PREP_HI = 11
+comptime PREP_BLOB = 12
+
+# OP_M2_FORWARD argument slots.
+comptime FWD_B = 0
+comptime FWD_L = 1  # 0: no new token (the h_last report of a state)
+comptime FWD_D = 2
+comptime FWD_X = 3
+comptime FWD_Y = 4
+comptime FWD_BLOB = 5
+comptime FWD_CONV_WINDOW = 6
+comptime FWD_H = 7  # 0: no state (zeros, nothing saved)
+comptime FWD_BUF_XBC = 8
+comptime FWD_BUF_DT = 9
+comptime FWD_S = 10  # buffered_tokens of the state
+comptime FWD_LENGTHS = 11  # 0: every row has length L
+comptime FWD_HLAST = 12  # 0: no h_last report
+comptime FWD_SAVE = 13  # 1: write the conv window and buffers back
+comptime FWD_WORK = 14
+
+# Stages of one chunk.
+comptime ST_NORM = 0
+comptime ST_INPROJ = 1
+comptime ST_CONV = 2
+comptime ST_CB = 3
+comptime ST_SSD = 4
+comptime ST_GNORM = 5
+comptime ST_OUTPROJ = 6
+comptime NSTAGES = 7
+
+comptime NORM_ROWS_PER_TASK = 16
+# A chunk's new rows are processed in groups of at most this many rows in
+# all (B rows x G tokens), to bound the workspace; grouping never changes an
+# operand, so it never changes a bit.
+comptime MAX_GROUP_ROWS = 256
+comptime CB_ROWS_PER_TASK = 16
+# Up to this many new rows per chunk (decode), CB is computed from the
+# row-major B rows (8 interleaved scalar chains) instead of a transposed B.
+comptime DIRECT_CB_MAX = 8
+comptime SCR = 2 * Q + N * P  # per SSD task: seg row, w row, h transposed
+
+
+struct M2Dims(ImplicitlyCopyable):
+    """Sizes of a Mamba-2 block and the layout of its prepared weight blob."""
+    var d: Int
+    var di: Int
+    var nh: Int
+    var cd: Int
+    var npj: Int  # in_proj outputs: z | xBC | dtraw
+    var o_norm: Int
+    var o_in: Int
+    var o_convw: Int  # (4, cd) tap-major
+    var o_convb: Int
+    var o_dtb: Int
+    var o_a: Int  # -exp(A_log)
+    var o_dskip: Int
+    var o_gnorm: Int
+    var o_out: Int
+    var o_lim: Int  # lo, hi
+    var blob: Int
+
+    def __init__(out self, d: Int):
+        self.d = d
+        self.di = 2 * d
+        self.nh = self.di // P
+        self.cd = self.di + 2 * N
+        self.npj = 2 * self.di + 2 * N + self.nh
+        var o = 0
+        self.o_norm = o
+        o += round_up(d, ALIGN_FLOATS)
+        self.o_in = o
+        o += packed_floats(self.npj, d)
+        self.o_convw = o
+        o += round_up(KCONV * self.cd, ALIGN_FLOATS)
+        self.o_convb = o
+        o += round_up(self.cd, ALIGN_FLOATS)
+        self.o_dtb = o
+        o += round_up(self.nh, ALIGN_FLOATS)
+        self.o_a = o
+        o += round_up(self.nh, ALIGN_FLOATS)
+        self.o_dskip = o
+        o += round_up(self.nh, ALIGN_FLOATS)
+        self.o_gnorm = o
+        o += round_up(self.di, ALIGN_FLOATS)
+        self.o_out = o
+        o += packed_floats(d, self.di)
+        self.o_lim = o
+        o += ALIGN_FLOATS
+        self.blob = o
+
+
+struct M2Work(ImplicitlyCopyable):
+    """Chunk geometry and workspace layout of one forward call.
+
+    Virtual rows: the s buffered rows of the open chunk, then the L new
+    tokens; chunk c covers virtual rows [c Q, c Q + rows(c)). Its new rows
+    are processed in groups of g tokens per row: group arrays are
+    (B, gn, ...) b-major (dense, for the matrix products); chunk arrays are
+    indexed by the row inside the chunk (cx by the new-row index).
+    """
+    var b: Int
+    var l: Int
+    var s: Int
+    var nch: Int
+    var nn: Int  # most new rows of one chunk
+    var g: Int  # tokens per row in one group
+    var o_win: Int  # (B, 4, cd) conv window, tap-major
+    var o_h: Int  # (B, H, P, N) SSM state when there is no caller state
+    var o_xn: Int  # (B g, d) norm output; reused for the out_proj result
+    var o_zx: Int  # (B g, npj) in_proj output
+    var o_cx: Int  # (B nn, cd) post-conv post-SiLU xBC of the chunk's new rows
+    var o_draw: Int  # (B, H, Q) raw dt of the chunk's new rows
+    var o_dt: Int  # (B, H, Q) dt of every chunk row
+    var o_da: Int  # (B, H, Q) dA = dt * A of every chunk row
+    var o_bt: Int  # (B, N, Q) B transposed
+    var o_cb: Int  # (B g, Q) C_i . B_j of the group's rows i
+    var o_yg: Int  # (B g, di) gated y, then g (normed in place)
+    var o_scr: Int  # (B H, SCR) SSD task scratch
+    var floats: Int
+
+    def __init__(out self, dims: M2Dims, b: Int, l: Int, s: Int, has_state: Bool):
+        self.b = b
+        self.l = l
+        self.s = s
+        self.nch = max(1, ceil_div(s + l, Q))
+        self.nn = max(1, min(l, Q))
+        self.g = max(1, min(self.nn, MAX_GROUP_ROWS // b))
+        var rows = b * self.g
+        var o = 0
+        self.o_win = o
+        o += round_up(b * KCONV * dims.cd, ALIGN_FLOATS)
+        self.o_h = o
+        if not has_state:
+            o += round_up(b * dims.nh * P * N, ALIGN_FLOATS)
+        self.o_xn = o
+        o += round_up(rows * dims.d, ALIGN_FLOATS)
+        self.o_zx = o
+        o += round_up(rows * dims.npj, ALIGN_FLOATS)
+        self.o_cx = o
+        o += round_up(b * self.nn * dims.cd, ALIGN_FLOATS)
+        self.o_draw = o
+        o += round_up(b * dims.nh * Q, ALIGN_FLOATS)
+        self.o_dt = o
+        o += round_up(b * dims.nh * Q, ALIGN_FLOATS)
+        self.o_da = o
+        o += round_up(b * dims.nh * Q, ALIGN_FLOATS)
+        self.o_bt = o
+        o += round_up(b * N * Q, ALIGN_FLOATS)
+        self.o_cb = o
+        o += round_up(rows * Q, ALIGN_FLOATS)
+        self.o_yg = o
+        o += round_up(rows * dims.di, ALIGN_FLOATS)
+        self.o_scr = o
+        o += round_up(b * dims.nh * SCR, ALIGN_FLOATS)
+        self.floats = o
+
+    def rows(self, c: Int) -> Int:
+        """Rows of chunk c (buffered and new)."""
+        return min(Q, self.s + self.l - c * Q)
+
+    def i0(self, c: Int) -> Int:
+        """First new row of chunk c."""
+        return self.s if c == 0 else 0
+
+    def nnew(self, c: Int) -> Int:
+        return self.rows(c) - self.i0(c)
+
+    def t0(self, c: Int) -> Int:
+        """Token index (in x) of the first new row of chunk c."""
+        return 0 if c == 0 else c * Q - self.s
+
+    def ngroups(self, c: Int) -> Int:
+        """Groups of chunk c (one, possibly empty, when it has no new row:
+        the h_last report of a state)."""
+        return max(1, ceil_div(self.nnew(c), self.g))
+
+    def ngroups_total(self) -> Int:
+        var n = 0
+        for c in range(self.nch):
+            n += self.ngroups(c)
+        return n
+
+    def group(self, idx: Int) -> M2Group:
+        """The idx-th group of the call (chunks in order)."""
+        var k = idx
+        var c = 0
+        while k >= self.ngroups(c):
+            k -= self.ngroups(c)
+            c += 1
+        return M2Group(self, c, k)
+
+
+struct M2Group(ImplicitlyCopyable):
+    """Group k of chunk c: new rows [i0 + gs, i0 + gs + gn) of the chunk
+    (gn per batch row). The conv phase of a group also prepares chunk rows
+    [lo, hi): from 0 for the first group (the buffered rows), else from the
+    group's first row."""
+    var c: Int
+    var k: Int
+    var i0: Int  # first new row of the chunk
+    var n_c: Int  # rows of the chunk
+    var nnew: Int  # new rows of the chunk
+    var gs: Int  # offset of the group among the chunk's new rows
+    var gn: Int  # rows of the group (per batch row)
+    var t0: Int  # token index (in x) of the group's first row
+    var lo: Int
+    var hi: Int
+    var last: Bool  # the chunk's last group (fold, report)
+
+    def __init__(out self, wk: M2Work, c: Int, k: Int):
+        self.c = c
+        self.k = k
+        self.i0 = wk.i0(c)
+        self.n_c = wk.rows(c)
+        self.nnew = wk.nnew(c)
+        self.gs = k * wk.g
+        self.gn = max(0, min(wk.g, self.nnew - self.gs))
+        self.t0 = wk.t0(c) + self.gs
+        self.lo = 0 if k == 0 else self.i0 + self.gs
+        self.hi = self.i0 + self.gs + self.gn
+        self.last = k == wk.ngroups(c) - 1
+
+
+struct M2Call(ImplicitlyCopyable):
+    """The arguments of one forward call, decoded once per task."""
+    var dims: M2Dims
+    var wk: M2Work
+    var has_state: Bool
+    var ragged: Bool
+    var has_hlast: Bool
+    var save: Bool
+    var x: F32Ptr
+    var y: F32Ptr
+    var blob: F32Ptr
+    var cw: F32Ptr
+    var h: F32Ptr
+    var bufx: F32Ptr
+    var bufd: F32Ptr
+    var lens: I64Ptr
+    var hlast: F32Ptr
+    var work: F32Ptr
+
+    def __init__(out self, args: I64Ptr):
+        self.dims = M2Dims(arg_int(args, FWD_D))
+        self.has_state = arg_int(args, FWD_H) != 0
+        var s = arg_int(args, FWD_S) if self.has_state else 0
+        self.wk = M2Work(self.dims, arg_int(args, FWD_B), arg_int(args, FWD_L), s,
+                         self.has_state)
+        self.ragged = arg_int(args, FWD_LENGTHS) != 0
+        self.has_hlast = arg_int(args, FWD_HLAST) != 0
+        self.save = self.has_state and arg_int(args, FWD_SAVE) != 0
+        self.x = arg_f32(args, FWD_X)
+        self.y = arg_f32(args, FWD_Y)
+        self.blob = arg_f32(args, FWD_BLOB)
+        self.cw = arg_f32(args, FWD_CONV_WINDOW)
+        self.h = arg_f32(args, FWD_H)
+        self.bufx = arg_f32(args, FWD_BUF_XBC)
+        self.bufd = arg_f32(args, FWD_BUF_DT)
+        self.lens = arg_i64(args, FWD_LENGTHS)
+        self.hlast = arg_f32(args, FWD_HLAST)
+        self.work = arg_f32(args, FWD_WORK)
+
+    def vlen(self, bb: Int) -> Int:
+        """Virtual rows of batch row bb (buffered + its real tokens)."""
+        if self.ragged:
+            return Int(self.lens[unsafe_offset=bb])
+        return self.wk.s + self.wk.l
+
+    def xbc_row(self, bb: Int, c: Int, i: Int) -> F32Ptr:
+        """Post-conv xBC of chunk row i: the state buffer or a new row."""
+        if c == 0 and i < self.wk.s:
+            return self.bufx.unsafe_offset((bb * Q + i) * self.dims.cd)
+        var r = bb * self.wk.nn + i - self.wk.i0(c)
+        return self.work.unsafe_offset(self.wk.o_cx + r * self.dims.cd)
+
+    def dtraw(self, bb: Int, c: Int, i: Int, hh: Int) -> Float32:
+        if c == 0 and i < self.wk.s:
+            return self.bufd[unsafe_offset=(bb * Q + i) * self.dims.nh + hh]
+        return self.work[unsafe_offset=self.wk.o_draw + (bb * self.dims.nh + hh) * Q + i]
+
+    def hhome(self, bb: Int, hh: Int) -> F32Ptr:
+        """Where head hh of row bb keeps h (the caller's state or the workspace)."""
+        var off = (bb * self.dims.nh + hh) * P * N
+        if self.has_state:
+            return self.h.unsafe_offset(off)
+        return self.work.unsafe_offset(self.wk.o_h + off)

@@ -1,0 +1,280 @@
+"""Mamba-2 SSD chunk math (the canonical order of docs/mamba2.md, steps
+3-11): dt and dA rows, CB, the per-head outputs of the new rows, the fold and
+the h_last report. Every path (prefill, decode, report) calls these."""
+from std.collections import Array
+from .abi import F32Ptr, ceil_div
+from .numerics import exp_f32, softplus_f32, silu_f32
+from .mamba2_layout import (
+    P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, M2Call, M2Group,
+)
+
+
+def dt_rows(cl: M2Call, c: Int, bb: Int, hh: Int, lo_row: Int, hi_row: Int):
+    """Head hh of row bb, chunk rows i in [lo_row, hi_row): dt_i = clamp(softplus(dtraw_i +
+    dt_bias)) (t = lo if v < lo else v; dt = hi if t > hi else t) and
+    dA_i = dt_i * A; 16 rows per vector (every function works lane by lane,
+    so the bits do not depend on the grouping)."""
+    var dims = cl.dims
+    var wk = cl.wk
+    var work = cl.work
+    var blob = cl.blob
+    var a = V(blob[unsafe_offset=dims.o_a + hh])
+    var bias = V(blob[unsafe_offset=dims.o_dtb + hh])
+    var lo = V(blob[unsafe_offset=dims.o_lim])
+    var hi = V(blob[unsafe_offset=dims.o_lim + 1])
+    var da = work.unsafe_offset(wk.o_da + (bb * dims.nh + hh) * Q)
+    var dts = work.unsafe_offset(wk.o_dt + (bb * dims.nh + hh) * Q)
+    var i0 = lo_row
+    while i0 < hi_row:
+        var raw = V(0.0)
+        var m = min(VW, hi_row - i0)
+        for k in range(m):
+            raw[k] = cl.dtraw(bb, c, i0 + k, hh)
+        var sp = softplus_f32[VW](raw + bias)
+        var dt = sp.lt(lo).select(lo, sp)
+        dt = dt.gt(hi).select(hi, dt)
+        var dav = dt * a
+        for k in range(m):  # rows past hi_row belong to a later group
+            da[unsafe_offset=i0 + k] = dav[k]
+            dts[unsafe_offset=i0 + k] = dt[k]
+        i0 += VW
+
+
+def cb_task(cl: M2Call, gp: M2Group, task: Int):
+    """CB_ij = fma chain over n of C_i[n] B_j[n], for the group's rows i and
+    j <= i (computed 16 j at a time; lanes past i are never read)."""
+    var wk = cl.wk
+    var di = cl.dims.di
+    var c = gp.c
+    var gn = gp.gn
+    var nrb = ceil_div(gn, CB_ROWS_PER_TASK)
+    var bb = task // nrb
+    var rb = task % nrb
+    var bt = cl.work.unsafe_offset(wk.o_bt + bb * N * Q)
+    var r1 = min(gn, rb * CB_ROWS_PER_TASK + CB_ROWS_PER_TASK)
+    for r in range(rb * CB_ROWS_PER_TASK, r1):
+        var i = gp.i0 + gp.gs + r
+        var crow = cl.xbc_row(bb, c, i).unsafe_offset(di + N)
+        var dst = cl.work.unsafe_offset(wk.o_cb + (bb * gn + r) * Q)
+        if gp.nnew <= DIRECT_CB_MAX:
+            cb_row_direct(cl, c, bb, i, crow, dst)
+            continue
+        var jv = 0
+        while jv + 4 * VW <= i + 1:  # four independent chains at a time
+            var a0 = V(0.0)
+            var a1 = V(0.0)
+            var a2 = V(0.0)
+            var a3 = V(0.0)
+            for n in range(N):
+                var cn = V(crow[unsafe_offset=n])
+                var bp = bt.unsafe_offset(n * Q + jv)
+                a0 = cn.fma(bp.unsafe_load[width=VW](0), a0)
+                a1 = cn.fma(bp.unsafe_load[width=VW](VW), a1)
+                a2 = cn.fma(bp.unsafe_load[width=VW](2 * VW), a2)
+                a3 = cn.fma(bp.unsafe_load[width=VW](3 * VW), a3)
+            dst.unsafe_store(jv, a0)
+            dst.unsafe_store(jv + VW, a1)
+            dst.unsafe_store(jv + 2 * VW, a2)
+            dst.unsafe_store(jv + 3 * VW, a3)
+            jv += 4 * VW
+        while jv <= i:
+            var acc = V(0.0)
+            for n in range(N):
+                acc = V(crow[unsafe_offset=n]).fma(bt.unsafe_load[width=VW](n * Q + jv), acc)
+            dst.unsafe_store(jv, acc)
+            jv += VW
+
+
+def cb_row_direct(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
+    """CB_ij for j = 0..i from row-major B rows: the same fma chain over n
+    per element as the transposed path, eight chains interleaved."""
+    comptime G = 8
+    var di = cl.dims.di
+    var j0 = 0
+    while j0 <= i:
+        var g = min(G, i + 1 - j0)
+        var rows = Array[F32Ptr, G](fill=crow)
+        for k in range(g):
+            rows[k] = cl.xbc_row(bb, c, j0 + k).unsafe_offset(di)
+        var acc = SIMD[DType.float32, G](0.0)
+        for n in range(N):
+            var cn = crow[unsafe_offset=n]
+            comptime for k in range(G):
+                acc[k] = cn.fma(rows[k][unsafe_offset=n], acc[k])
+        for k in range(g):
+            dst[unsafe_offset=j0 + k] = acc[k]
+        j0 += G
+
+
+def ssd_task(cl: M2Call, gp: M2Group, bb: Int, hh: Int, task: Int):
+    """Head hh of row bb, one group of chunk gp.c: outputs of the group's
+    rows; after the chunk's last group, the fold (chunk complete) and/or the
+    h_last report."""
+    var dims = cl.dims
+    var wk = cl.wk
+    var di = dims.di
+    var nh = dims.nh
+    var work = cl.work
+    var c = gp.c
+    var n_c = gp.n_c
+    var gn = gp.gn
+    var g_lo = gp.i0 + gp.gs
+    var g_hi = g_lo + gn
+    var vlen = cl.vlen(bb)
+    var n_real = max(0, min(n_c, vlen - c * Q))
+    var out_end = min(g_hi, max(g_lo, n_real))
+    var da = work.unsafe_offset(wk.o_da + (bb * nh + hh) * Q)
+    var dts = work.unsafe_offset(wk.o_dt + (bb * nh + hh) * Q)
+    var scr = work.unsafe_offset(wk.o_scr + task * SCR)
+    var seg = scr
+    var wrow = scr.unsafe_offset(Q)
+    var ht = scr.unsafe_offset(2 * Q)
+    var hh_home = cl.hhome(bb, hh)
+    var yg = work.unsafe_offset(wk.o_yg)
+    var zx = work.unsafe_offset(wk.o_zx)
+    var direct = gn <= DIRECT_CB_MAX  # few rows (decode): no transpose of h
+    if out_end > g_lo:
+        if not direct:
+            for p in range(P):
+                for n in range(N):
+                    ht[unsafe_offset=n * P + p] = hh_home[unsafe_offset=p * N + n]
+        var dskip = V(cl.blob[unsafe_offset=dims.o_dskip + hh])
+        for i in range(g_lo, out_end):
+            var r = bb * gn + i - g_lo
+            var ci = seg_row(da, i, seg)
+            var cbrow = work.unsafe_offset(wk.o_cb + r * Q)
+            var jv = 0
+            while jv <= i:
+                var e = exp_f32[VW](seg.unsafe_load[width=VW](jv))
+                var w = cbrow.unsafe_load[width=VW](jv) * e
+                wrow.unsafe_store(jv, w * dts.unsafe_load[width=VW](jv))
+                jv += VW
+            var d0 = V(0.0)
+            var d1 = V(0.0)
+            var d2 = V(0.0)
+            var d3 = V(0.0)
+            for j in range(i + 1):
+                var wj = V(wrow[unsafe_offset=j])
+                var xp = cl.xbc_row(bb, c, j).unsafe_offset(hh * P)
+                d0 = wj.fma(xp.unsafe_load[width=VW](0), d0)
+                d1 = wj.fma(xp.unsafe_load[width=VW](VW), d1)
+                d2 = wj.fma(xp.unsafe_load[width=VW](2 * VW), d2)
+                d3 = wj.fma(xp.unsafe_load[width=VW](3 * VW), d3)
+            var row = cl.xbc_row(bb, c, i)
+            var crow = row.unsafe_offset(di + N)
+            var o0 = V(0.0)
+            var o1 = V(0.0)
+            var o2 = V(0.0)
+            var o3 = V(0.0)
+            if direct:
+                var yo = ht  # 64 floats: C_i . h[p] from the row-major h
+                yoff_direct(crow, hh_home, yo)
+                o0 = yo.unsafe_load[width=VW](0)
+                o1 = yo.unsafe_load[width=VW](VW)
+                o2 = yo.unsafe_load[width=VW](2 * VW)
+                o3 = yo.unsafe_load[width=VW](3 * VW)
+            else:
+                for n in range(N):
+                    var cn = V(crow[unsafe_offset=n])
+                    var hp = ht.unsafe_offset(n * P)
+                    o0 = cn.fma(hp.unsafe_load[width=VW](0), o0)
+                    o1 = cn.fma(hp.unsafe_load[width=VW](VW), o1)
+                    o2 = cn.fma(hp.unsafe_load[width=VW](2 * VW), o2)
+                    o3 = cn.fma(hp.unsafe_load[width=VW](3 * VW), o3)
+            var ec = V(exp_f32[1](ci))
+            var xr = row.unsafe_offset(hh * P)
+            var zr = zx.unsafe_offset(r * dims.npj + hh * P)
+            var dst = yg.unsafe_offset(r * di + hh * P)
+            finish_rows(d0, o0, ec, xr, zr, dskip, dst, 0)
+            finish_rows(d1, o1, ec, xr, zr, dskip, dst, VW)
+            finish_rows(d2, o2, ec, xr, zr, dskip, dst, 2 * VW)
+            finish_rows(d3, o3, ec, xr, zr, dskip, dst, 3 * VW)
+    for i in range(out_end, g_hi):  # padding rows of a ragged batch
+        var dst = yg.unsafe_offset((bb * gn + i - g_lo) * di + hh * P)
+        for p in range(P):
+            dst[unsafe_offset=p] = 0.0
+    if not gp.last:
+        return
+    var last_c = (vlen - 1) // Q if vlen > 0 else 0
+    var want = cl.has_hlast and c == last_c
+    var hl = cl.hlast.unsafe_offset((bb * nh + hh) * P * N)
+    if n_real == Q:
+        fold_chunk(cl, c, bb, hh, Q, hh_home, hh_home, seg, wrow)
+        if want:
+            for k in range(P * N):
+                hl[unsafe_offset=k] = hh_home[unsafe_offset=k]
+    elif want:
+        fold_chunk(cl, c, bb, hh, n_real, hh_home, hl, seg, wrow)
+
+
+def yoff_direct(crow: F32Ptr, h: F32Ptr, dst: F32Ptr):
+    """dst[p] = fma chain over n of C[n] h[p][n] (h row-major, as stored):
+    the same chain per element as the transposed path, eight interleaved."""
+    comptime G = 8
+    for p0 in range(0, P, G):
+        var acc = SIMD[DType.float32, G](0.0)
+        var hp = h.unsafe_offset(p0 * N)
+        for n in range(N):
+            var cn = crow[unsafe_offset=n]
+            comptime for k in range(G):
+                acc[k] = cn.fma(hp[unsafe_offset=k * N + n], acc[k])
+        dst.unsafe_store(p0, acc)
+
+
+@always_inline
+def finish_rows(yd: V, yo: V, ec: V, xr: F32Ptr, zr: F32Ptr, dskip: V, dst: F32Ptr, off: Int):
+    """y = fma(x, D, Ydiag + Yoff * exp(S_i(-1))); dst = y * silu(z)."""
+    var y = yd + yo * ec
+    y = xr.unsafe_load[width=VW](off).fma(dskip, y)
+    dst.unsafe_store(off, y * silu_f32[VW](zr.unsafe_load[width=VW](off)))
+
+
+@always_inline
+def seg_row(da: F32Ptr, i: Int, seg: F32Ptr) -> Float32:
+    """seg[j] = S_i(j) for j = i, i-1, ..., 0 and returns S_i(-1), where
+    S_i(i) = 0 and S_i(j) = S_i(j+1) + dA_{j+1} (descending, one rounding
+    each): the decay from row j to row i, summed without cancellation."""
+    var acc: Float32 = 0.0
+    seg[unsafe_offset=i] = acc
+    var j = i - 1
+    while j >= 0:
+        acc = acc + da[unsafe_offset=j + 1]
+        seg[unsafe_offset=j] = acc
+        j -= 1
+    return acc + da[unsafe_offset=0]
+
+
+def fold_chunk(cl: M2Call, c: Int, bb: Int, hh: Int, nr: Int, src: F32Ptr, dst: F32Ptr,
+          seg: F32Ptr, wrow: F32Ptr):
+    """dst = exp(S_last(-1)) * src, then for i = 0..nr-1 ascending:
+    dst[p][n] = fma((exp(S_last(i)) * dt_i) * x_i[p], B_i[n], dst[p][n]),
+    last = nr - 1 (nr = 0: dst = exp(0) * src = src)."""
+    var di = cl.dims.di
+    var da = cl.work.unsafe_offset(cl.wk.o_da + (bb * cl.dims.nh + hh) * Q)
+    var dts = cl.work.unsafe_offset(cl.wk.o_dt + (bb * cl.dims.nh + hh) * Q)
+    var total: Float32 = 0.0
+    if nr > 0:
+        total = seg_row(da, nr - 1, seg)
+    var el = V(exp_f32[1](total))
+    var k = 0
+    while k < P * N:
+        dst.unsafe_store(k, el * src.unsafe_load[width=VW](k))
+        k += VW
+    var jv = 0
+    while jv < nr:
+        var e = exp_f32[VW](seg.unsafe_load[width=VW](jv))
+        wrow.unsafe_store(jv, e * dts.unsafe_load[width=VW](jv))
+        jv += VW
+    for i in range(nr):
+        var row = cl.xbc_row(bb, c, i)
+        var br = row.unsafe_offset(di)
+        var bv = Array[V, N // VW](fill=V(0.0))
+        comptime for q in range(N // VW):
+            bv[q] = br.unsafe_load[width=VW](q * VW)
+        var si = wrow[unsafe_offset=i]
+        var xr = row.unsafe_offset(hh * P)
+        for p in range(P):
+            var coef = V(si * xr[unsafe_offset=p])
+            var tp = dst.unsafe_offset(p * N)
+            comptime for q in range(N // VW):
+                tp.unsafe_store(q * VW, coef.fma(bv[q], tp.unsafe_load[width=VW](q * VW)))

@@ -1,0 +1,345 @@
+"""mojolearn.lowbit: packed projection weights (SPEC section 8).
+
+Formats
+-------
+'float32'
+    Plain float32 buffers (nothing packed).
+'bfloat16'
+    The top 16 bits of each float32: round to nearest, ties to even, on the
+    low 16 bits; float32 subnormals flush to a zero of the same sign; a
+    finite value that would round to infinity is refused (ValueError).
+    Widening back (``bits << 16``) is exact.
+'int8'
+    One power-of-two exponent per row: with ``m`` the row's absmax,
+    ``e = floor(log2(m)) - 6`` (floored at -149, so that the dequantized
+    values stay exactly representable; this only touches rows whose absmax
+    is below 2^-143; an all-zero row gets e = -149), and
+    ``code = clamp(round_half_even(x * 2^-e), -127, 127)``. The dequantized
+    value ``code * 2^e`` is exact in float32.
+
+A packed value is a :class:`PackedWeight`: a plain container, deliberately
+*not* a buffer (``memoryview(p)`` raises TypeError, it has no ``dtype``), so
+nothing can mistake its codes for float32 values. Blocks (Mamba1Block,
+Mamba2Block, Mamba3Block) accept packed projection weights, expand them
+exactly to float32 at construction and report the format in
+``weight_format``; the outputs are byte-identical to the same block built on
+``unpack(weights)[0]``.
+
+The packing and expansion loops run in the kernel binary (ops
+OP_LOWBIT_PACK / OP_LOWBIT_UNPACK), row blocks in parallel; each row is a
+pure function of itself, so the bits never depend on the thread count.
+"""
+from __future__ import annotations
+
+import math
+
+from . import _abi, _intake
+
+FORMATS = ("float32", "bfloat16", "int8")
+_FMT_ID = {"bfloat16": 1, "int8": 2}
+_E_MIN, _E_MAX = -149, 121
+
+__all__ = ["FORMATS", "PackedWeight", "pack", "pack_one", "unpack", "is_packed",
+           "format_of", "is_projection"]
+
+
+def is_projection(name) -> bool:
+    """Whether a weight name is a projection weight (``*proj.weight``), the
+    weights that ``pack`` packs."""
+    return isinstance(name, str) and name.endswith("proj.weight")
+
+
+def _check_format(fmt) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def _lib():
+    from ._loader import library
+    return library("identical")
+
+
+def _buffer_view(obj, name, fmt_char, itemsize, dtype_name, shape=None):
+    """A C-contiguous memoryview of obj with buffer format fmt_char."""
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise ValueError(f"{name} must be a {dtype_name} buffer, got "
+                         f"{type(obj).__name__}") from None
+    if mv.format.lstrip("@=<") != fmt_char or mv.itemsize != itemsize:
+        raise TypeError(f"{name} must be {dtype_name}, got buffer format {mv.format!r}")
+    if shape is not None and tuple(mv.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(mv.shape)}")
+    if not mv.c_contiguous:
+        mv = memoryview(mv.tobytes()).cast(fmt_char, tuple(mv.shape))
+    return mv
+
+
+class PackedWeight:
+    """A 2-D weight packed in a low-bit format.
+
+    Not a buffer: pass it to a block (or ``unpack``) to use it. Make one with
+    ``pack_one``/``pack``, or from stored parts with the constructor.
+
+    Parameters
+    ----------
+    format : {'bfloat16', 'int8'}
+    data : buffer, shape (rows, cols)
+        uint16 bfloat16 bit patterns, or int8 codes in [-127, 127].
+    exponents : int32 buffer, shape (rows,), int8 only
+        Per-row power-of-two exponents, each in [-149, 121].
+
+    Attributes
+    ----------
+    format : str
+    shape : tuple (rows, cols)
+    data : mojolearn.Array (uint16 or int8), a private copy
+    exponents : mojolearn.Array (int32) or None
+    nbytes : int
+        Bytes held (data plus exponents).
+    """
+
+    __slots__ = ("format", "shape", "data", "exponents")
+
+    def __init__(self, format, data, exponents=None):
+        from ._array import Array
+        if format not in _FMT_ID:
+            raise ValueError(f"a PackedWeight format must be 'bfloat16' or 'int8', got {format!r}")
+        if format == "bfloat16":
+            mv = _buffer_view(data, "data", "H", 2, "uint16 (bfloat16 bits)")
+            if exponents is not None:
+                raise ValueError("bfloat16 PackedWeight takes no exponents")
+        else:
+            mv = _buffer_view(data, "data", "b", 1, "int8")
+        if mv.ndim != 2:
+            raise ValueError(f"data must be 2-D (rows, cols), got shape {tuple(mv.shape)}")
+        shape = tuple(mv.shape)
+        dtype = "uint16" if format == "bfloat16" else "int8"
+        a = Array(shape, dtype, zero=False)
+        memoryview(a).cast("B")[:] = mv.cast("B")
+        ex = None
+        if format == "int8":
+            if b"\x80" in bytes(memoryview(a).cast("B")):
+                raise ValueError("int8 codes must lie in [-127, 127]; data holds -128")
+            if exponents is None:
+                raise ValueError("int8 PackedWeight needs exponents (int32, one per row)")
+            emv = _buffer_view(exponents, "exponents", "i", 4, "int32", (shape[0],))
+            ex = Array((shape[0],), "int32", zero=False)
+            memoryview(ex).cast("B")[:] = emv.cast("B")
+            for r, e in enumerate(memoryview(ex)):
+                if not _E_MIN <= e <= _E_MAX:
+                    raise ValueError(f"exponents[{r}] = {e} is outside [{_E_MIN}, {_E_MAX}]")
+        self.format = format
+        self.shape = shape
+        self.data = a
+        self.exponents = ex
+
+    @classmethod
+    def _wrap(cls, format, shape, data, exponents):
+        self = object.__new__(cls)
+        self.format, self.shape, self.data, self.exponents = format, shape, data, exponents
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.exponents.nbytes if self.exponents is not None else 0)
+
+    def to_float32(self):
+        """The exact float32 expansion, a new mojolearn.Array (rows, cols)."""
+        return _expand(self)
+
+    def __repr__(self):
+        return f"PackedWeight(format={self.format!r}, shape={self.shape})"
+
+    def __reduce__(self):
+        return (_from_bytes, (self.format, self.shape, bytes(memoryview(self.data).cast("B")),
+                              None if self.exponents is None
+                              else bytes(memoryview(self.exponents).cast("B"))))
+
+
+def _from_bytes(format, shape, data, exponents):
+    """Unpickling: PackedWeight from its raw bytes (validated again)."""
+    code = "H" if format == "bfloat16" else "b"
+    mv = memoryview(data).cast(code, tuple(shape))
+    ex = None if exponents is None else memoryview(exponents).cast("i")
+    return PackedWeight(format, mv, ex)
+
+
+def is_packed(value) -> bool:
+    """Whether value is a PackedWeight."""
+    return isinstance(value, PackedWeight)
+
+
+def _expand(p: PackedWeight):
+    from ._array import Array
+    out = Array(p.shape, zero=False)
+    rows, cols = p.shape
+    if rows * cols:
+        aux = p.exponents.address if p.exponents is not None else 0
+        _lib().run(_abi.OP_LOWBIT_UNPACK,
+                   [_FMT_ID[p.format], p.data.address, aux, rows, cols, out.address])
+    return out
+
+
+def pack_one(value, fmt, name: str = "weight"):
+    """Pack one 2-D float32 weight.
+
+    Parameters
+    ----------
+    value : float32 buffer (rows, cols), or a PackedWeight
+        A PackedWeight is returned unchanged for its own format, otherwise
+        expanded exactly and packed again.
+    fmt : {'float32', 'bfloat16', 'int8'}
+        'float32' returns a float32 mojolearn.Array copy (nothing packed).
+    name : str
+        Names the weight in error messages.
+
+    Returns
+    -------
+    PackedWeight, or mojolearn.Array for 'float32'.
+
+    Raises
+    ------
+    TypeError for a non-float32 buffer; ValueError for a shape that is not
+    2-D, a NaN or infinity (naming the flat index), or a bfloat16 value that
+    would round to infinity.
+    """
+    from ._array import Array
+    _check_format(fmt)
+    if isinstance(value, PackedWeight):
+        if value.format == fmt:
+            return value
+        value = _expand(value)
+    v = _intake.float32_view(value, name)
+    if len(v.shape) != 2:
+        raise ValueError(f"{name}: only 2-D weights can be packed, got shape {v.shape}")
+    rows, cols = v.shape
+    lib = _lib()
+    _intake.check_finite(lib, v)
+    if fmt == "float32":
+        out = Array(v.shape, zero=False)
+        memoryview(out).cast("B")[:] = v.mv.cast("B")
+        return out
+    data = Array(v.shape, "uint16" if fmt == "bfloat16" else "int8", zero=False)
+    aux = Array((rows,), "int32", zero=False)
+    if rows * cols:
+        lib.run(_abi.OP_LOWBIT_PACK, [_FMT_ID[fmt], v.address, rows, cols,
+                                      data.address, aux.address])
+    elif fmt == "int8":
+        for r in range(rows):
+            memoryview(aux)[r] = _E_MIN
+    if fmt == "bfloat16":
+        for r, c in enumerate(memoryview(aux)):
+            if c >= 0:
+                raise ValueError(f"{name}: value {v.mv.cast('B').cast('f')[r * cols + c]!r} at "
+                                 f"flat index {r * cols + c} rounds to infinity in bfloat16")
+        return PackedWeight._wrap(fmt, v.shape, data, None)
+    return PackedWeight._wrap(fmt, v.shape, data, aux)
+
+
+def pack(weights, fmt):
+    """Pack the 2-D projection weights (names ending in 'proj.weight') of a
+    weight dict; every other entry is passed through unchanged.
+
+    Returns a new dict. ``pack(w, 'float32')`` expands packed values instead
+    (the same as ``unpack(w)[0]``).
+    """
+    _check_format(fmt)
+    if not hasattr(weights, "keys"):
+        raise ValueError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
+    if fmt == "float32":
+        return unpack(weights)[0]
+    out = {}
+    for name in weights.keys():
+        value = weights[name]
+        if is_projection(name) and (is_packed(value) or _ndim(value) == 2):
+            out[name] = pack_one(value, fmt, name)
+        else:
+            out[name] = value
+    return out
+
+
+def _ndim(value):
+    try:
+        return memoryview(value).ndim
+    except TypeError:
+        return None
+
+
+def _formats(weights) -> dict:
+    """{name: format} of every packed value and every plain projection weight."""
+    got = {}
+    for name in weights.keys():
+        value = weights[name]
+        if is_packed(value):
+            got[name] = value.format
+        elif is_projection(name):
+            got[name] = "float32"
+    return got
+
+
+def _common_format(weights) -> str:
+    got = _formats(weights)
+    kinds = sorted(set(got.values()))
+    if len(kinds) > 1:
+        listing = ", ".join(f"{n}: {f}" for n, f in sorted(got.items()))
+        raise ValueError(f"weights mix formats {kinds} ({listing}); pack every projection "
+                         "weight in one format")
+    return kinds[0] if kinds else "float32"
+
+
+def unpack(weights):
+    """Expand packed values exactly to float32.
+
+    Returns
+    -------
+    (dict, fmt) : a new dict where every PackedWeight is replaced by its
+        float32 expansion (a mojolearn.Array) and every other entry is passed
+        through unchanged, and the format the weights were in ('float32'
+        when nothing was packed).
+
+    Raises ValueError when the weights mix formats (packed values of two
+    formats, or packed and plain float32 projection weights).
+    """
+    if not hasattr(weights, "keys"):
+        raise ValueError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
+    fmt = _common_format(weights)
+    out = {}
+    for name in weights.keys():
+        value = weights[name]
+        out[name] = _expand(value) if is_packed(value) else value
+    return out, fmt
+
+
+def format_of(value) -> str:
+    """Format of one weight ('float32' for a plain float32 buffer) or of a
+    weight dict (its common format; ValueError if it mixes formats)."""
+    if is_packed(value):
+        return value.format
+    if hasattr(value, "keys"):
+        return _common_format(value)
+    _intake.float32_view(value, "value")
+    return "float32"
+
+
+def bfloat16_bits(x: float) -> int:
+    """Reference (pure Python) bfloat16 rounding of one float32 value, as
+    16-bit pattern; for tests and documentation."""
+    import struct
+    u = struct.unpack("<I", struct.pack("<f", x))[0]
+    if u & 0x7F800000 == 0:
+        return (u >> 16) & 0x8000
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def int8_row_reference(row):
+    """Reference (pure Python) int8 packing of one row of float32 values:
+    (codes, e). For tests and documentation."""
+    amax = max((abs(v) for v in row), default=0.0)
+    if amax == 0.0:
+        e = _E_MIN
+    else:
+        e = max(math.frexp(amax)[1] - 1 - 6, _E_MIN)
+    codes = [max(-127, min(127, round(math.ldexp(v, -e)))) for v in row]
+    return codes, e

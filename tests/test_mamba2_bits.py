@@ -1,0 +1,344 @@
+"""Bit-equality properties of Mamba-2 in identical mode (DESIGN.md §1).
+
+Each property is checked with exact byte equality and has a negative
+control showing the same check fails on a small change.
+"""
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+import mojolearn
+from tests.bits import assert_bits_differ, assert_same_bits, nudge
+from tests.reference.weights import mamba2_weights, random_input
+
+D = 64  # two heads
+W = mamba2_weights(D, seed=21)
+BLOCK = None
+STATE_NAMES = ("conv_window", "h", "buffer_xbc", "buffer_dtraw")
+
+
+def block():
+    global BLOCK
+    if BLOCK is None:
+        BLOCK = mojolearn.Mamba2Block(W)
+    return BLOCK
+
+
+def assert_same_state(a, b, what):
+    for n in STATE_NAMES:
+        assert_same_bits(np.asarray(getattr(a, n)), np.asarray(getattr(b, n)), f"{what}: {n}")
+    assert a.buffered_tokens == b.buffered_tokens, what
+
+
+def steps(blk, x, state, t0, t1):
+    return np.concatenate([np.asarray(blk.step(x[:, t], state)) for t in range(t0, t1)], 1)
+
+
+def test_decode_after_prefill_across_a_chunk_boundary():
+    """Prefill 250 tokens, then step to 262 (through the 256th token)."""
+    x = random_input(2, 262, D, seed=1)
+    y = np.asarray(block().forward(x))
+    h_full = np.asarray(block().h_last_).copy()
+    state = block().allocate_state(2)
+    a = np.asarray(block().forward(x[:, :250], state))
+    seen = []
+    parts = [a]
+    for t in range(250, 262):
+        parts.append(np.asarray(block().step(x[:, t], state)))
+        seen.append(state.buffered_tokens)
+    assert seen == [251, 252, 253, 254, 255, 0, 1, 2, 3, 4, 5, 6]
+    assert_same_bits(np.concatenate(parts, 1), y, "prefill 250 + 12 steps vs prefill 262")
+    assert_same_bits(np.asarray(block().h_last_), h_full, "h_last_ after decode vs prefill")
+    ref_state = block().allocate_state(2)
+    block().forward(x, ref_state)
+    assert_same_state(state, ref_state, "state after decode vs after prefill")
+    # negative control: one ulp in a token before the boundary moves later outputs
+    s3 = block().allocate_state(2)
+    xn = nudge(x, index=249 * D + 5)
+    b = np.concatenate([np.asarray(block().forward(xn[:, :250], s3)),
+                        steps(block(), xn, s3, 250, 262)], 1)
+    assert_bits_differ(b[:, 256:], y[:, 256:], "decode after a nudged token")
+
+
+def test_300_steps_from_zero_equal_prefill():
+    x = random_input(2, 300, D, seed=2)
+    y = np.asarray(block().forward(x))
+    h_full = np.asarray(block().h_last_).copy()
+    state = block().allocate_state(2)
+    d = steps(block(), x, state, 0, 300)
+    assert state.buffered_tokens == 44
+    assert_same_bits(d, y, "300 decode steps vs prefill 300")
+    assert_same_bits(np.asarray(block().h_last_), h_full, "h_last_ (lazy) vs prefill")
+    s2 = block().allocate_state(2)
+    block().forward(x, s2)
+    assert_same_state(state, s2, "state after 300 steps vs prefill")
+    # negative control: a nudged dt_bias (another block) gives other bits
+    w2 = dict(W)
+    w2["dt_bias"] = nudge(W["dt_bias"])
+    assert_bits_differ(np.asarray(mojolearn.Mamba2Block(w2).forward(x)), y, "nudged dt_bias")
+
+
+L_SPLIT = 530
+X_SPLIT = random_input(2, L_SPLIT, D, seed=3)
+Y_SPLIT = None
+
+
+def _y_split():
+    global Y_SPLIT
+    if Y_SPLIT is None:
+        Y_SPLIT = (np.asarray(block().forward(X_SPLIT)), np.asarray(block().h_last_).copy())
+    return Y_SPLIT
+
+
+@settings(max_examples=12, deadline=None)
+@given(splits=st.lists(st.integers(min_value=1, max_value=L_SPLIT - 1), min_size=1,
+                       max_size=4, unique=True))
+@example(splits=[255])
+@example(splits=[256])
+@example(splits=[257])
+@example(splits=[255, 256, 257])
+@example(splits=[1, 511, 512, 513])
+def test_continuation_at_any_split_equals_one_call(splits):
+    y, h_full = _y_split()
+    state = block().allocate_state(2)
+    cuts = [0] + sorted(splits) + [L_SPLIT]
+    parts = [np.asarray(block().forward(X_SPLIT[:, a:b], state)) for a, b in zip(cuts, cuts[1:])]
+    assert state.buffered_tokens == L_SPLIT % 256
+    assert_same_bits(np.concatenate(parts, 1), y, f"split at {cuts[1:-1]}")
+    assert_same_bits(np.asarray(block().h_last_), h_full, f"h_last_ split at {cuts[1:-1]}")
+
+
+def test_continuation_negative_control():
+    y, _ = _y_split()
+    state = block().allocate_state(2)
+    a = np.asarray(block().forward(X_SPLIT[:, :200], state))
+    # a moved buffered row (the open chunk is re-run from it) changes the bits
+    np.asarray(state.buffer_xbc)[0, 199, 7] += np.float32(1e-3)
+    b = np.asarray(block().forward(X_SPLIT[:, 200:], state))
+    assert_bits_differ(np.concatenate([a, b], 1)[:1], y[:1], "continuation from a nudged buffer")
+    assert_same_bits(np.concatenate([a, b], 1)[1:], y[1:], "the other row is untouched")
+
+
+def test_buffered_tokens_transitions_and_boundary_state():
+    x = random_input(1, 600, D, seed=4)
+    for L, expect in ((256, 0), (300, 44), (255, 255), (512, 0), (1, 1)):
+        state = block().allocate_state(1)
+        block().forward(x[:, :L], state)
+        assert state.buffered_tokens == expect, L
+        buf = np.asarray(state.buffer_xbc)
+        assert (buf[0, expect:].view(np.uint32) == 0).all(), "rows past the open chunk are +0.0"
+        assert (np.asarray(state.buffer_dtraw)[0, expect:].view(np.uint32) == 0).all()
+        if expect == 0:
+            # on a chunk boundary h_last_ is state.h, bit for bit
+            assert_same_bits(np.asarray(block().h_last_), np.asarray(state.h), f"L={L}")
+        else:
+            assert_bits_differ(np.asarray(block().h_last_), np.asarray(state.h), f"L={L}")
+    state = block().allocate_state(1)
+    block().forward(x[:, :254], state)
+    block().step(x[:, 254], state)
+    assert state.buffered_tokens == 255
+    block().step(x[:, 255], state)
+    assert state.buffered_tokens == 0
+    assert not np.asarray(state.buffer_xbc).any()
+    assert_same_bits(np.asarray(block().h_last_), np.asarray(state.h), "h_last_ after step 256")
+
+
+def test_row_alone_equals_row_in_batch():
+    x = random_input(4, 270, D, seed=5)
+    y = np.asarray(block().forward(x))
+    for i in range(4):
+        assert_same_bits(np.asarray(block().forward(x[i:i + 1]))[0], y[i], f"row {i} alone")
+    other = random_input(3, 270, D, seed=55)
+    mixed = np.concatenate([other[:2], x[2:3], other[2:]], 0)
+    assert_same_bits(np.asarray(block().forward(mixed))[2], y[2], "row 2 in another batch")
+    # step: a row stepped alone equals the row stepped in a batch
+    s_all = block().allocate_state(4)
+    s_one = block().allocate_state(1)
+    ya = steps(block(), x[:, :5], s_all, 0, 5)
+    yo = steps(block(), x[1:2, :5], s_one, 0, 5)
+    assert_same_bits(yo[0], ya[1], "row 1 stepped alone vs in batch")
+    assert_bits_differ(np.asarray(block().forward(nudge(x[2:3])))[0], y[2], "nudged row")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 300)])
+def test_thread_count_does_not_change_bits(threads, shape):
+    B, L = shape
+    x = random_input(B, L, D, seed=6)
+    xs = random_input(B, 3, D, seed=66)
+    threads(1)
+    y1 = np.asarray(block().forward(x))
+    s1 = block().allocate_state(B)
+    d1 = steps(block(), xs, s1, 0, 3)
+    h1 = np.asarray(block().h_last_).copy()
+    outs = []
+    for n in (2, 3, 4):
+        threads(n)
+        s = block().allocate_state(B)
+        outs.append((n, np.asarray(block().forward(x)), steps(block(), xs, s, 0, 3),
+                     np.asarray(block().h_last_).copy()))
+    for n, y, d, h in outs:
+        assert_same_bits(y, y1, f"forward with {n} threads vs 1")
+        assert_same_bits(d, d1, f"steps with {n} threads vs 1")
+        assert_same_bits(h, h1, f"h_last_ with {n} threads vs 1")
+    assert_bits_differ(np.asarray(block().forward(nudge(x))), y1, "nudged input")
+
+
+@pytest.mark.parametrize("garbage", [1e30, np.nan, -np.inf, 0.5])
+def test_ragged_rows_equal_rows_alone_with_exact_zero_padding(garbage):
+    B, L = 4, 300
+    lengths = [300, 1, 256, 257]
+    clean = random_input(B, L, D, seed=7)
+    x = clean.copy()
+    for i, n in enumerate(lengths):
+        x[i, n:] = garbage
+    y = np.asarray(block().forward(x, lengths=lengths))
+    h = np.asarray(block().h_last_).copy()
+    for i, n in enumerate(lengths):
+        alone = np.asarray(block().forward(np.ascontiguousarray(x[i:i + 1, :n])))
+        assert_same_bits(y[i, :n], alone[0], f"ragged row {i}")
+        assert_same_bits(h[i], np.asarray(block().h_last_)[0], f"ragged row {i} h_last_")
+        assert (y[i, n:].view(np.uint32) == 0).all(), f"row {i}: padding is not exactly +0.0"
+    # negative control: a real position differs from a padding position
+    assert_bits_differ(y[1, 1:2], np.asarray(block().forward(clean[1:2, :2]))[0, 1:2],
+                       "padding vs a real position")
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.integers(min_value=1, max_value=280), min_size=1, max_size=4))
+@example(lengths=[256, 255, 257, 1])
+def test_ragged_lengths_any(lengths):
+    B, L = len(lengths), max(lengths)
+    x = random_input(B, L, D, seed=12)
+    for i, n in enumerate(lengths):
+        x[i, n:] = np.float32(7.0)
+    y = np.asarray(block().forward(x, lengths=lengths))
+    h = np.asarray(block().h_last_).copy()
+    for i, n in enumerate(lengths):
+        alone = np.asarray(block().forward(np.ascontiguousarray(x[i:i + 1, :n])))
+        assert_same_bits(y[i, :n], alone[0], f"ragged row {i} (length {n})")
+        assert_same_bits(h[i], np.asarray(block().h_last_)[0], f"ragged row {i} h_last_")
+        assert (y[i, n:].view(np.uint32) == 0).all()
+
+
+def test_inference_class_gives_the_same_bits():
+    inf = mojolearn.Mamba2BlockInference(W)
+    x = random_input(2, 260, D, seed=8)
+    assert_same_bits(np.asarray(inf.forward(x)), np.asarray(block().forward(x)), "forward")
+    s1, s2 = inf.allocate_state(2), block().allocate_state(2)
+    inf.forward(x[:, :255], s1)
+    block().forward(x[:, :255], s2)
+    assert_same_bits(steps(inf, x, s1, 255, 260), steps(block(), x, s2, 255, 260), "steps")
+    assert_same_state(s1, s2, "states")
+    with pytest.raises(NotImplementedError):
+        inf.backward(x, x)
+    other = mojolearn.Mamba2BlockInference(W, dt_limit=(0.0, 0.05))
+    assert_bits_differ(np.asarray(other.forward(x)), np.asarray(inf.forward(x)), "dt_limit")
+
+
+def test_state_bytes_in_numpy_buffers_continue_identically():
+    x = random_input(2, 280, D, seed=9)
+    state = block().allocate_state(2)
+    block().forward(x[:, :200], state)
+    arrays = [np.frombuffer(np.asarray(getattr(state, n)).tobytes(), np.float32)
+              .reshape(np.asarray(getattr(state, n)).shape).copy() for n in STATE_NAMES]
+    fresh = mojolearn.Mamba2State(*arrays, buffered_tokens=state.buffered_tokens)
+    a = np.asarray(block().forward(x[:, 200:], state))
+    b = np.asarray(block().forward(x[:, 200:], fresh))
+    assert_same_bits(b, a, "continuation from copied state bytes")
+    assert_same_state(fresh, state, "states after the continuation")
+    # negative control: the same bytes with a different buffered_tokens
+    arrays2 = [a_.copy() for a_ in arrays]
+    wrong = mojolearn.Mamba2State(*arrays2, buffered_tokens=199)
+    assert_bits_differ(np.asarray(block().forward(x[:, 200:], wrong)), a, "buffered_tokens")
+
+
+def test_initial_h_decode_equals_prefill():
+    x = random_input(2, 270, D, seed=10)
+    h0 = (0.3 * np.random.default_rng(3).standard_normal((2, 2, 64, 128))).astype(np.float32)
+    s1, s2 = block().allocate_state(2), block().allocate_state(2)
+    np.asarray(s1.h)[...] = h0
+    np.asarray(s2.h)[...] = h0
+    y = np.asarray(block().forward(x, s1))
+    d = np.concatenate([np.asarray(block().forward(x[:, :100], s2)),
+                        steps(block(), x, s2, 100, 270)], 1)
+    assert_same_bits(d, y, "decode vs prefill from an initial h")
+    assert_same_state(s1, s2, "states")
+    s3 = block().allocate_state(2)
+    assert_bits_differ(np.asarray(block().forward(x, s3)), y, "zero vs nonzero initial h")
+
+
+def test_conv_weight_2d_and_3d_identical_and_repeat():
+    w2 = dict(W)
+    w2["conv1d.weight"] = np.ascontiguousarray(W["conv1d.weight"].reshape(-1, 4))
+    x = random_input(2, 40, D, seed=11)
+    y = np.asarray(block().forward(x))
+    assert_same_bits(np.asarray(mojolearn.Mamba2Block(w2).forward(x)), y, "(CD, 4) conv weight")
+    assert_same_bits(np.asarray(block().forward(x)), y, "repeat")
+    big = np.zeros((2, 40, 2 * D), np.float32)
+    big[:, :, ::2] = x
+    assert_same_bits(np.asarray(block().forward(big[:, :, ::2])), y, "strided input")
+    w3 = dict(w2)
+    w3["conv1d.weight"] = nudge(w2["conv1d.weight"], index=3)
+    assert_bits_differ(np.asarray(mojolearn.Mamba2Block(w3).forward(x)), y, "nudged conv weight")
+
+
+def test_concurrent_calls_on_one_block_give_the_same_bits():
+    """Two Python threads on one block: the second call gets its own
+    workspace; every result keeps its bits."""
+    import threading
+    xs = [random_input(2, 270, D, seed=30 + k) for k in range(4)]
+    want = [np.asarray(block().forward(x)) for x in xs]
+    got = [None] * 8
+    errors = []
+
+    def run(k):
+        try:
+            got[k] = np.asarray(block().forward(xs[k % 4]))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    for k in range(8):
+        assert_same_bits(got[k], want[k % 4], f"thread {k}")
+    assert_bits_differ(want[0], want[1], "different inputs")
+
+
+def test_decode_session_equals_block_step():
+    x = random_input(3, 280, D, seed=40)
+    s1, s2 = block().allocate_state(3), block().allocate_state(3)
+    block().forward(x[:, :250], s1)
+    block().forward(x[:, :250], s2)
+    ys = steps(block(), x, s1, 250, 280)  # crosses the chunk boundary at 256
+    with block().decode_session(s2) as sess:
+        yd = np.concatenate([np.asarray(sess.step(x[:, t])) for t in range(250, 280)], 1)
+    assert_same_bits(yd, ys, "session vs step")
+    assert_same_state(s2, s1, "state after session close")
+    # negative control: a session from a nudged buffered row differs
+    s3 = block().allocate_state(3)
+    block().forward(x[:, :250], s3)
+    np.asarray(s3.buffer_xbc)[1, 249, 3] += np.float32(1e-3)
+    with block().decode_session(s3) as sess:
+        y3 = np.concatenate([np.asarray(sess.step(x[:, t])) for t in range(250, 280)], 1)
+    assert_bits_differ(y3, ys, "session from a nudged state")
+
+
+@pytest.mark.parametrize("B,L", [(40, 300), (260, 20)])
+def test_large_batches_grouped_rows_equal_rows_alone(B, L):
+    """Large batches process a chunk's rows in groups of 256 // B tokens
+    (6 and 1 here): the grouping never changes a bit."""
+    x = random_input(B, L, D, seed=50)
+    y = np.asarray(block().forward(x))
+    h = np.asarray(block().h_last_).copy()
+    for i in (0, B // 2, B - 1):
+        assert_same_bits(np.asarray(block().forward(x[i:i + 1]))[0], y[i], f"row {i} alone")
+        assert_same_bits(np.asarray(block().h_last_)[0], h[i], f"row {i} h_last_")
+    st = block().allocate_state(B)
+    a = np.asarray(block().forward(x[:, :L - 3], st))
+    b = steps(block(), x, st, L - 3, L)
+    assert_same_bits(np.concatenate([a, b], 1), y, "grouped prefill + steps")
+    assert_bits_differ(y[1], y[2], "different rows")
