@@ -437,9 +437,7 @@ def test_lengths_wrong_count_and_with_state(block, x):
 
 
 # ------------------------------------------------- backward, params, attributes
-def test_backward_not_implemented(weights, x):
-    with pytest.raises(NotImplementedError):
-        Mamba2Block(weights).backward(x, x)
+def test_inference_backward_not_implemented(weights, x):
     with pytest.raises(NotImplementedError, match="forward-only"):
         Mamba2BlockInference(weights).backward(x, x)
 

@@ -10,7 +10,8 @@ Gradients flowing back in time (dh of the scan, the conv's look-ahead of 3
 rows of d(pre-activation)) are carried between chunks per row.
 
 Canonical orders (see docs/backward.md for the full list):
-  * activation gradients: per token, one fma chain per element (linear_grad);
+  * activation gradients: per token, one fma chain per element over the
+    reduction index, ascending, from +0.0 (linear.mojo on transposed panels);
   * every weight gradient element: ONE sequential chain over all (row,
     token) contributions, visiting chunks from last to first and, inside a
     chunk, rows b ascending then tokens t ascending; the chain continues in
@@ -26,7 +27,7 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task
+from .linear import matmul_ntasks, matmul_task, packed_floats, NR
 from .linear_grad import gemm_ntasks, gemm_task
 from .norms import rmsnorm_row, rms_scale
 from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
@@ -114,6 +115,10 @@ struct BWork(ImplicitlyCopyable):
     var o_dhg: Int  # (rows, 2di)
     var o_dxn: Int  # (rows, d)
     var o_pn: Int  # (rows, d) norm weight terms
+    var o_tin: Int  # W_in^T, W_out^T, W_x^T, W_dt^T in linear.mojo's panels
+    var o_tout: Int
+    var o_tx: Int
+    var o_tdt: Int
     var floats: Int
 
     def __init__(out self, dims: M1Dims, b: Int, l: Int):
@@ -176,6 +181,14 @@ struct BWork(ImplicitlyCopyable):
         o += round_up(rows * d, ALIGN_FLOATS)
         self.o_pn = o
         o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_tin = o
+        o += packed_floats(d, 2 * di)
+        self.o_tout = o
+        o += packed_floats(di, d)
+        self.o_tx = o
+        o += packed_floats(di, dims.nx)
+        self.o_tdt = o
+        o += packed_floats(dims.r, di)
         self.floats = o
 
     def chunk_tokens(self, c: Int) -> Int:
@@ -232,7 +245,7 @@ def _softplus_grad[W: Int](v: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
 # ------------------------------------------------------------ plan
 
 
-def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int, is_b: Bool) -> Int:
+def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int) -> Int:
     var b = wk.b
     var rows = b * nc
     var di = dims.di
@@ -250,18 +263,18 @@ def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int, is_b: Bool) -> Int:
     if stage == F_SCAN:
         return b * wk.nblk
     if stage == B_OUT:
-        return gemm_ntasks(rows, di) + gemm_ntasks(d, di)
+        return matmul_ntasks(rows, di) + gemm_ntasks(d, di)
     if stage == B_SCAN:
         return b * wk.nblk
     if stage == B_RED:
-        return (ceil_div(rows, ROWS_PER_TASK) + gemm_ntasks(rows, dims.r)
+        return (ceil_div(rows, ROWS_PER_TASK) + matmul_ntasks(rows, dims.r)
                 + gemm_ntasks(di, dims.r) + wk.nblk)
     if stage == B_XPROJ:
-        return gemm_ntasks(rows, di) + gemm_ntasks(dims.nx, di)
+        return matmul_ntasks(rows, di) + gemm_ntasks(dims.nx, di)
     if stage == B_CONV:
         return ceil_div(di, CH_PER_TASK)
     if stage == B_INPROJ:
-        return gemm_ntasks(rows, d) + gemm_ntasks(2 * di, d)
+        return matmul_ntasks(rows, d) + gemm_ntasks(2 * di, d)
     if stage == B_NORM:
         return ceil_div(rows, ROWS_PER_TASK)
     return ceil_div(d, LANES)  # B_NORMW
@@ -274,16 +287,16 @@ def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
     if phase == 0:
-        return b
+        return b + 4  # per-row init, and the four transposed weight packs
     var na = (wk.nchunks - 1) * NF
     var p = phase - 1
     if p < na:
         var c = p // NF
-        return _counts(dims, wk, p % NF, wk.chunk_tokens(c), False)
+        return _counts(dims, wk, p % NF, wk.chunk_tokens(c))
     p -= na
     if p < wk.nchunks * NB:
         var c = wk.nchunks - 1 - p // NB
-        return _counts(dims, wk, p % NB, wk.chunk_tokens(c), True)
+        return _counts(dims, wk, p % NB, wk.chunk_tokens(c))
     p -= wk.nchunks * NB
     if p == 0:
         return wk.nblk  # dA_log = dA * A
@@ -299,7 +312,10 @@ def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
     var wk = BWork(dims, b, arg_int(args, BW_L))
     var work = arg_f32(args, BW_WORK)
     if phase == 0:
-        _init_row(dims, wk, work, task)
+        if task < b:
+            _init_row(dims, wk, work, task)
+        else:
+            _pack_transposed(args, dims, wk, work, task - b)
         return
     var na = (wk.nchunks - 1) * NF
     var p = phase - 1
@@ -321,7 +337,6 @@ def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
 def _init_row(dims: M1Dims, wk: BWork, work: F32Ptr, bb: Int):
     """Zero row bb's carries and its chunk-0 checkpoints."""
     var di = dims.di
-    var b = wk.b
     for i in range(NSTATE * di):
         work[unsafe_offset=wk.o_dh + bb * NSTATE * di + i] = 0.0
         work[unsafe_offset=wk.o_ckh + bb * NSTATE * di + i] = 0.0
@@ -329,7 +344,33 @@ def _init_row(dims: M1Dims, wk: BWork, work: F32Ptr, bb: Int):
         work[unsafe_offset=wk.o_ckw + bb * KCONV * di + i] = 0.0
     for i in range(3 * di):
         work[unsafe_offset=wk.o_dpc + bb * 3 * di + i] = 0.0
-    _ = b
+
+
+def _pack_t(w: F32Ptr, k: Int, n: Int, dst: F32Ptr):
+    """Row-major W (k, n) as the panels of W^T (n outputs, k inputs) that
+    linear.matmul_task reads: dst[p, kk, j] = W[kk, p * NR + j] (zero past n)."""
+    for p in range(ceil_div(n, NR)):
+        var base = p * k * NR
+        for kk in range(k):
+            for j in range(NR):
+                var col = p * NR + j
+                var v: Float32 = 0.0
+                if col < n:
+                    v = w[unsafe_offset=kk * n + col]
+                dst[unsafe_offset=base + kk * NR + j] = v
+
+
+def _pack_transposed(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, which: Int):
+    var d = dims.d
+    var di = dims.di
+    if which == 0:
+        _pack_t(arg_f32(args, BW_W_IN), 2 * di, d, work.unsafe_offset(wk.o_tin))
+    elif which == 1:
+        _pack_t(arg_f32(args, BW_W_OUT), d, di, work.unsafe_offset(wk.o_tout))
+    elif which == 2:
+        _pack_t(arg_f32(args, BW_W_X), dims.nx, di, work.unsafe_offset(wk.o_tx))
+    else:
+        _pack_t(arg_f32(args, BW_W_DT), di, dims.r, work.unsafe_offset(wk.o_tdt))
 
 
 # ------------------------------------------------------------ forward recompute
@@ -387,11 +428,14 @@ def _forward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
     elif stage == F_DTPROJ:
         var t = matmul_task(task, dbc, nx, rows, blob.unsafe_offset(dims.o_dt), dims.r, di, v, di)
         var bias = blob.unsafe_offset(dims.o_dtb)
-        for r in range(t.r0, t.r1):
-            for col in range(t.c0, t.c1):
-                var vv = v[unsafe_offset=r * di + col] + bias[unsafe_offset=col]
-                v[unsafe_offset=r * di + col] = vv
-                dl[unsafe_offset=r * di + col] = softplus_f32[1](vv)
+        for r in range(t.r0, t.r1):  # lane-wise: same bits as the forward
+            var col = t.c0
+            while col < t.c1:
+                var nv = min(LANES, t.c1 - col)
+                var vv = _ld(v, r * di + col, nv) + _ld(bias, col, nv)
+                _st(v, r * di + col, vv, nv)
+                _st(dl, r * di + col, softplus_f32[LANES](vv), nv)
+                col += LANES
     else:
         var bb = task // wk.nblk
         var q = task % wk.nblk
@@ -486,22 +530,20 @@ def _scan_forward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
 def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                     task: Int):
     var b = wk.b
-    var l = wk.l
     var d = dims.d
     var di = dims.di
     var nx = dims.nx
     var r_ = dims.r
     var nc = wk.chunk_tokens(c)
-    var t0 = c * wk.tc
     var rows = b * nc
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
     if stage == B_OUT:
-        var n1 = gemm_ntasks(rows, di)
+        var n1 = matmul_ntasks(rows, di)
         if task < n1:  # dyg[r, c] = sum_o g[r, o] W_out[o, c]
-            _ = gemm_task(task, work.unsafe_offset(wk.o_gch), d, 1,
-                          arg_f32(args, BW_W_OUT), di, d,
-                          work.unsafe_offset(wk.o_dyg), di, rows, di, False)
+            _ = matmul_task(task, work.unsafe_offset(wk.o_gch), d, rows,
+                            work.unsafe_offset(wk.o_tout), d, di,
+                            work.unsafe_offset(wk.o_dyg), di)
         else:  # dW_out[o, c] += sum_r g[r, o] yg[r, c]
             _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
                           work.unsafe_offset(wk.o_yg), di, rows,
@@ -510,14 +552,14 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         _scan_backward(dims, wk, work, blob, c, task // wk.nblk, task % wk.nblk)
     elif stage == B_RED:
         var n1 = ceil_div(rows, ROWS_PER_TASK)
-        var n2 = gemm_ntasks(rows, r_)
+        var n2 = matmul_ntasks(rows, r_)
         var n3 = gemm_ntasks(di, r_)
         if task < n1:
             _reduce_bc(dims, wk, work, nc, task)
         elif task < n1 + n2:  # ddtr[r, k] = sum_c dv[r, c] W_dt[c, k]
-            _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dv), di, 1,
-                          arg_f32(args, BW_W_DT), r_, di,
-                          work.unsafe_offset(wk.o_ddbc), nx, rows, r_, False)
+            _ = matmul_task(task - n1, work.unsafe_offset(wk.o_dv), di, rows,
+                            work.unsafe_offset(wk.o_tdt), di, r_,
+                            work.unsafe_offset(wk.o_ddbc), nx)
         elif task < n1 + n2 + n3:  # dW_dt[c, k] += sum_r dv[r, c] dtr[r, k]
             _ = gemm_task(task - n1 - n2, work.unsafe_offset(wk.o_dv), 1, di,
                           work.unsafe_offset(wk.o_dbc), nx, rows,
@@ -525,11 +567,11 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         else:
             _column_sums(args, dims, wk, work, nc, task - n1 - n2 - n3)
     elif stage == B_XPROJ:
-        var n1 = gemm_ntasks(rows, di)
+        var n1 = matmul_ntasks(rows, di)
         if task < n1:  # dpre = (du + ddbc @ W_x) * silu'(pre)
             var dpre = work.unsafe_offset(wk.o_dpre)
-            var t = gemm_task(task, work.unsafe_offset(wk.o_ddbc), nx, 1,
-                              arg_f32(args, BW_W_X), di, nx, dpre, di, rows, di, False)
+            var t = matmul_task(task, work.unsafe_offset(wk.o_ddbc), nx, rows,
+                                work.unsafe_offset(wk.o_tx), nx, di, dpre, di)
             var du = work.unsafe_offset(wk.o_du)
             var pre = work.unsafe_offset(wk.o_pre)
             for r in range(t.r0, t.r1):
@@ -547,11 +589,11 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
     elif stage == B_CONV:
         _conv_backward(args, dims, wk, work, blob, c, task)
     elif stage == B_INPROJ:
-        var n1 = gemm_ntasks(rows, d)
+        var n1 = matmul_ntasks(rows, d)
         if task < n1:  # dxn[r, i] = sum_j dhg[r, j] W_in[j, i]
-            _ = gemm_task(task, work.unsafe_offset(wk.o_dhg), 2 * di, 1,
-                          arg_f32(args, BW_W_IN), d, 2 * di,
-                          work.unsafe_offset(wk.o_dxn), d, rows, d, False)
+            _ = matmul_task(task, work.unsafe_offset(wk.o_dhg), 2 * di, rows,
+                            work.unsafe_offset(wk.o_tin), 2 * di, d,
+                            work.unsafe_offset(wk.o_dxn), d)
         else:  # dW_in[j, i] += sum_r dhg[r, j] xn[r, i]
             _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dhg), 1, 2 * di,
                           work.unsafe_offset(wk.o_xn), d, rows,
@@ -567,8 +609,6 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         for r in range(rows):
             acc = acc + _ld(pn, r * d + j0, nv)
         _st(gn, j0, acc, nv)
-    _ = l
-    _ = t0
 
 
 def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
@@ -650,7 +690,6 @@ def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
 def _reduce_bc(dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int, task: Int):
     """ddbc[r, R + k] = block partials summed in ascending block order."""
     var nx = dims.nx
-    var di = dims.di
     var rows = wk.b * nc
     var r0 = task * ROWS_PER_TASK
     var r1 = min(rows, r0 + ROWS_PER_TASK)
@@ -663,7 +702,6 @@ def _reduce_bc(dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int, task: Int):
             for qb in range(1, wk.nblk):
                 acc = acc + part[unsafe_offset=base + qb * 2 * NSTATE + kk]
             ddbc[unsafe_offset=r * nx + dims.r + kk] = acc
-    _ = di
 
 
 def _column_sums(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int,

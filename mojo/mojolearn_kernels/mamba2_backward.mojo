@@ -1,10 +1,1078 @@
-"""Mamba-2 backward (not implemented yet: every plan reports an unknown op)."""
-from .abi import I64Ptr
+"""Mamba-2 backward (vector-Jacobian product of a zero-state prefill).
+
+Chunks of Q = 256 tokens (the forward's chunks), two passes:
+  pass A (chunks 0 .. n-2, forward order): norm, in_proj, conv + dt and the
+         fold, keeping only the SSM state h at every chunk start
+         (checkpoints, B * H * 64 * 128 floats per chunk);
+  pass B (chunks n-1 .. 0): recompute the chunk's forward from its
+         checkpoint (the conv window is recomputed from the 3 tokens before
+         the chunk), then the chunk's VJP. dh (gradient of the state at the
+         chunk end) and the conv's 3-row look-ahead of d(pre-activation) are
+         carried to the previous chunk.
+
+Per head and chunk (rows i, j from the chunk start, S_i(j) the decay sum of
+docs/mamba2.md, L_ij = exp(S_i(j)), w_ij = CB_ij L_ij, u_ij = w_ij dt_j,
+G_ij = dy_i . x_j, e_i = exp(S_i(-1)), el_j = exp(S_last(j))):
+    dx_j    = sum_{i>=j} u_ij dy_i + el_j dt_j (dh_end B_j) + D dy_j
+    d dt_j  = sum_{i>=j} w_ij G_ij + el_j x_j.(dh_end B_j) + A d(dA_j)
+    d(dA_k) = sum over (i, j) with j < k <= i of T_ij   (T_ij = u_ij G_ij,
+              T_i,-1 = e_i dy_i.(C_i h0); likewise the h_end terms)
+    dCB_ij  = sum over heads of G_ij L_ij dt_j  (B, C are shared by heads)
+    dC_i    = sum_j dCB_ij B_j + sum_h e_i (dy_i h0)
+    dB_j    = sum_i dCB_ij C_i + sum_h el_j dt_j (dh_end^T x_j)
+    dh0     = exp(S_last(-1)) dh_end + sum_i e_i dy_i C_i^T
+Canonical orders: docs/backward.md ("Mamba-2"). Every weight gradient
+element is ONE sequential chain over all (row, token) contributions,
+chunks last to first, inside a chunk rows b ascending then tokens ascending
+(the chain continues in the output array between chunks). Threads only
+split independent outputs, so no bit depends on the thread count, and a
+row's x gradient depends only on that row.
+"""
+from std.collections import Array
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
+    arg_int, arg_f32, round_up, ceil_div,
+)
+from .linear import matmul_ntasks, matmul_task
+from .linear_grad import gemm_ntasks, gemm_task
+from .norms import rmsnorm_row, rms_scale
+from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from .mamba2_layout import P, N, Q, KCONV, M2Dims
+from .mamba2_ssd import seg_row
+
+# OP_M2_BACKWARD argument slots.
+comptime BW_B = 0
+comptime BW_L = 1
+comptime BW_D = 2
+comptime BW_X = 3
+comptime BW_G = 4  # grad_output (B, L, d)
+comptime BW_BLOB = 5  # prepared forward blob (M2Dims layout)
+comptime BW_WORK = 6
+comptime BW_DX = 7
+comptime BW_W_IN = 8  # row-major in_proj.weight (npj, d)
+comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
+comptime BW_G_NORM = 10  # gradient outputs, zero on entry, natural layouts
+comptime BW_G_IN = 11
+comptime BW_G_CONVW = 12  # (cd, 4)
+comptime BW_G_CONVB = 13
+comptime BW_G_DTB = 14
+comptime BW_G_ALOG = 15
+comptime BW_G_D = 16
+comptime BW_G_GNORM = 17
+comptime BW_G_OUT = 18
+comptime BW_NARGS = 19
+
+comptime LANES = 16
+comptime LV = SIMD[DType.float32, LANES]
+comptime ROWS_PER_TASK = 16
+comptime CH_PER_TASK = 64
+comptime SCR = Q * P + 2 * P * N + 8 * Q  # per (row, head) task
+
+# Stages. Pass A: S_NORM, S_INPROJ, S_CONV, A_FOLD; pass B: all but A_FOLD.
+comptime S_NORM = 0
+comptime S_INPROJ = 1
+comptime S_CONV = 2  # conv + SiLU (keeps the pre-activation); dt, dA rows
+comptime S_CB = 3
+comptime S_SSD = 4  # y (before the gate) and yg
+comptime S_GNORM = 5
+comptime S_OUT = 6  # dg = grad_out @ W_out; d out_proj
+comptime S_GATE = 7  # gated norm VJP, dy, dz
+comptime S_SSD1 = 8  # per (row, head): dx, d dt, d(dA), dh carry | dCB rows
+comptime S_SSD3 = 9  # dB, dC
+comptime S_CONVB = 10  # conv VJP; d conv weight, bias
+comptime S_INB = 11  # dxn = dzx @ W_in; d in_proj
+comptime S_NORMB = 12  # dx; block norm weight terms
+comptime S_COLS = 13  # column sums: norm weights, dt_bias, A, D
+comptime NBS = 14
+comptime NAS = 4
+
+
+struct BW2(ImplicitlyCopyable):
+    """Sizes and workspace layout (floats) of one backward call."""
+    var dims: M2Dims
+    var b: Int
+    var l: Int
+    var nch: Int
+    var o_ckh: Int  # (nch, B, H, P, N) h at each chunk start
+    var o_dh: Int  # (2, B, H, P, N) dh at a chunk end, by chunk parity
+    var o_dpc: Int  # (B, 3, cd) first 3 dpre rows of the following chunk
+    var o_xn: Int  # (rows, d)
+    var o_xnp: Int  # (B 3, d) the 3 tokens before the chunk
+    var o_gch: Int  # (rows, d) grad_output rows of the chunk
+    var o_zx: Int  # (rows, npj)
+    var o_zxp: Int  # (B 3, npj)
+    var o_pre: Int  # (rows, cd) conv output before SiLU
+    var o_cx: Int  # (rows, cd) after SiLU
+    var o_dt: Int  # (B, H, Q)
+    var o_da: Int
+    var o_sg: Int  # d dt / d(dtraw + dt_bias) (clamp mask times softplus')
+    var o_eoff: Int  # exp(S_i(-1))
+    var o_elast: Int  # exp(S_last(j)) dt_j
+    var o_pdtb: Int  # per (row, head, token) terms of d dt_bias, d A, d D
+    var o_pa: Int
+    var o_pd: Int
+    var o_cb: Int  # (B, Q, Q)
+    var o_dcb: Int  # (B, Q, Q)
+    var o_y: Int  # (rows, di)
+    var o_yg: Int
+    var o_g: Int
+    var o_dg: Int
+    var o_dy: Int
+    var o_pgn: Int  # gated norm weight terms
+    var o_dzx: Int  # (rows, npj)
+    var o_dcx: Int  # (rows, cd) d post-SiLU xBC, then d pre-activation
+    var o_dxn: Int  # (rows, d)
+    var o_pn: Int  # (rows, d)
+    var o_scr: Int  # (B H, SCR)
+    var o_scr2: Int  # (B ceil(Q/16), Q)
+    var floats: Int
+
+    def __init__(out self, args: I64Ptr):
+        self.dims = M2Dims(arg_int(args, BW_D))
+        self.b = arg_int(args, BW_B)
+        self.l = arg_int(args, BW_L)
+        self.nch = ceil_div(self.l, Q)
+        var b = self.b
+        var d = self.dims.d
+        var di = self.dims.di
+        var cd = self.dims.cd
+        var npj = self.dims.npj
+        var nh = self.dims.nh
+        var rows = b * min(Q, self.l)
+        var hs = b * nh * P * N
+        var o = 0
+        self.o_ckh = o
+        o += round_up(self.nch * hs, ALIGN_FLOATS)
+        self.o_dh = o
+        o += round_up(2 * hs, ALIGN_FLOATS)
+        self.o_dpc = o
+        o += round_up(b * 3 * cd, ALIGN_FLOATS)
+        self.o_xn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_xnp = o
+        o += round_up(b * 3 * d, ALIGN_FLOATS)
+        self.o_gch = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_zx = o
+        o += round_up(rows * npj, ALIGN_FLOATS)
+        self.o_zxp = o
+        o += round_up(b * 3 * npj, ALIGN_FLOATS)
+        self.o_pre = o
+        o += round_up(rows * cd, ALIGN_FLOATS)
+        self.o_cx = o
+        o += round_up(rows * cd, ALIGN_FLOATS)
+        var hq = round_up(b * nh * Q, ALIGN_FLOATS)
+        self.o_dt = o
+        o += hq
+        self.o_da = o
+        o += hq
+        self.o_sg = o
+        o += hq
+        self.o_eoff = o
+        o += hq
+        self.o_elast = o
+        o += hq
+        self.o_pdtb = o
+        o += hq
+        self.o_pa = o
+        o += hq
+        self.o_pd = o
+        o += hq
+        self.o_cb = o
+        o += round_up(b * Q * Q, ALIGN_FLOATS)
+        self.o_dcb = o
+        o += round_up(b * Q * Q, ALIGN_FLOATS)
+        var rdi = round_up(rows * di, ALIGN_FLOATS)
+        self.o_y = o
+        o += rdi
+        self.o_yg = o
+        o += rdi
+        self.o_g = o
+        o += rdi
+        self.o_dg = o
+        o += rdi
+        self.o_dy = o
+        o += rdi
+        self.o_pgn = o
+        o += rdi
+        self.o_dzx = o
+        o += round_up(rows * npj, ALIGN_FLOATS)
+        self.o_dcx = o
+        o += round_up(rows * cd, ALIGN_FLOATS)
+        self.o_dxn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_pn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_scr = o
+        o += round_up(b * nh * SCR, ALIGN_FLOATS)
+        self.o_scr2 = o
+        o += round_up(b * ceil_div(Q, ROWS_PER_TASK) * Q, ALIGN_FLOATS)
+        self.floats = o
+
+    def nc(self, c: Int) -> Int:
+        return min(Q, self.l - c * Q)
+
+    def hq(self, bb: Int, hh: Int) -> Int:
+        """Offset of row bb, head hh in a (B, H, Q) array."""
+        return (bb * self.dims.nh + hh) * Q
+
+
+# ------------------------------------------------------------ helpers
+
+
+@always_inline
+def _silu_grad[W: Int](z: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
+    """d silu / dz = s * fma(z, 1 - s, 1), s = sigmoid(z)."""
+    comptime V = SIMD[DType.float32, W]
+    var s = sigmoid_f32[W](z)
+    return s * z.fma(V(1.0) - s, V(1.0))
+
+
+@always_inline
+def _softplus_grad(v: Float32) -> Float32:
+    """1 where softplus is the identity (v > 20, PyTorch's threshold), else sigmoid(v)."""
+    if v > 20.0:
+        return 1.0
+    return sigmoid_f32[1](v)
+
+
+def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
+    var dims = bw.dims
+    var b = bw.b
+    var nc = bw.nc(c)
+    var rows = b * nc
+    var nrb = ceil_div(nc, ROWS_PER_TASK)
+    if stage == S_NORM:
+        return ceil_div(rows + 3 * b, ROWS_PER_TASK)
+    if stage == S_INPROJ:
+        var m = dims.npj if is_b else dims.npj - dims.di  # pass A: no z
+        return matmul_ntasks(rows, m) + matmul_ntasks(3 * b, m)
+    if stage == S_CONV:
+        return dims.cd // CH_PER_TASK + b * dims.nh
+    if stage == S_CB:
+        return b * nrb
+    if stage == S_SSD:
+        return b * dims.nh
+    if stage == S_GNORM or stage == S_GATE or stage == S_NORMB:
+        return ceil_div(rows, ROWS_PER_TASK)
+    if stage == S_OUT:
+        return gemm_ntasks(rows, dims.di) + gemm_ntasks(dims.d, dims.di)
+    if stage == S_SSD1:
+        return b * dims.nh + b * nrb
+    if stage == S_SSD3:
+        return b * nrb
+    if stage == S_CONVB:
+        return dims.cd // CH_PER_TASK
+    if stage == S_INB:
+        return gemm_ntasks(rows, dims.d) + gemm_ntasks(dims.npj, dims.d)
+    # S_COLS
+    return ceil_div(dims.d, LANES) + ceil_div(dims.di, LANES) + dims.nh
+
+
+# ------------------------------------------------------------ plan / task
 
 
 def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
-    return -2
+    var bw = BW2(args)
+    if phase == PLAN_WORKSPACE:
+        return bw.floats * 4
+    if phase == 0:
+        return bw.b
+    var na = (bw.nch - 1) * NAS
+    var p = phase - 1
+    if p < na:
+        var stage = p % NAS
+        if stage == NAS - 1:
+            return bw.b * bw.dims.nh  # fold
+        return _counts(bw, p // NAS, stage, False)
+    p -= na
+    if p < bw.nch * NBS:
+        var c = bw.nch - 1 - p // NBS
+        return _counts(bw, c, p % NBS, True)
+    p -= bw.nch * NBS
+    if p == 0:
+        return 1  # d A_log = dA * A
+    return PHASE_END
 
 
 def m2_backward_task(args: I64Ptr, phase: Int, task: Int):
-    pass
+    var bw = BW2(args)
+    if phase == 0:
+        _init_row(args, bw, task)
+        return
+    var na = (bw.nch - 1) * NAS
+    var p = phase - 1
+    if p < na:
+        var c = p // NAS
+        var stage = p % NAS
+        if stage == NAS - 1:
+            _fold(args, bw, c, task // bw.dims.nh, task % bw.dims.nh)
+        else:
+            _stage(args, bw, c, stage, task, False)
+        return
+    p -= na
+    if p < bw.nch * NBS:
+        _stage(args, bw, bw.nch - 1 - p // NBS, p % NBS, task, True)
+        return
+    _finish_alog(args, bw)
+
+
+def _init_row(args: I64Ptr, bw: BW2, bb: Int):
+    """Zero row bb's carries and its chunk-0 checkpoint."""
+    var work = arg_f32(args, BW_WORK)
+    var hs = bw.dims.nh * P * N
+    var tot = bw.b * hs
+    for i in range(hs):
+        work[unsafe_offset=bw.o_ckh + bb * hs + i] = 0.0
+        work[unsafe_offset=bw.o_dh + bb * hs + i] = 0.0
+        work[unsafe_offset=bw.o_dh + tot + bb * hs + i] = 0.0
+    for i in range(3 * bw.dims.cd):
+        work[unsafe_offset=bw.o_dpc + bb * 3 * bw.dims.cd + i] = 0.0
+
+
+def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
+    var dims = bw.dims
+    var b = bw.b
+    var d = dims.d
+    var di = dims.di
+    var npj = dims.npj
+    var nc = bw.nc(c)
+    var rows = b * nc
+    var nrb = ceil_div(nc, ROWS_PER_TASK)
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    if stage == S_NORM:
+        _norm_rows(args, bw, c, task, is_b)
+    elif stage == S_INPROJ:
+        # pass A needs no z: columns from di on (di is a whole number of
+        # 16-row panels, so the panels from di/16 on are that matrix)
+        var c0 = 0 if is_b else di
+        var m = npj - c0
+        var wp = blob.unsafe_offset(dims.o_in + c0 * d)
+        var n1 = matmul_ntasks(rows, m)
+        if task < n1:
+            _ = matmul_task(task, work.unsafe_offset(bw.o_xn), d, rows, wp, d, m,
+                            work.unsafe_offset(bw.o_zx + c0), npj)
+        else:
+            _ = matmul_task(task - n1, work.unsafe_offset(bw.o_xnp), d, 3 * b, wp, d, m,
+                            work.unsafe_offset(bw.o_zxp + c0), npj)
+    elif stage == S_CONV:
+        var nct = dims.cd // CH_PER_TASK
+        if task < nct:
+            _conv_fwd(bw, work, blob, c, task)
+        else:
+            _dt_rows(bw, work, blob, c, (task - nct) // dims.nh, (task - nct) % dims.nh)
+    elif stage == S_CB:
+        _cb_rows(bw, work, c, task // nrb, task % nrb)
+    elif stage == S_SSD:
+        _ssd_fwd(bw, work, blob, c, task // dims.nh, task % dims.nh, task)
+    elif stage == S_GNORM:
+        var r0 = task * ROWS_PER_TASK
+        for r in range(r0, min(rows, r0 + ROWS_PER_TASK)):
+            rmsnorm_row(work.unsafe_offset(bw.o_yg + r * di), di,
+                        blob.unsafe_offset(dims.o_gnorm), work.unsafe_offset(bw.o_g + r * di))
+    elif stage == S_OUT:
+        var n1 = gemm_ntasks(rows, di)
+        if task < n1:  # dg[r, k] = sum_o gout[r, o] W_out[o, k]
+            _ = gemm_task(task, work.unsafe_offset(bw.o_gch), d, 1,
+                          arg_f32(args, BW_W_OUT), di, d,
+                          work.unsafe_offset(bw.o_dg), di, rows, di, False)
+        else:  # dW_out[o, k] += sum_r gout[r, o] g[r, k]
+            _ = gemm_task(task - n1, work.unsafe_offset(bw.o_gch), 1, d,
+                          work.unsafe_offset(bw.o_g), di, rows,
+                          arg_f32(args, BW_G_OUT), di, d, di, True)
+    elif stage == S_GATE:
+        _gate_backward(bw, work, blob, c, task)
+    elif stage == S_SSD1:
+        var nht = b * dims.nh
+        if task < nht:
+            _ssd_head_backward(bw, work, blob, c, task // dims.nh, task % dims.nh, task)
+        else:
+            var t = task - nht
+            _dcb_rows(bw, work, c, t // nrb, t % nrb, t)
+    elif stage == S_SSD3:
+        _dbc_rows(bw, work, c, task // nrb, task % nrb)
+    elif stage == S_CONVB:
+        _conv_backward(args, bw, work, blob, c, task)
+    elif stage == S_INB:
+        var n1 = gemm_ntasks(rows, d)
+        if task < n1:  # dxn[r, i] = sum_j dzx[r, j] W_in[j, i]
+            _ = gemm_task(task, work.unsafe_offset(bw.o_dzx), npj, 1,
+                          arg_f32(args, BW_W_IN), d, npj,
+                          work.unsafe_offset(bw.o_dxn), d, rows, d, False)
+        else:  # dW_in[j, i] += sum_r dzx[r, j] xn[r, i]
+            _ = gemm_task(task - n1, work.unsafe_offset(bw.o_dzx), 1, npj,
+                          work.unsafe_offset(bw.o_xn), d, rows,
+                          arg_f32(args, BW_G_IN), d, npj, d, True)
+    elif stage == S_NORMB:
+        _norm_backward(args, bw, work, blob, c, task)
+    else:
+        _column_sums(args, bw, work, c, task)
+
+
+# ------------------------------------------------------------ forward recompute
+
+
+def _norm_rows(args: I64Ptr, bw: BW2, c: Int, task: Int, is_b: Bool):
+    """Block RMSNorm of the chunk's rows and of the 3 tokens before it
+    (zeros before the sequence: the conv window starts at zeros); pass B
+    also copies the chunk's grad_output rows."""
+    var d = bw.dims.d
+    var l = bw.l
+    var nc = bw.nc(c)
+    var rows = bw.b * nc
+    var x = arg_f32(args, BW_X)
+    var g = arg_f32(args, BW_G)
+    var work = arg_f32(args, BW_WORK)
+    var w = arg_f32(args, BW_BLOB).unsafe_offset(bw.dims.o_norm)
+    var r0 = task * ROWS_PER_TASK
+    var r1 = min(rows + 3 * bw.b, r0 + ROWS_PER_TASK)
+    for r in range(r0, r1):
+        if r < rows:
+            var off = ((r // nc) * l + c * Q + r % nc) * d
+            rmsnorm_row(x.unsafe_offset(off), d, w, work.unsafe_offset(bw.o_xn + r * d))
+            if is_b:
+                for j in range(d):
+                    work[unsafe_offset=bw.o_gch + r * d + j] = g[unsafe_offset=off + j]
+        else:
+            var q = r - rows
+            var t = c * Q - 3 + q % 3
+            var dst = work.unsafe_offset(bw.o_xnp + q * d)
+            if t < 0:
+                for j in range(d):
+                    dst[unsafe_offset=j] = 0.0
+            else:
+                rmsnorm_row(x.unsafe_offset(((q // 3) * l + t) * d), d, w, dst)
+
+
+def _conv_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
+    """conv.mojo's formula for 64 channels of every row of the chunk; the
+    window is the xBC of the 3 tokens before the chunk. Keeps pre and cx."""
+    var dims = bw.dims
+    var cd = dims.cd
+    var npj = dims.npj
+    var di = dims.di
+    var nc = bw.nc(c)
+    var c0 = task * CH_PER_TASK
+    for bb in range(bw.b):
+        var ch = c0
+        while ch < c0 + CH_PER_TASK:
+            var w0 = blob.unsafe_load[width=LANES](dims.o_convw + ch)
+            var w1 = blob.unsafe_load[width=LANES](dims.o_convw + cd + ch)
+            var w2 = blob.unsafe_load[width=LANES](dims.o_convw + 2 * cd + ch)
+            var w3 = blob.unsafe_load[width=LANES](dims.o_convw + 3 * cd + ch)
+            var bias = blob.unsafe_load[width=LANES](dims.o_convb + ch)
+            var zp = work.unsafe_offset(bw.o_zxp + bb * 3 * npj + di + ch)
+            var s1 = zp.unsafe_load[width=LANES](0)
+            var s2 = zp.unsafe_load[width=LANES](npj)
+            var s3 = zp.unsafe_load[width=LANES](2 * npj)
+            for j in range(nc):
+                var r = bb * nc + j
+                var s0 = s1
+                s1 = s2
+                s2 = s3
+                s3 = work.unsafe_load[width=LANES](bw.o_zx + r * npj + di + ch)
+                var acc = w0.fma(s0, bias)
+                acc = w1.fma(s1, acc)
+                acc = w2.fma(s2, acc)
+                acc = w3.fma(s3, acc)
+                work.unsafe_store(bw.o_pre + r * cd + ch, acc)
+                work.unsafe_store(bw.o_cx + r * cd + ch, silu_f32[LANES](acc))
+            ch += LANES
+
+
+def _dt_rows(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
+    """dt = clamp(softplus(dtraw + dt_bias)) as in mamba2_ssd.dt_rows (lane
+    by lane, so the same bits), dA = dt * A, and sg = d dt / d v: softplus'
+    where lo <= softplus(v) <= hi (PyTorch's clamp: inclusive), else 0.
+    Rows past the chunk are zero."""
+    var dims = bw.dims
+    var nc = bw.nc(c)
+    var a = blob[unsafe_offset=dims.o_a + hh]
+    var bias = blob[unsafe_offset=dims.o_dtb + hh]
+    var lo = blob[unsafe_offset=dims.o_lim]
+    var hi = blob[unsafe_offset=dims.o_lim + 1]
+    var o = bw.hq(bb, hh)
+    for j in range(Q):
+        var dt: Float32 = 0.0
+        var sg: Float32 = 0.0
+        if j < nc:
+            var v = work[unsafe_offset=bw.o_zx + (bb * nc + j) * dims.npj + dims.di + dims.cd + hh] + bias
+            var sp = softplus_f32[1](v)
+            dt = lo if sp < lo else sp
+            dt = hi if dt > hi else dt
+            if sp >= lo and sp <= hi:
+                sg = _softplus_grad(v)
+        work[unsafe_offset=bw.o_dt + o + j] = dt
+        work[unsafe_offset=bw.o_da + o + j] = dt * a
+        work[unsafe_offset=bw.o_sg + o + j] = sg
+
+
+@always_inline
+def _cx(bw: BW2, work: F32Ptr, bb: Int, nc: Int, j: Int) -> F32Ptr:
+    return work.unsafe_offset(bw.o_cx + (bb * nc + j) * bw.dims.cd)
+
+
+def _cb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
+    """CB_ij = fma chain over n of C_i[n] B_j[n], j <= i (the forward's chain)."""
+    var di = bw.dims.di
+    var nc = bw.nc(c)
+    var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
+    for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+        var crow = _cx(bw, work, bb, nc, i).unsafe_offset(di + N)
+        for j in range(i + 1):
+            var brow = _cx(bw, work, bb, nc, j).unsafe_offset(di)
+            var acc: Float32 = 0.0
+            for n in range(N):
+                acc = crow[unsafe_offset=n].fma(brow[unsafe_offset=n], acc)
+            cb[unsafe_offset=i * Q + j] = acc
+
+
+def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task: Int):
+    """Head hh of row bb: y (before the gate) and yg = y * silu(z) of the
+    chunk's rows, in the forward's order (docs/mamba2.md steps 4-9)."""
+    var dims = bw.dims
+    var di = dims.di
+    var nc = bw.nc(c)
+    var scr = work.unsafe_offset(bw.o_scr + task * SCR)
+    var seg = scr
+    var urow = scr.unsafe_offset(Q)
+    var ht = scr.unsafe_offset(2 * Q)
+    var h0 = work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N)
+    var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
+    var dts = work.unsafe_offset(bw.o_dt + bw.hq(bb, hh))
+    var da = work.unsafe_offset(bw.o_da + bw.hq(bb, hh))
+    var dskip = LV(blob[unsafe_offset=dims.o_dskip + hh])
+    for p in range(P):
+        for n in range(N):
+            ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
+    for i in range(nc):
+        var r = bb * nc + i
+        var ci = seg_row(da, i, seg)
+        var jv = 0
+        while jv <= i:
+            var e = exp_f32[LANES](seg.unsafe_load[width=LANES](jv))
+            var w = cb.unsafe_load[width=LANES](i * Q + jv) * e
+            urow.unsafe_store(jv, w * dts.unsafe_load[width=LANES](jv))
+            jv += LANES
+        var acc = Array[LV, 4](fill=LV(0.0))
+        for j in range(i + 1):
+            var uj = LV(urow[unsafe_offset=j])
+            var xp = _cx(bw, work, bb, nc, j).unsafe_offset(hh * P)
+            comptime for q in range(4):
+                acc[q] = uj.fma(xp.unsafe_load[width=LANES](q * LANES), acc[q])
+        var row = _cx(bw, work, bb, nc, i)
+        var crow = row.unsafe_offset(di + N)
+        var yo = Array[LV, 4](fill=LV(0.0))
+        for n in range(N):
+            var cn = LV(crow[unsafe_offset=n])
+            comptime for q in range(4):
+                yo[q] = cn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), yo[q])
+        var ec = LV(exp_f32[1](ci))
+        comptime for q in range(4):
+            var y = acc[q] + yo[q] * ec
+            y = row.unsafe_load[width=LANES](hh * P + q * LANES).fma(dskip, y)
+            var z = work.unsafe_load[width=LANES](bw.o_zx + r * dims.npj + hh * P + q * LANES)
+            work.unsafe_store(bw.o_y + r * di + hh * P + q * LANES, y)
+            work.unsafe_store(bw.o_yg + r * di + hh * P + q * LANES, y * silu_f32[LANES](z))
+
+
+def _fold(args: I64Ptr, bw: BW2, c: Int, bb: Int, hh: Int):
+    """Pass A: h at the start of chunk c + 1 = the forward's fold of chunk c."""
+    var dims = bw.dims
+    var di = dims.di
+    var work = arg_f32(args, BW_WORK)
+    var nc = bw.nc(c)
+    var scr = work.unsafe_offset(bw.o_scr + (bb * dims.nh + hh) * SCR)
+    var seg = scr
+    var wrow = scr.unsafe_offset(Q)
+    var src = work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N)
+    var dst = work.unsafe_offset(bw.o_ckh + (((c + 1) * bw.b + bb) * dims.nh + hh) * P * N)
+    var da = work.unsafe_offset(bw.o_da + bw.hq(bb, hh))
+    var dts = work.unsafe_offset(bw.o_dt + bw.hq(bb, hh))
+    var total = seg_row(da, nc - 1, seg)
+    var el = LV(exp_f32[1](total))
+    var k = 0
+    while k < P * N:
+        dst.unsafe_store(k, el * src.unsafe_load[width=LANES](k))
+        k += LANES
+    var jv = 0
+    while jv < nc:
+        var e = exp_f32[LANES](seg.unsafe_load[width=LANES](jv))
+        wrow.unsafe_store(jv, e * dts.unsafe_load[width=LANES](jv))
+        jv += LANES
+    for i in range(nc):
+        var row = _cx(bw, work, bb, nc, i)
+        var br = row.unsafe_offset(di)
+        var si = wrow[unsafe_offset=i]
+        for p in range(P):
+            var coef = LV(si * row[unsafe_offset=hh * P + p])
+            var tp = dst.unsafe_offset(p * N)
+            comptime for q in range(N // LANES):
+                tp.unsafe_store(q * LANES, coef.fma(br.unsafe_load[width=LANES](q * LANES),
+                                                    tp.unsafe_load[width=LANES](q * LANES)))
+
+
+# ------------------------------------------------------------ backward stages
+
+
+def _gate_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
+    """Gated RMSNorm VJP (g = w * (yg * r)): per row gx_j = dg_j w_j;
+    dot = fma chain over j of gx_j yg_j; coef = (dot * ((r * r) * r)) / di;
+    dyg_j = fma(-yg_j, coef, r * gx_j); pgn_j = dg_j * (yg_j * r). Then
+    dy = dyg * silu(z), dz = (dyg * y) * silu'(z)."""
+    var dims = bw.dims
+    var di = dims.di
+    var npj = dims.npj
+    var rows = bw.b * bw.nc(c)
+    var w = blob.unsafe_offset(dims.o_gnorm)
+    var r0 = task * ROWS_PER_TASK
+    for r in range(r0, min(rows, r0 + ROWS_PER_TASK)):
+        var v = work.unsafe_offset(bw.o_yg + r * di)
+        var dg = work.unsafe_offset(bw.o_dg + r * di)
+        var rs = rms_scale(v, di)
+        var dot: Float32 = 0.0
+        for j in range(di):
+            var gx = dg[unsafe_offset=j] * w[unsafe_offset=j]
+            dot = gx.fma(v[unsafe_offset=j], dot)
+        var coef = (dot * ((rs * rs) * rs)) / Float32(di)
+        var j = 0
+        while j < di:
+            var vj = v.unsafe_load[width=LANES](j)
+            var gj = dg.unsafe_load[width=LANES](j)
+            var gx = gj * w.unsafe_load[width=LANES](j)
+            var dyg = (-vj).fma(LV(coef), LV(rs) * gx)
+            work.unsafe_store(bw.o_pgn + r * di + j, gj * (vj * LV(rs)))
+            var z = work.unsafe_load[width=LANES](bw.o_zx + r * npj + j)
+            var y = work.unsafe_load[width=LANES](bw.o_y + r * di + j)
+            work.unsafe_store(bw.o_dy + r * di + j, dyg * silu_f32[LANES](z))
+            work.unsafe_store(bw.o_dzx + r * npj + j, (dyg * y) * _silu_grad[LANES](z))
+            j += LANES
+
+
+@always_inline
+def _dot_tree(a: F32Ptr, b: F32Ptr) -> Float32:
+    """sum over p = 0..63 of a[p] b[p] as a pairwise tree: products rounded
+    one by one, (v0 + v1) + (v2 + v3) over the four 16-lane blocks, then
+    lane j + lane j+8, +4, +2, +1."""
+    var v0 = a.unsafe_load[width=LANES](0) * b.unsafe_load[width=LANES](0)
+    var v1 = a.unsafe_load[width=LANES](LANES) * b.unsafe_load[width=LANES](LANES)
+    var v2 = a.unsafe_load[width=LANES](2 * LANES) * b.unsafe_load[width=LANES](2 * LANES)
+    var v3 = a.unsafe_load[width=LANES](3 * LANES) * b.unsafe_load[width=LANES](3 * LANES)
+    var v = (v0 + v1) + (v2 + v3)
+    var s8 = v.slice[8, offset=0]() + v.slice[8, offset=8]()
+    var s4 = s8.slice[4, offset=0]() + s8.slice[4, offset=4]()
+    var s2 = s4.slice[2, offset=0]() + s4.slice[2, offset=2]()
+    return s2[0] + s2[1]
+
+
+def _ssd_head_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int,
+                       task: Int):
+    """Head hh of row bb over chunk c: dx (x part of d xBC), d dtraw, the
+    d dt_bias / dA / dD terms, exp(S_i(-1)) and exp(S_last(j)) dt_j for the
+    dB/dC stage, and dh at the chunk start (carried to chunk c - 1).
+    Orders: dx_j[p]: fma chain over i = j..n-1 ascending of u_ij dy_i[p],
+    then the h_end term (fma), then fma(D, dy_j[p], .); d dt_j: fma chain
+    over i ascending of w_ij G_ij, then the h_end term (fma), then
+    fma(A, d(dA_j), .); d(dA_k): + chain over i ascending of the row
+    prefix sums R_i(k) = T_i,-1 + T_i,0 + ... + T_i,k-1, then the h_end
+    row's prefix sum; dh0 = exp(S_last(-1)) dh_end, then fma over i
+    ascending of (e_i dy_i[p]) C_i[n]."""
+    var dims = bw.dims
+    var di = dims.di
+    var nh = dims.nh
+    var npj = dims.npj
+    var cd = dims.cd
+    var nc = bw.nc(c)
+    var last = c == bw.nch - 1
+    var hs = bw.b * nh * P * N
+    var scr = work.unsafe_offset(bw.o_scr + task * SCR)
+    var dxacc = scr  # (Q, P)
+    var dh0 = scr.unsafe_offset(Q * P)  # (P, N)
+    var ht = scr.unsafe_offset(Q * P + P * N)  # (N, P) h0 or dh_end transposed
+    var seg = scr.unsafe_offset(Q * P + 2 * P * N)
+    var wrow = seg.unsafe_offset(Q)
+    var urow = seg.unsafe_offset(2 * Q)
+    var trow = seg.unsafe_offset(3 * Q)
+    var ddt = seg.unsafe_offset(4 * Q)
+    var dda = seg.unsafe_offset(5 * Q)
+    var yo = seg.unsafe_offset(6 * Q)  # P floats
+    var off_h = (bb * nh + hh) * P * N
+    var h0 = work.unsafe_offset(bw.o_ckh + c * hs + off_h)
+    var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + off_h)
+    var dhout = work.unsafe_offset(bw.o_dh + ((c + 1) % 2) * hs + off_h)
+    var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
+    var o = bw.hq(bb, hh)
+    var dts = work.unsafe_offset(bw.o_dt + o)
+    var da = work.unsafe_offset(bw.o_da + o)
+    var a = blob[unsafe_offset=dims.o_a + hh]
+    var dskip = blob[unsafe_offset=dims.o_dskip + hh]
+    for kz in range(nc * P):
+        dxacc[unsafe_offset=kz] = 0.0
+    for j in range(Q):
+        ddt[unsafe_offset=j] = 0.0
+        dda[unsafe_offset=j] = 0.0
+    # dh0 starts as exp(S_last(-1)) dh_end
+    var elt = exp_f32[1](seg_row(da, nc - 1, seg))
+    var k = 0
+    while k < P * N:
+        dh0.unsafe_store(k, LV(elt) * dhe.unsafe_load[width=LANES](k))
+        k += LANES
+    for p in range(P):
+        for n in range(N):
+            ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
+    for i in range(nc):
+        var r = bb * nc + i
+        var ci = seg_row(da, i, seg)
+        var eo = exp_f32[1](ci)
+        work[unsafe_offset=bw.o_eoff + o + i] = eo
+        var jv = 0
+        while jv <= i:
+            var e = exp_f32[LANES](seg.unsafe_load[width=LANES](jv))
+            var w = cb.unsafe_load[width=LANES](i * Q + jv) * e
+            wrow.unsafe_store(jv, w)
+            urow.unsafe_store(jv, w * dts.unsafe_load[width=LANES](jv))
+            jv += LANES
+        var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
+        var dyv = Array[LV, 4](fill=LV(0.0))
+        comptime for q in range(4):
+            dyv[q] = dyp.unsafe_load[width=LANES](q * LANES)
+        for j in range(i + 1):
+            var xj = _cx(bw, work, bb, nc, j).unsafe_offset(hh * P)
+            var g = _dot_tree(dyp, xj)
+            var uj = urow[unsafe_offset=j]
+            var ac = dxacc.unsafe_offset(j * P)
+            comptime for q in range(4):
+                ac.unsafe_store(q * LANES, LV(uj).fma(dyv[q], ac.unsafe_load[width=LANES](q * LANES)))
+            ddt[unsafe_offset=j] = wrow[unsafe_offset=j].fma(g, ddt[unsafe_offset=j])
+            trow[unsafe_offset=j] = uj * g
+        # Yoff: yo[p] = C_i . h0[p]; T_i,-1 = e_i * (dy_i . yo)
+        var crow = _cx(bw, work, bb, nc, i).unsafe_offset(di + N)
+        var yov = Array[LV, 4](fill=LV(0.0))
+        for n in range(N):
+            var cn = LV(crow[unsafe_offset=n])
+            comptime for q in range(4):
+                yov[q] = cn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), yov[q])
+        comptime for q in range(4):
+            yo.unsafe_store(q * LANES, yov[q])
+        var racc = eo * _dot_tree(dyp, yo)
+        dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
+        for kk in range(1, i + 1):
+            racc = racc + trow[unsafe_offset=kk - 1]
+            dda[unsafe_offset=kk] = dda[unsafe_offset=kk] + racc
+        # dh0 += (e_i dy_i) C_i^T
+        var cv = Array[LV, N // LANES](fill=LV(0.0))
+        comptime for q in range(N // LANES):
+            cv[q] = crow.unsafe_load[width=LANES](q * LANES)
+        for p in range(P):
+            var coef = LV(eo * dyp[unsafe_offset=p])
+            var tp = dh0.unsafe_offset(p * N)
+            comptime for q in range(N // LANES):
+                tp.unsafe_store(q * LANES, coef.fma(cv[q], tp.unsafe_load[width=LANES](q * LANES)))
+    if not last:  # h_end = fold of this (full) chunk; dh_end is nonzero
+        var total = seg_row(da, nc - 1, seg)
+        for p in range(P):
+            for n in range(N):
+                ht[unsafe_offset=n * P + p] = dhe[unsafe_offset=p * N + n]
+        var sacc: Float32 = 0.0
+        for kk in range(P * N):
+            sacc = dhe[unsafe_offset=kk].fma(h0[unsafe_offset=kk], sacc)
+        var racc = exp_f32[1](total) * sacc
+        for j in range(nc):
+            var el = exp_f32[1](seg[unsafe_offset=j])
+            var eld = el * dts[unsafe_offset=j]
+            work[unsafe_offset=bw.o_elast + o + j] = eld
+            var row = _cx(bw, work, bb, nc, j)
+            var br = row.unsafe_offset(di)
+            var qv = Array[LV, 4](fill=LV(0.0))
+            for n in range(N):
+                var bn = LV(br[unsafe_offset=n])
+                comptime for q in range(4):
+                    qv[q] = bn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), qv[q])
+            comptime for q in range(4):
+                yo.unsafe_store(q * LANES, qv[q])
+            var xj = row.unsafe_offset(hh * P)
+            var sxq = _dot_tree(xj, yo)
+            var ac = dxacc.unsafe_offset(j * P)
+            comptime for q in range(4):
+                ac.unsafe_store(q * LANES, LV(eld).fma(qv[q], ac.unsafe_load[width=LANES](q * LANES)))
+            ddt[unsafe_offset=j] = el.fma(sxq, ddt[unsafe_offset=j])
+            trow[unsafe_offset=j] = eld * sxq
+        dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
+        for kk in range(1, nc):
+            racc = racc + trow[unsafe_offset=kk - 1]
+            dda[unsafe_offset=kk] = dda[unsafe_offset=kk] + racc
+    # finish: dx, d dtraw, column-sum terms
+    var sg = work.unsafe_offset(bw.o_sg + o)
+    for j in range(nc):
+        var r = bb * nc + j
+        var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
+        var xj = _cx(bw, work, bb, nc, j).unsafe_offset(hh * P)
+        var ac = dxacc.unsafe_offset(j * P)
+        comptime for q in range(4):
+            work.unsafe_store(bw.o_dcx + r * cd + hh * P + q * LANES,
+                              LV(dskip).fma(dyp.unsafe_load[width=LANES](q * LANES),
+                                            ac.unsafe_load[width=LANES](q * LANES)))
+        var dtot = a.fma(dda[unsafe_offset=j], ddt[unsafe_offset=j])
+        var dv = dtot * sg[unsafe_offset=j]
+        work[unsafe_offset=bw.o_dzx + r * npj + di + cd + hh] = dv
+        work[unsafe_offset=bw.o_pdtb + o + j] = dv
+        work[unsafe_offset=bw.o_pa + o + j] = dda[unsafe_offset=j] * dts[unsafe_offset=j]
+        work[unsafe_offset=bw.o_pd + o + j] = _dot_tree(dyp, xj)
+    # the chunk's terms of d dt_bias, dA, dD: a pairwise tree over the Q
+    # token slots (slot j + slot j + w for w = 128, 64, ..., 1; slots past
+    # the chunk are +0.0), left in slot 0
+    for j in range(nc, Q):
+        work[unsafe_offset=bw.o_pdtb + o + j] = 0.0
+        work[unsafe_offset=bw.o_pa + o + j] = 0.0
+        work[unsafe_offset=bw.o_pd + o + j] = 0.0
+    var wd = Q // 2
+    while wd >= 1:
+        for j in range(wd):
+            work[unsafe_offset=bw.o_pdtb + o + j] = (work[unsafe_offset=bw.o_pdtb + o + j]
+                                                     + work[unsafe_offset=bw.o_pdtb + o + j + wd])
+            work[unsafe_offset=bw.o_pa + o + j] = (work[unsafe_offset=bw.o_pa + o + j]
+                                                   + work[unsafe_offset=bw.o_pa + o + j + wd])
+            work[unsafe_offset=bw.o_pd + o + j] = (work[unsafe_offset=bw.o_pd + o + j]
+                                                   + work[unsafe_offset=bw.o_pd + o + j + wd])
+        wd //= 2
+    if c > 0:
+        k = 0
+        while k < P * N:
+            dhout.unsafe_store(k, dh0.unsafe_load[width=LANES](k))
+            k += LANES
+
+
+def _dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
+    """dCB_ij = + chain over heads ascending (from +0.0) of
+    (G_ij * exp(S_i(j))) * dt_j, G_ij = _dot_tree(dy_i, x_j)."""
+    var dims = bw.dims
+    var di = dims.di
+    var nc = bw.nc(c)
+    var seg = work.unsafe_offset(bw.o_scr2 + t * Q)
+    var dcb = work.unsafe_offset(bw.o_dcb + bb * Q * Q)
+    for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+        var r = bb * nc + i
+        for j in range(i + 1):
+            dcb[unsafe_offset=i * Q + j] = 0.0
+        for hh in range(dims.nh):
+            var o = bw.hq(bb, hh)
+            _ = seg_row(work.unsafe_offset(bw.o_da + o), i, seg)
+            var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
+            for j in range(i + 1):
+                var g = _dot_tree(dyp, _cx(bw, work, bb, nc, j).unsafe_offset(hh * P))
+                var e = exp_f32[1](seg[unsafe_offset=j])
+                dcb[unsafe_offset=i * Q + j] = dcb[unsafe_offset=i * Q + j] + (
+                    (g * e) * work[unsafe_offset=bw.o_dt + o + j])
+
+
+def _dbc_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
+    """dC_i[n] = fma chain over j = 0..i of dCB_ij B_j[n], then for heads
+    ascending fma(e_i, t[n], .) with t[n] = fma chain over p of
+    dy_i[p] h0[p][n]. dB_j[n] = fma chain over i = j..n-1 of dCB_ij C_i[n],
+    then (not the last chunk) for heads ascending fma(el_j dt_j, t[n], .)
+    with t[n] = fma chain over p of x_j[p] dh_end[p][n]."""
+    comptime NV = N // LANES
+    var dims = bw.dims
+    var di = dims.di
+    var cd = dims.cd
+    var nh = dims.nh
+    var nc = bw.nc(c)
+    var last = c == bw.nch - 1
+    var hs = bw.b * nh * P * N
+    var dcb = work.unsafe_offset(bw.o_dcb + bb * Q * Q)
+    for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+        var r = bb * nc + i
+        var row = _cx(bw, work, bb, nc, i)
+        var acc = Array[LV, NV](fill=LV(0.0))
+        for j in range(i + 1):
+            var s = LV(dcb[unsafe_offset=i * Q + j])
+            var br = _cx(bw, work, bb, nc, j).unsafe_offset(di)
+            comptime for q in range(NV):
+                acc[q] = s.fma(br.unsafe_load[width=LANES](q * LANES), acc[q])
+        for hh in range(nh):
+            var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
+            var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
+            var t = Array[LV, NV](fill=LV(0.0))
+            for p in range(P):
+                var dp = LV(dyp[unsafe_offset=p])
+                comptime for q in range(NV):
+                    t[q] = dp.fma(h0.unsafe_load[width=LANES](p * N + q * LANES), t[q])
+            var eo = LV(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i])
+            comptime for q in range(NV):
+                acc[q] = eo.fma(t[q], acc[q])
+        comptime for q in range(NV):
+            work.unsafe_store(bw.o_dcx + r * cd + di + N + q * LANES, acc[q])
+        var bacc = Array[LV, NV](fill=LV(0.0))
+        for i2 in range(i, nc):
+            var s = LV(dcb[unsafe_offset=i2 * Q + i])
+            var cr = _cx(bw, work, bb, nc, i2).unsafe_offset(di + N)
+            comptime for q in range(NV):
+                bacc[q] = s.fma(cr.unsafe_load[width=LANES](q * LANES), bacc[q])
+        if not last:
+            for hh in range(nh):
+                var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + (bb * nh + hh) * P * N)
+                var xp = row.unsafe_offset(hh * P)
+                var t = Array[LV, NV](fill=LV(0.0))
+                for p in range(P):
+                    var xv = LV(xp[unsafe_offset=p])
+                    comptime for q in range(NV):
+                        t[q] = xv.fma(dhe.unsafe_load[width=LANES](p * N + q * LANES), t[q])
+                var el = LV(work[unsafe_offset=bw.o_elast + bw.hq(bb, hh) + i])
+                comptime for q in range(NV):
+                    bacc[q] = el.fma(t[q], bacc[q])
+        comptime for q in range(NV):
+            work.unsafe_store(bw.o_dcx + r * cd + di + q * LANES, bacc[q])
+
+
+def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
+    """64 channels: dpre = d cx * silu'(pre) (in place), d xBC_raw[t] = fma
+    chain over m = 0..3 of w[3 - m] dpre[t + m] (rows past the chunk from
+    the carry), weight terms gw[k] = fma(dpre[t], in[t - 3 + k], gw[k]) and
+    bias + dpre[t], rows b ascending then tokens ascending."""
+    var dims = bw.dims
+    var cd = dims.cd
+    var di = dims.di
+    var npj = dims.npj
+    var b = bw.b
+    var nc = bw.nc(c)
+    var gcw = arg_f32(args, BW_G_CONVW)
+    var gcb = arg_f32(args, BW_G_CONVB)
+    var c0 = task * CH_PER_TASK
+    var ch = c0
+    while ch < c0 + CH_PER_TASK:
+        for r in range(b * nc):
+            var o = bw.o_dcx + r * cd + ch
+            work.unsafe_store(o, work.unsafe_load[width=LANES](o)
+                              * _silu_grad[LANES](work.unsafe_load[width=LANES](bw.o_pre + r * cd + ch)))
+        var w = Array[LV, KCONV](fill=LV(0.0))
+        var gw = Array[LV, KCONV](fill=LV(0.0))
+        comptime for k in range(KCONV):
+            w[k] = blob.unsafe_load[width=LANES](dims.o_convw + k * cd + ch)
+            for jl in range(LANES):
+                gw[k][jl] = gcw[unsafe_offset=(ch + jl) * KCONV + k]
+        var gb = gcb.unsafe_load[width=LANES](ch)
+        for bb in range(b):
+            var carry = work.unsafe_offset(bw.o_dpc + bb * 3 * cd + ch)
+            var base = bb * nc
+            for j in range(nc):
+                var acc = LV(0.0)
+                comptime for m in range(KCONV):
+                    var src: LV
+                    if j + m < nc:
+                        src = work.unsafe_load[width=LANES](bw.o_dcx + (base + j + m) * cd + ch)
+                    else:
+                        src = carry.unsafe_load[width=LANES]((j + m - nc) * cd)
+                    acc = w[KCONV - 1 - m].fma(src, acc)
+                work.unsafe_store(bw.o_dzx + (base + j) * npj + di + ch, acc)
+                var g = work.unsafe_load[width=LANES](bw.o_dcx + (base + j) * cd + ch)
+                comptime for k in range(KCONV):
+                    var pos = j - 3 + k
+                    var inp: LV
+                    if pos >= 0:
+                        inp = work.unsafe_load[width=LANES](bw.o_zx + (base + pos) * npj + di + ch)
+                    else:
+                        inp = work.unsafe_load[width=LANES](bw.o_zxp + (bb * 3 + 3 + pos) * npj + di + ch)
+                    gw[k] = g.fma(inp, gw[k])
+                gb = gb + g
+            var nw = Array[LV, 3](fill=LV(0.0))
+            comptime for m in range(3):
+                if m < nc:
+                    nw[m] = work.unsafe_load[width=LANES](bw.o_dcx + (base + m) * cd + ch)
+                else:
+                    nw[m] = carry.unsafe_load[width=LANES]((m - nc) * cd)
+            comptime for m in range(3):
+                carry.unsafe_store(m * cd, nw[m])
+        comptime for k in range(KCONV):
+            for jl in range(LANES):
+                gcw[unsafe_offset=(ch + jl) * KCONV + k] = gw[k][jl]
+        gcb.unsafe_store(ch, gb)
+        ch += LANES
+
+
+def _norm_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
+    """dx = grad_out + RMSNorm VJP (the formula of the gated norm VJP);
+    pn = dxn * (x * r)."""
+    var d = bw.dims.d
+    var l = bw.l
+    var nc = bw.nc(c)
+    var rows = bw.b * nc
+    var x = arg_f32(args, BW_X)
+    var g = arg_f32(args, BW_G)
+    var dx = arg_f32(args, BW_DX)
+    var w = blob.unsafe_offset(bw.dims.o_norm)
+    var dxn = work.unsafe_offset(bw.o_dxn)
+    var pn = work.unsafe_offset(bw.o_pn)
+    var r0 = task * ROWS_PER_TASK
+    for r in range(r0, min(rows, r0 + ROWS_PER_TASK)):
+        var off = ((r // nc) * l + c * Q + r % nc) * d
+        var xr = x.unsafe_offset(off)
+        var rs = rms_scale(xr, d)
+        var dot: Float32 = 0.0
+        for j in range(d):
+            var gx = dxn[unsafe_offset=r * d + j] * w[unsafe_offset=j]
+            dot = gx.fma(xr[unsafe_offset=j], dot)
+        var coef = (dot * ((rs * rs) * rs)) / Float32(d)
+        for j in range(d):
+            var xj = xr[unsafe_offset=j]
+            var gxn = dxn[unsafe_offset=r * d + j]
+            var gx = gxn * w[unsafe_offset=j]
+            dx[unsafe_offset=off + j] = g[unsafe_offset=off + j] + (-xj).fma(coef, rs * gx)
+            pn[unsafe_offset=r * d + j] = gxn * (xj * rs)
+
+
+def _column_sums(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int):
+    """block_norm.weight += pn, norm.weight += pgn (16 columns per task):
+    rows b ascending then tokens ascending, one + chain per element; per
+    head dt_bias, dA, D += the chunk partial (pairwise over tokens) of each
+    row, rows b ascending."""
+    var dims = bw.dims
+    var d = dims.d
+    var di = dims.di
+    var nc = bw.nc(c)
+    var rows = bw.b * nc
+    var nd = ceil_div(d, LANES)
+    var ng = ceil_div(di, LANES)
+    if task < nd + ng:
+        var gw: F32Ptr
+        var src: F32Ptr
+        var width: Int
+        var j0: Int
+        if task < nd:
+            gw = arg_f32(args, BW_G_NORM)
+            src = work.unsafe_offset(bw.o_pn)
+            width = d
+            j0 = task * LANES
+        else:
+            gw = arg_f32(args, BW_G_GNORM)
+            src = work.unsafe_offset(bw.o_pgn)
+            width = di
+            j0 = (task - nd) * LANES
+        var acc = gw.unsafe_load[width=LANES](j0)
+        for r in range(rows):
+            acc = acc + src.unsafe_load[width=LANES](r * width + j0)
+        gw.unsafe_store(j0, acc)
+        return
+    var hh = task - nd - ng
+    var gdtb = arg_f32(args, BW_G_DTB)
+    var ga = arg_f32(args, BW_G_ALOG)
+    var gd = arg_f32(args, BW_G_D)
+    var s1 = gdtb[unsafe_offset=hh]
+    var s2 = ga[unsafe_offset=hh]
+    var s3 = gd[unsafe_offset=hh]
+    for bb in range(bw.b):  # the chunk's pairwise partial of each row
+        var o = bw.hq(bb, hh)
+        s1 = s1 + work[unsafe_offset=bw.o_pdtb + o]
+        s2 = s2 + work[unsafe_offset=bw.o_pa + o]
+        s3 = s3 + work[unsafe_offset=bw.o_pd + o]
+    gdtb[unsafe_offset=hh] = s1
+    ga[unsafe_offset=hh] = s2
+    gd[unsafe_offset=hh] = s3
+
+
+def _finish_alog(args: I64Ptr, bw: BW2):
+    """d A_log = (dA * A) + 0.0 (A = -exp(A_log); + 0.0 turns -0.0 into +0.0)."""
+    var blob = arg_f32(args, BW_BLOB)
+    var ga = arg_f32(args, BW_G_ALOG)
+    for hh in range(bw.dims.nh):
+        ga[unsafe_offset=hh] = ga[unsafe_offset=hh] * blob[unsafe_offset=bw.dims.o_a + hh] + Float32(0.0)

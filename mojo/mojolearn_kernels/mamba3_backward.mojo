@@ -1,10 +1,1023 @@
-"""Mamba-3 backward (not implemented yet: every plan reports an unknown op)."""
-from .abi import I64Ptr
+"""Mamba-3 backward (vector-Jacobian product of a zero-state prefill).
+
+Two passes over chunks of Q = 64 tokens (aligned to absolute positions, the
+forward's chunks), B rows x 64 tokens of workspace at a time:
+  pass A (chunks 0 .. n-2, forward order): norm, in_proj, B/C norms for the
+         chunk's tokens plus the next chunk's first token (its dt and sg give
+         the last row's trapezoid beta), then per (row, head) the angles, the
+         rotated k and the fold of the chunk into h. Checkpoints kept at every
+         chunk start: h, theta, and the previous chunk's last rotated k and v.
+  pass B (chunks n-1 .. 0, backward order): recompute the chunk's forward from
+         its checkpoint (the forward op's formulas and order, so o and y have
+         the forward's bits), then the VJP of out_proj, of the chunked scan
+         (per row and head), the head reductions, in_proj and the RMSNorms.
+Carried between chunks (per row and head): dh (the cotangent of the state
+entering the later chunk), the running angle cotangent, and the beta of the
+later chunk's first token.
+
+Canonical orders (docs/backward.md, section Mamba-3):
+  * activations: per (row, head) scan VJP in a fixed loop order (below); per
+    token fma chains of linear_grad for the projections;
+  * every weight gradient element: ONE sequential chain over all (row, token)
+    contributions, chunks from last to first and, inside a chunk, rows b
+    ascending then tokens ascending, continuing in the output array;
+  * sums over heads (dBn, dCn, d angle per token): heads ascending.
+Threads only split independent outputs, so no bit depends on the thread
+count; a row's x gradient depends only on that row.
+"""
+from std.collections import Array
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
+    arg_int, arg_f32, round_up, ceil_div,
+)
+from .linear import matmul_ntasks, matmul_task
+from .linear_grad import gemm_ntasks, gemm_task
+from .norms import rmsnorm_row, rms_scale
+from .numerics import (
+    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
+    mod2pi_f32,
+)
+from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, dot128
+
+# OP_M3_BACKWARD argument slots.
+comptime BW_B = 0
+comptime BW_L = 1
+comptime BW_D = 2
+comptime BW_X = 3
+comptime BW_G = 4  # grad_output (B, L, d)
+comptime BW_BLOB = 5  # prepared forward blob (M3Dims layout)
+comptime BW_WORK = 6
+comptime BW_DX = 7
+comptime BW_W_IN = 8  # row-major in_proj.weight (np, d)
+comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
+comptime BW_G_NORM = 10  # gradient outputs, zero on entry, constructor layouts
+comptime BW_G_IN = 11
+comptime BW_G_DTB = 12
+comptime BW_G_BNW = 13
+comptime BW_G_CNW = 14
+comptime BW_G_BB = 15
+comptime BW_G_CB = 16
+comptime BW_G_D = 17
+comptime BW_G_OUT = 18
+comptime BW_NARGS = 19
+
+comptime V16 = SIMD[DType.float32, 16]
+comptime ROWS_PER_TASK = 16
+comptime QK = 2 * NST  # qr | kr (or dq | dk) per (row, head)
+comptime CSW = 2 * NANG  # cos | sin per (row, head)
+
+# pass A stages
+comptime A_NORM = 0
+comptime A_INPROJ = 1
+comptime A_BCNORM = 2
+comptime A_SCAN = 3
+comptime NA = 4
+# pass B stages
+comptime F_NORM = 0
+comptime F_INPROJ = 1
+comptime F_BCNORM = 2
+comptime S_FWD = 3
+comptime B_OUT = 4
+comptime B_SCAN = 5
+comptime B_RED = 6
+comptime B_INPROJ = 7
+comptime B_NORM = 8
+comptime B_NORMW = 9
+comptime NB = 10
+
+# per (row, head) scratch: matrices (64 x 64) and vectors (64)
+comptime M_G = 0  # G[i, j] = qr_i . kr_j (j < i)
+comptime M_L = 4096  # L[i, j] = exp(seg(i, j)) (j < i)
+comptime M_C = 8192  # C[i, j] = (L scale_j) G
+comptime M_HQ = 12288  # hq[i, p] = qr_i . h[p]
+comptime M_DY = 16384  # dy[i, p]
+comptime M_DG = 20480  # dG[i, j]
+comptime V0 = 24576
+comptime V_DT = V0
+comptime V_SG = V0 + 64
+comptime V_ADT = V0 + 128
+comptime V_A = V0 + 192
+comptime V_SCALE = V0 + 256
+comptime V_E = V0 + 320
+comptime V_QK = V0 + 384
+comptime V_DCUM = V0 + 448
+comptime V_DSCALE = V0 + 512
+comptime V_DGAM = V0 + 576
+comptime V_DVV = V0 + 640
+comptime V_DDT = V0 + 704
+comptime V_TMP = V0 + 768  # 256 floats
+comptime SCR = V0 + 1024
+
+
+struct BW3(ImplicitlyCopyable):
+    """Workspace layout of one backward call (floats)."""
+    var b: Int
+    var l: Int
+    var nh: Int
+    var nchunks: Int
+    var rmax: Int
+    var o_ckh: Int  # (nchunks, B, H, P, N) h entering each chunk
+    var o_ckt: Int  # (nchunks, B, H, 32) theta entering each chunk
+    var o_ckv: Int  # (nchunks, B, H, 64) v of the previous chunk's last token
+    var o_ckk: Int  # (nchunks, B, H, 128) rotated k of that token
+    var o_cdh: Int  # (B, H, P, N) dh carried to the previous chunk
+    var o_cdt: Int  # (B, H, 32) angle cotangent carried
+    var o_cbeta: Int  # (B, H) beta of the later chunk's first token
+    var o_xn: Int  # (rmax, d)
+    var o_gch: Int  # (rmax, d)
+    var o_proj: Int  # (rmax, np)
+    var o_bcn: Int  # (rmax, 256) Bn | Cn
+    var o_o: Int  # (rmax, di)
+    var o_y: Int  # (rmax, di)
+    var o_do: Int  # (rmax, di)
+    var o_dproj: Int  # (rmax, np)
+    var o_qkr: Int  # (rmax, H, 256)
+    var o_cs: Int  # (rmax, H, 64)
+    var o_dqk: Int  # (rmax, H, 256)
+    var o_dang: Int  # (rmax, H, 32)
+    var o_dd: Int  # (rmax, H)
+    var o_pbc: Int  # (rmax, 256) B_norm | C_norm weight terms
+    var o_pn: Int  # (rmax, d)
+    var o_dxn: Int  # (rmax, d)
+    var o_scr: Int  # (B, H, SCR)
+    var floats: Int
+
+    def __init__(out self, dims: M3Dims, b: Int, l: Int):
+        self.b = b
+        self.l = l
+        self.nh = dims.nh
+        self.nchunks = ceil_div(l, QC)
+        self.rmax = b * (QC + 1)
+        var bh = b * dims.nh
+        var r = self.rmax
+        var d = dims.d
+        var di = dims.di
+        var o = 0
+        self.o_ckh = o
+        o += round_up(self.nchunks * bh * HP * NST, ALIGN_FLOATS)
+        self.o_ckt = o
+        o += round_up(self.nchunks * bh * NANG, ALIGN_FLOATS)
+        self.o_ckv = o
+        o += round_up(self.nchunks * bh * HP, ALIGN_FLOATS)
+        self.o_ckk = o
+        o += round_up(self.nchunks * bh * NST, ALIGN_FLOATS)
+        self.o_cdh = o
+        o += round_up(bh * HP * NST, ALIGN_FLOATS)
+        self.o_cdt = o
+        o += round_up(bh * NANG, ALIGN_FLOATS)
+        self.o_cbeta = o
+        o += round_up(bh, ALIGN_FLOATS)
+        self.o_xn = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_gch = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_proj = o
+        o += round_up(r * dims.np, ALIGN_FLOATS)
+        self.o_bcn = o
+        o += round_up(r * 2 * NST, ALIGN_FLOATS)
+        self.o_o = o
+        o += round_up(r * di, ALIGN_FLOATS)
+        self.o_y = o
+        o += round_up(r * di, ALIGN_FLOATS)
+        self.o_do = o
+        o += round_up(r * di, ALIGN_FLOATS)
+        self.o_dproj = o
+        o += round_up(r * dims.np, ALIGN_FLOATS)
+        self.o_qkr = o
+        o += round_up(r * dims.nh * QK, ALIGN_FLOATS)
+        self.o_cs = o
+        o += round_up(r * dims.nh * CSW, ALIGN_FLOATS)
+        self.o_dqk = o
+        o += round_up(r * dims.nh * QK, ALIGN_FLOATS)
+        self.o_dang = o
+        o += round_up(r * dims.nh * NANG, ALIGN_FLOATS)
+        self.o_dd = o
+        o += round_up(r * dims.nh, ALIGN_FLOATS)
+        self.o_pbc = o
+        o += round_up(r * 2 * NST, ALIGN_FLOATS)
+        self.o_pn = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_dxn = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_scr = o
+        o += bh * SCR
+        self.floats = o
+
+    def chunk_tokens(self, c: Int) -> Int:
+        return min(QC, self.l - c * QC)
+
+
+# ------------------------------------------------------------ small helpers
+
+
+@always_inline
+def _tree16(acc: V16) -> Float32:
+    var s8 = acc.slice[8, offset=0]() + acc.slice[8, offset=8]()
+    var s4 = s8.slice[4, offset=0]() + s8.slice[4, offset=4]()
+    var s2 = s4.slice[2, offset=0]() + s4.slice[2, offset=2]()
+    return s2[0] + s2[1]
+
+
+@always_inline
+def _dot64(a: F32Ptr, b: F32Ptr) -> Float32:
+    """64-long dot: lane l = fma chain over p = l + 16 c, c = 0..3, then _tree16."""
+    var acc = V16(0.0)
+    comptime for c in range(4):
+        acc = a.unsafe_load[width=16](c * 16).fma(b.unsafe_load[width=16](c * 16), acc)
+    return _tree16(acc)
+
+
+@always_inline
+def _phi_a(u: Float32) -> Float32:
+    var ph: Float32
+    if u >= 0.0:
+        ph = Float32(1.0) + u
+    else:
+        ph = Float32(1.0) / (Float32(1.0) - u)
+    return min(-ph, -A_FLOOR)
+
+
+@always_inline
+def _dphi_a(u: Float32) -> Float32:
+    """dA/du of A = min(-phi(u), -1e-4): -phi'(u) where -phi < -1e-4, half of
+    it at an exact tie (torch.minimum's convention), 0 on the floor.
+    phi' = 1 (u >= 0), phi^2 = 1 / (1 - u)^2 (u < 0)."""
+    var ph: Float32
+    var dph: Float32
+    if u >= 0.0:
+        ph = Float32(1.0) + u
+        dph = 1.0
+    else:
+        ph = Float32(1.0) / (Float32(1.0) - u)
+        dph = ph * ph
+    var a = -ph
+    if a < -A_FLOOR:
+        return -dph
+    if a == -A_FLOOR:
+        return Float32(-0.5) * dph
+    return 0.0
+
+
+# ------------------------------------------------------------ plan
+
+
+def _counts(dims: M3Dims, wk: BW3, stage: Int, nr: Int, is_b: Bool) -> Int:
+    var rows = wk.b * nr
+    var bh = wk.b * dims.nh
+    if not is_b:
+        if stage == A_NORM or stage == A_BCNORM:
+            return ceil_div(rows, ROWS_PER_TASK)
+        if stage == A_INPROJ:
+            return matmul_ntasks(rows, dims.np)
+        return bh
+    if stage == F_NORM or stage == F_BCNORM or stage == B_NORM:
+        return ceil_div(rows, ROWS_PER_TASK)
+    if stage == F_INPROJ:
+        return matmul_ntasks(rows, dims.np)
+    if stage == S_FWD or stage == B_SCAN:
+        return bh
+    if stage == B_OUT:
+        return gemm_ntasks(rows, dims.di) + gemm_ntasks(dims.d, dims.di)
+    if stage == B_RED:
+        return ceil_div(rows, ROWS_PER_TASK) + dims.nh
+    if stage == B_INPROJ:
+        return gemm_ntasks(rows, dims.d) + gemm_ntasks(dims.np, dims.d) + 2 * NST // 16
+    return ceil_div(dims.d, 16)  # B_NORMW
 
 
 def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
-    return -2
+    var dims = M3Dims(arg_int(args, BW_D))
+    var b = arg_int(args, BW_B)
+    var wk = BW3(dims, b, arg_int(args, BW_L))
+    if phase == PLAN_WORKSPACE:
+        return wk.floats * 4
+    if phase == 0:
+        return b * dims.nh
+    var na = (wk.nchunks - 1) * NA
+    var p = phase - 1
+    if p < na:
+        var c = p // NA
+        return _counts(dims, wk, p % NA, wk.chunk_tokens(c) + 1, False)
+    p -= na
+    if p < wk.nchunks * NB:
+        var c = wk.nchunks - 1 - p // NB
+        return _counts(dims, wk, p % NB, wk.chunk_tokens(c), True)
+    return PHASE_END
+
+
+# ------------------------------------------------------------ tasks
 
 
 def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
-    pass
+    var dims = M3Dims(arg_int(args, BW_D))
+    var b = arg_int(args, BW_B)
+    var wk = BW3(dims, b, arg_int(args, BW_L))
+    if phase == 0:
+        _init(args, dims, wk, task)
+        return
+    var na = (wk.nchunks - 1) * NA
+    var p = phase - 1
+    if p < na:
+        var c = p // NA
+        var stage = p % NA
+        var nr = wk.chunk_tokens(c) + 1
+        if stage == A_NORM:
+            _norm_rows(args, dims, wk, c, nr, task, False)
+        elif stage == A_INPROJ:
+            _inproj(args, dims, wk, nr, task)
+        elif stage == A_BCNORM:
+            _bcnorm(args, dims, wk, nr, task)
+        else:
+            _scan_a(args, dims, wk, c, task // dims.nh, task % dims.nh)
+        return
+    p -= na
+    var c = wk.nchunks - 1 - p // NB
+    var stage = p % NB
+    var nc = wk.chunk_tokens(c)
+    if stage == F_NORM:
+        _norm_rows(args, dims, wk, c, nc, task, True)
+    elif stage == F_INPROJ:
+        _inproj(args, dims, wk, nc, task)
+    elif stage == F_BCNORM:
+        _bcnorm(args, dims, wk, nc, task)
+    elif stage == S_FWD:
+        _scan_fwd(args, dims, wk, c, task // dims.nh, task % dims.nh)
+    elif stage == B_OUT:
+        _out_backward(args, dims, wk, nc, task)
+    elif stage == B_SCAN:
+        _scan_bwd(args, dims, wk, c, task // dims.nh, task % dims.nh)
+    elif stage == B_RED:
+        _reduce(args, dims, wk, nc, task)
+    elif stage == B_INPROJ:
+        _inproj_backward(args, dims, wk, nc, task)
+    elif stage == B_NORM:
+        _norm_backward(args, dims, wk, c, nc, task)
+    else:
+        _normw(args, dims, wk, nc, task)
+
+
+def _init(args: I64Ptr, dims: M3Dims, wk: BW3, task: Int):
+    """Zero (row, head) task's carries and its chunk-0 checkpoints."""
+    var w = arg_f32(args, BW_WORK)
+    for i in range(HP * NST):
+        w[unsafe_offset=wk.o_cdh + task * HP * NST + i] = 0.0
+        w[unsafe_offset=wk.o_ckh + task * HP * NST + i] = 0.0
+    for i in range(NANG):
+        w[unsafe_offset=wk.o_cdt + task * NANG + i] = 0.0
+        w[unsafe_offset=wk.o_ckt + task * NANG + i] = 0.0
+    for i in range(HP):
+        w[unsafe_offset=wk.o_ckv + task * HP + i] = 0.0
+    for i in range(NST):
+        w[unsafe_offset=wk.o_ckk + task * NST + i] = 0.0
+    w[unsafe_offset=wk.o_cbeta + task] = 0.0
+
+
+# ------------------------------------------------------------ row stages
+
+
+def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
+               copy_g: Bool):
+    var l = wk.l
+    var d = dims.d
+    var x = arg_f32(args, BW_X)
+    var g = arg_f32(args, BW_G)
+    var blob = arg_f32(args, BW_BLOB)
+    var work = arg_f32(args, BW_WORK)
+    var xn = work.unsafe_offset(wk.o_xn)
+    var gch = work.unsafe_offset(wk.o_gch)
+    var r0 = task * ROWS_PER_TASK
+    var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
+    for r in range(r0, r1):
+        var off = ((r // nr) * l + c * QC + r % nr) * d
+        rmsnorm_row(x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
+                    xn.unsafe_offset(r * d))
+        if copy_g:
+            for j in range(d):
+                gch[unsafe_offset=r * d + j] = g[unsafe_offset=off + j]
+
+
+def _inproj(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                    blob.unsafe_offset(dims.o_in), dims.d, dims.np,
+                    work.unsafe_offset(wk.o_proj), dims.np)
+
+
+def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var proj = work.unsafe_offset(wk.o_proj)
+    var bcn = work.unsafe_offset(wk.o_bcn)
+    var r0 = task * ROWS_PER_TASK
+    var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
+    for r in range(r0, r1):
+        var pr = proj.unsafe_offset(r * dims.np)
+        rmsnorm_row(pr.unsafe_offset(dims.c_b), NST, blob.unsafe_offset(dims.o_bnw),
+                    bcn.unsafe_offset(r * 2 * NST))
+        rmsnorm_row(pr.unsafe_offset(dims.c_c), NST, blob.unsafe_offset(dims.o_cnw),
+                    bcn.unsafe_offset(r * 2 * NST + NST))
+
+
+# ------------------------------------------------------------ per (row, head) recompute
+
+
+def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int,
+          theta: F32Ptr, scr: F32Ptr):
+    """Tokens 0..n-1 of the chunk for (bb, hh): dt, sg, adt, A, qk (unrotated
+    q . k) into the vectors; the angles advanced from theta (updated in
+    place); cos | sin, and the rotated q | k rows (bias added) written to
+    cs and qkr. The forward op's formulas and order."""
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var proj = work.unsafe_offset(wk.o_proj)
+    var bcn = work.unsafe_offset(wk.o_bcn)
+    var nh = dims.nh
+    var dtb = blob[unsafe_offset=dims.o_dtb + hh]
+    var bbias = blob.unsafe_offset(dims.o_bb + hh * NST)
+    var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
+    var qu = scr.unsafe_offset(V_TMP)
+    var ku = scr.unsafe_offset(V_TMP + NST)
+    for i in range(n):
+        var r = bb * nr + i
+        var pr = proj.unsafe_offset(r * dims.np)
+        var dt = softplus_f32[1](pr[unsafe_offset=dims.c_dt + hh] + dtb)
+        var a = _phi_a(pr[unsafe_offset=dims.c_a + hh])
+        var sg = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + hh])
+        scr[unsafe_offset=V_DT + i] = dt
+        scr[unsafe_offset=V_SG + i] = sg
+        scr[unsafe_offset=V_ADT + i] = a * dt
+        scr[unsafe_offset=V_A + i] = a
+        var bc = bcn.unsafe_offset(r * 2 * NST)
+        comptime for c in range(8):
+            qu.unsafe_store(c * 16, bc.unsafe_load[width=16](NST + c * 16)
+                            + cbias.unsafe_load[width=16](c * 16))
+            ku.unsafe_store(c * 16, bc.unsafe_load[width=16](c * 16)
+                            + bbias.unsafe_load[width=16](c * 16))
+        scr[unsafe_offset=V_QK + i] = dot128(qu, ku)
+        var qrow = work.unsafe_offset(wk.o_qkr + (r * nh + hh) * QK)
+        var krow = qrow.unsafe_offset(NST)
+        var csr = work.unsafe_offset(wk.o_cs + (r * nh + hh) * CSW)
+        comptime for c in range(2):
+            var ang = tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + c * 16)) * V16(PI_F32)
+            var th = mod2pi_f32[16](ang.fma(V16(dt), theta.unsafe_load[width=16](c * 16)))
+            theta.unsafe_store(c * 16, th)
+            var cs = cos_f32[16](th)
+            var sn = sin_f32[16](th)
+            csr.unsafe_store(c * 16, cs)
+            csr.unsafe_store(NANG + c * 16, sn)
+            comptime for l2 in range(16):
+                var rr = c * 16 + l2
+                var q0 = qu[unsafe_offset=2 * rr]
+                var q1 = qu[unsafe_offset=2 * rr + 1]
+                var k0 = ku[unsafe_offset=2 * rr]
+                var k1 = ku[unsafe_offset=2 * rr + 1]
+                var cc = cs[l2]
+                var ss = sn[l2]
+                qrow[unsafe_offset=2 * rr] = q0 * cc - q1 * ss
+                qrow[unsafe_offset=2 * rr + 1] = q0 * ss + q1 * cc
+                krow[unsafe_offset=2 * rr] = k0 * cc - k1 * ss
+                krow[unsafe_offset=2 * rr + 1] = k0 * ss + k1 * cc
+        comptime for c in range(4, 8):
+            qrow.unsafe_store(c * 16, qu.unsafe_load[width=16](c * 16))
+            krow.unsafe_store(c * 16, ku.unsafe_load[width=16](c * 16))
+
+
+@always_inline
+def _scales(scr: F32Ptr, n: Int, beta_last: Float32):
+    """scale_j = dt_j sg_j + beta_j; beta_j = dt_{j+1} (1 - sg_{j+1}), beta_last for j = n-1."""
+    for j in range(n):
+        var beta = beta_last
+        if j < n - 1:
+            beta = scr[unsafe_offset=V_DT + j + 1] * (Float32(1.0) - scr[unsafe_offset=V_SG + j + 1])
+        scr[unsafe_offset=V_SCALE + j] = scr[unsafe_offset=V_DT + j] * scr[unsafe_offset=V_SG + j] + beta
+
+
+@always_inline
+def _segs(scr: F32Ptr, i: Int, dst: F32Ptr) -> Float32:
+    """dst[j] = exp(seg(i, j)) for j <= i (seg summed downwards from +0.0, the
+    forward's _weights order); returns exp(cum_i)."""
+    var s: Float32 = 0.0
+    var j = i
+    while j >= 0:
+        dst[unsafe_offset=j] = s
+        s = s + scr[unsafe_offset=V_ADT + j]
+        j -= 1
+    var c = 0
+    while c <= i:  # lane-wise exps (same bits at any width); dst has 64 floats
+        dst.unsafe_store(c, exp_f32[16](dst.unsafe_load[width=16](c)))
+        c += 16
+    return exp_f32[1](s)
+
+
+def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
+    """Pass A for (bb, hh) over chunk c: fold the chunk into h (the forward's
+    Fold(64, beta) with beta from the next chunk's first token) and write
+    chunk c+1's checkpoints."""
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var nh = dims.nh
+    var bh = bb * nh + hh
+    var n = wk.chunk_tokens(c)
+    var nr = n + 1
+    var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
+    var nbh = wk.b * nh
+    var th = work.unsafe_offset(wk.o_ckt + ((c + 1) * nbh + bh) * NANG)
+    var th0 = work.unsafe_offset(wk.o_ckt + (c * nbh + bh) * NANG)
+    for i in range(NANG):
+        th[unsafe_offset=i] = th0[unsafe_offset=i]
+    _prep(args, dims, wk, bb, hh, nr, n, th, scr)
+    # beta of the next chunk's first token (row n of this stage)
+    var pr = work.unsafe_offset(wk.o_proj + (bb * nr + n) * dims.np)
+    var dtn = softplus_f32[1](pr[unsafe_offset=dims.c_dt + hh] + blob[unsafe_offset=dims.o_dtb + hh])
+    var sgn = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + hh])
+    _scales(scr, n, dtn * (Float32(1.0) - sgn))
+    var w = scr.unsafe_offset(V_TMP)
+    var hdec = _segs(scr, n - 1, w)
+    for j in range(n):
+        w[unsafe_offset=j] = w[unsafe_offset=j] * scr[unsafe_offset=V_SCALE + j]
+    var h0 = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
+    var h1 = work.unsafe_offset(wk.o_ckh + ((c + 1) * nbh + bh) * HP * NST)
+    var proj = work.unsafe_offset(wk.o_proj)
+    var qkr = work.unsafe_offset(wk.o_qkr)
+    for p in range(HP):
+        var acc = Array[V16, 8](fill=V16(0.0))
+        comptime for cc in range(8):
+            acc[cc] = V16(hdec) * h0.unsafe_load[width=16](p * NST + cc * 16)
+        for j in range(n):
+            var vj = proj[unsafe_offset=(bb * nr + j) * dims.np + dims.c_v + hh * HP + p]
+            var wv = V16(w[unsafe_offset=j] * vj)
+            var kr = qkr.unsafe_offset(((bb * nr + j) * nh + hh) * QK + NST)
+            comptime for cc in range(8):
+                acc[cc] = wv.fma(kr.unsafe_load[width=16](cc * 16), acc[cc])
+        comptime for cc in range(8):
+            h1.unsafe_store(p * NST + cc * 16, acc[cc])
+    var rl = bb * nr + n - 1
+    var kv = work.unsafe_offset(wk.o_ckv + ((c + 1) * nbh + bh) * HP)
+    var kk = work.unsafe_offset(wk.o_ckk + ((c + 1) * nbh + bh) * NST)
+    for p in range(HP):
+        kv[unsafe_offset=p] = proj[unsafe_offset=rl * dims.np + dims.c_v + hh * HP + p]
+    for k in range(NST):
+        kk[unsafe_offset=k] = qkr[unsafe_offset=(rl * nh + hh) * QK + NST + k]
+
+
+def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
+    """Pass B recompute for (bb, hh) over chunk c: the forward op's outputs
+    y (before the gate) and o, plus the matrices the VJP reuses."""
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var nh = dims.nh
+    var bh = bb * nh + hh
+    var n = wk.chunk_tokens(c)
+    var nbh = wk.b * nh
+    var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
+    var th = scr.unsafe_offset(M_DG)  # angles: M_DG is free until the VJP
+    var th0 = work.unsafe_offset(wk.o_ckt + (c * nbh + bh) * NANG)
+    for i in range(NANG):
+        th[unsafe_offset=i] = th0[unsafe_offset=i]
+    _prep(args, dims, wk, bb, hh, n, n, th, scr)
+    var cb = work.unsafe_offset(wk.o_cbeta + bh)
+    var beta_next = cb[unsafe_offset=0]
+    cb[unsafe_offset=0] = scr[unsafe_offset=V_DT] * (Float32(1.0) - scr[unsafe_offset=V_SG])
+    _scales(scr, n, beta_next)
+    var h = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
+    var proj = work.unsafe_offset(wk.o_proj)
+    var qkr = work.unsafe_offset(wk.o_qkr)
+    var dsk = blob[unsafe_offset=dims.o_dskip + hh]
+    var rs = nh * QK
+    for i in range(n):
+        var r = bb * n + i
+        var qrow = qkr.unsafe_offset((r * nh + hh) * QK)
+        var lrow = scr.unsafe_offset(M_L + i * QC)
+        var grow = scr.unsafe_offset(M_G + i * QC)
+        var crow = scr.unsafe_offset(M_C + i * QC)
+        var hq = scr.unsafe_offset(M_HQ + i * HP)
+        var e = _segs(scr, i, lrow)
+        scr[unsafe_offset=V_E + i] = e
+        for j in range(i):
+            var gij = dot128(qrow, qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST))
+            grow[unsafe_offset=j] = gij
+            crow[unsafe_offset=j] = (lrow[unsafe_offset=j] * scr[unsafe_offset=V_SCALE + j]) * gij
+        for p in range(HP):
+            hq[unsafe_offset=p] = dot128(qrow, h.unsafe_offset(p * NST))
+        var diag = scr[unsafe_offset=V_QK + i] * (scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i])
+        var pr = proj.unsafe_offset(r * dims.np)
+        var vrow = pr.unsafe_offset(dims.c_v + hh * HP)
+        var yrow = work.unsafe_offset(wk.o_y + r * dims.di + hh * HP)
+        var orow = work.unsafe_offset(wk.o_o + r * dims.di + hh * HP)
+        comptime for cc in range(4):
+            var y = V16(e) * hq.unsafe_load[width=16](cc * 16)
+            for j in range(i):
+                y = V16(crow[unsafe_offset=j]).fma(
+                    proj.unsafe_load[width=16]((bb * n + j) * dims.np + dims.c_v + hh * HP + cc * 16), y)
+            var vi = vrow.unsafe_load[width=16](cc * 16)
+            y = V16(diag).fma(vi, y)
+            y = V16(dsk).fma(vi, y)
+            yrow.unsafe_store(cc * 16, y)
+            orow.unsafe_store(cc * 16, y * silu_f32[16](pr.unsafe_load[width=16](hh * HP + cc * 16)))
+
+
+# ------------------------------------------------------------ out_proj VJP
+
+
+def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
+    var work = arg_f32(args, BW_WORK)
+    var rows = wk.b * nc
+    var d = dims.d
+    var di = dims.di
+    var n1 = gemm_ntasks(rows, di)
+    if task < n1:  # do[r, c] = sum_o g[r, o] W_out[o, c]
+        _ = gemm_task(task, work.unsafe_offset(wk.o_gch), d, 1, arg_f32(args, BW_W_OUT), di, d,
+                      work.unsafe_offset(wk.o_do), di, rows, di, False)
+    else:  # dW_out[o, c] += sum_r g[r, o] o[r, c]
+        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
+                      work.unsafe_offset(wk.o_o), di, rows,
+                      arg_f32(args, BW_G_OUT), di, d, di, True)
+
+
+# ------------------------------------------------------------ scan VJP
+
+
+def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
+    """VJP of chunk c for (bb, hh). Order (each sum in the loop order written):
+    1. per token i: dy = do * silu(z); dz = (do * y) * silu'(z); dvv_i = dy_i . v_i.
+    2. i ascending, j < i ascending: DV = dy_i . v_j; dscale_j += (DV L) G;
+       X = DV C; dcum_i += X; dcum_j -= X; dG = (DV L) scale_j.
+    3. dq_i = e_i h^T dy_i (p ascending), then + dG_ij kr_j (j ascending), then
+       + (dvv_i gamma_i) kr_i; dk_j = dG_ij qr_i (i > j ascending) then
+       + (dvv_j gamma_j) qr_j; dv_j = C_ij dy_i (i > j ascending) then
+       + (gamma_j qk_j + D) dy_j; dcum_i += e_i (dy_i . hq_i); dgamma_i = dvv_i qk_i.
+    4. fold (dH carried in): dcum_last += e_last <dH, h>; for j ascending:
+       u = dH kr_j, vdk = v_j . u, F = L[last, j] (1 for j = last),
+       dscale_j += F vdk, X = F scale_j vdk (j < last: dcum_last += X,
+       dcum_j -= X), dv_j += (F scale_j) u, dk_j += (F scale_j) dH^T v_j.
+       dh_in = e_last dH + sum_i (e_i dy_i) qr_i^T (i ascending) -> carried;
+       dbeta_prev = vprev . (dh_in kprev).
+    5. dadt = reverse cumulative sum of dcum.
+    6. tokens descending: angle cotangent T += d theta_j; dq, dk unrotated;
+       d angle partial = T pi dt (1 - tanh^2); ddt_theta = sum_r T tanh pi.
+    7. scalars: d dd_dt, d dd_A, d trap (see the code)."""
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var nh = dims.nh
+    var bh = bb * nh + hh
+    var n = wk.chunk_tokens(c)
+    var nbh = wk.b * nh
+    var last = n - 1
+    var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
+    var proj = work.unsafe_offset(wk.o_proj)
+    var dproj = work.unsafe_offset(wk.o_dproj)
+    var qkr = work.unsafe_offset(wk.o_qkr)
+    var dqk = work.unsafe_offset(wk.o_dqk)
+    var npj = dims.np
+    var rs = nh * QK
+    var h = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
+    var dH = work.unsafe_offset(wk.o_cdh + bh * HP * NST)
+    var dsk = blob[unsafe_offset=dims.o_dskip + hh]
+    var vo = dims.c_v + hh * HP
+    var dy = scr.unsafe_offset(M_DY)
+    # 1.
+    for i in range(n):
+        var r = bb * n + i
+        var dorow = work.unsafe_offset(wk.o_do + r * dims.di + hh * HP)
+        var yrow = work.unsafe_offset(wk.o_y + r * dims.di + hh * HP)
+        var pr = proj.unsafe_offset(r * npj)
+        var dpr = dproj.unsafe_offset(r * npj)
+        comptime for cc in range(4):
+            var z = pr.unsafe_load[width=16](hh * HP + cc * 16)
+            var g = dorow.unsafe_load[width=16](cc * 16)
+            dy.unsafe_store(i * HP + cc * 16, g * silu_f32[16](z))
+            var sz = sigmoid_f32[16](z)
+            var sgrad = sz * z.fma(V16(1.0) - sz, V16(1.0))
+            dpr.unsafe_store(hh * HP + cc * 16, (g * yrow.unsafe_load[width=16](cc * 16)) * sgrad)
+        var dvv = _dot64(dy.unsafe_offset(i * HP), pr.unsafe_offset(vo))
+        scr[unsafe_offset=V_DVV + i] = dvv
+        work[unsafe_offset=wk.o_dd + r * nh + hh] = dvv
+        scr[unsafe_offset=V_DCUM + i] = 0.0
+        scr[unsafe_offset=V_DSCALE + i] = 0.0
+    # 2.
+    for i in range(n):
+        for j in range(i):
+            var dv_ = _dot64(dy.unsafe_offset(i * HP), proj.unsafe_offset((bb * n + j) * npj + vo))
+            var lij = scr[unsafe_offset=M_L + i * QC + j]
+            var dl = dv_ * lij
+            scr[unsafe_offset=V_DSCALE + j] = scr[unsafe_offset=V_DSCALE + j] + dl * scr[unsafe_offset=M_G + i * QC + j]
+            var x = dv_ * scr[unsafe_offset=M_C + i * QC + j]
+            scr[unsafe_offset=V_DCUM + i] = scr[unsafe_offset=V_DCUM + i] + x
+            scr[unsafe_offset=V_DCUM + j] = scr[unsafe_offset=V_DCUM + j] - x
+            scr[unsafe_offset=M_DG + i * QC + j] = dl * scr[unsafe_offset=V_SCALE + j]
+    # 3.
+    for i in range(n):
+        var r = bb * n + i
+        var qrow = qkr.unsafe_offset(r * rs + hh * QK)
+        var krow = qrow.unsafe_offset(NST)
+        var dq = dqk.unsafe_offset(r * rs + hh * QK)
+        var dk = dq.unsafe_offset(NST)
+        var e = scr[unsafe_offset=V_E + i]
+        var gam = scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]
+        var dvv = scr[unsafe_offset=V_DVV + i]
+        var acc = Array[V16, 8](fill=V16(0.0))
+        for p in range(HP):
+            var ey = V16(e * dy[unsafe_offset=i * HP + p])
+            comptime for cc in range(8):
+                acc[cc] = ey.fma(h.unsafe_load[width=16](p * NST + cc * 16), acc[cc])
+        for j in range(i):
+            var dg = V16(scr[unsafe_offset=M_DG + i * QC + j])
+            var kj = qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST)
+            comptime for cc in range(8):
+                acc[cc] = dg.fma(kj.unsafe_load[width=16](cc * 16), acc[cc])
+        var dd = V16(dvv * gam)
+        comptime for cc in range(8):
+            dq.unsafe_store(cc * 16, dd.fma(krow.unsafe_load[width=16](cc * 16), acc[cc]))
+        # dk_i
+        comptime for cc in range(8):
+            acc[cc] = V16(0.0)
+        for i2 in range(i + 1, n):
+            var dg = V16(scr[unsafe_offset=M_DG + i2 * QC + i])
+            var qi2 = qkr.unsafe_offset((bb * n + i2) * rs + hh * QK)
+            comptime for cc in range(8):
+                acc[cc] = dg.fma(qi2.unsafe_load[width=16](cc * 16), acc[cc])
+        comptime for cc in range(8):
+            dk.unsafe_store(cc * 16, dd.fma(qrow.unsafe_load[width=16](cc * 16), acc[cc]))
+        # dv_i
+        var va = Array[V16, 4](fill=V16(0.0))
+        for i2 in range(i + 1, n):
+            var cm = V16(scr[unsafe_offset=M_C + i2 * QC + i])
+            comptime for cc in range(4):
+                va[cc] = cm.fma(dy.unsafe_load[width=16](i2 * HP + cc * 16), va[cc])
+        var self_c = V16(gam * scr[unsafe_offset=V_QK + i] + dsk)
+        var dvrow = dproj.unsafe_offset(r * npj + vo)
+        comptime for cc in range(4):
+            dvrow.unsafe_store(cc * 16, self_c.fma(dy.unsafe_load[width=16](i * HP + cc * 16), va[cc]))
+        scr[unsafe_offset=V_DCUM + i] = scr[unsafe_offset=V_DCUM + i] + e * _dot64(
+            dy.unsafe_offset(i * HP), scr.unsafe_offset(M_HQ + i * HP))
+        scr[unsafe_offset=V_DGAM + i] = dvv * scr[unsafe_offset=V_QK + i]
+    # 4. fold
+    var elast = scr[unsafe_offset=V_E + last]
+    var hd: Float32 = 0.0
+    for p in range(HP):
+        hd = hd + dot128(dH.unsafe_offset(p * NST), h.unsafe_offset(p * NST))
+    scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + elast * hd
+    var u = scr.unsafe_offset(V_TMP)
+    for j in range(n):
+        var r = bb * n + j
+        var kj = qkr.unsafe_offset(r * rs + hh * QK + NST)
+        var vj = proj.unsafe_offset(r * npj + vo)
+        for p in range(HP):
+            u[unsafe_offset=p] = dot128(dH.unsafe_offset(p * NST), kj)
+        var vdk = _dot64(vj, u)
+        var f: Float32 = 1.0
+        if j < last:
+            f = scr[unsafe_offset=M_L + last * QC + j]
+        var sc = scr[unsafe_offset=V_SCALE + j]
+        scr[unsafe_offset=V_DSCALE + j] = scr[unsafe_offset=V_DSCALE + j] + f * vdk
+        var fs = f * sc
+        if j < last:
+            var x = fs * vdk
+            scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + x
+            scr[unsafe_offset=V_DCUM + j] = scr[unsafe_offset=V_DCUM + j] - x
+        var dvrow = dproj.unsafe_offset(r * npj + vo)
+        comptime for cc in range(4):
+            dvrow.unsafe_store(cc * 16, V16(fs).fma(u.unsafe_load[width=16](cc * 16),
+                                                    dvrow.unsafe_load[width=16](cc * 16)))
+        var acc = Array[V16, 8](fill=V16(0.0))
+        for p in range(HP):
+            var vp = V16(vj[unsafe_offset=p])
+            comptime for cc in range(8):
+                acc[cc] = vp.fma(dH.unsafe_load[width=16](p * NST + cc * 16), acc[cc])
+        var dk = dqk.unsafe_offset(r * rs + hh * QK + NST)
+        comptime for cc in range(8):
+            dk.unsafe_store(cc * 16, V16(fs).fma(acc[cc], dk.unsafe_load[width=16](cc * 16)))
+    # dh_in, in place over the carry
+    for p in range(HP):
+        var acc = Array[V16, 8](fill=V16(0.0))
+        comptime for cc in range(8):
+            acc[cc] = V16(elast) * dH.unsafe_load[width=16](p * NST + cc * 16)
+        for i in range(n):
+            var ey = V16(scr[unsafe_offset=V_E + i] * dy[unsafe_offset=i * HP + p])
+            var qi = qkr.unsafe_offset((bb * n + i) * rs + hh * QK)
+            comptime for cc in range(8):
+                acc[cc] = ey.fma(qi.unsafe_load[width=16](cc * 16), acc[cc])
+        comptime for cc in range(8):
+            dH.unsafe_store(p * NST + cc * 16, acc[cc])
+    var dbeta_prev: Float32 = 0.0
+    if c > 0:
+        var kp = work.unsafe_offset(wk.o_ckk + (c * nbh + bh) * NST)
+        var vp = work.unsafe_offset(wk.o_ckv + (c * nbh + bh) * HP)
+        for p in range(HP):
+            u[unsafe_offset=p] = dot128(dH.unsafe_offset(p * NST), kp)
+        dbeta_prev = _dot64(vp, u)
+    # 5.
+    var acc_c: Float32 = 0.0
+    var m = last
+    while m >= 0:
+        acc_c = acc_c + scr[unsafe_offset=V_DCUM + m]
+        scr[unsafe_offset=V_DCUM + m] = acc_c  # now dadt_m
+        m -= 1
+    # 6. angles, tokens descending
+    var tcar = work.unsafe_offset(wk.o_cdt + bh * NANG)
+    var j = last
+    while j >= 0:
+        var r = bb * n + j
+        var qrow = qkr.unsafe_offset(r * rs + hh * QK)
+        var krow = qrow.unsafe_offset(NST)
+        var dq = dqk.unsafe_offset(r * rs + hh * QK)
+        var dk = dq.unsafe_offset(NST)
+        var csr = work.unsafe_offset(wk.o_cs + (r * nh + hh) * CSW)
+        var pr = proj.unsafe_offset(r * npj)
+        var dap = work.unsafe_offset(wk.o_dang + (r * nh + hh) * NANG)
+        var dt = scr[unsafe_offset=V_DT + j]
+        var ddt_th: Float32 = 0.0
+        var tnh = scr.unsafe_offset(V_TMP + 128)
+        comptime for cc in range(2):
+            tnh.unsafe_store(cc * 16, tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + cc * 16)))
+        for rr in range(NANG):
+            var q0 = qrow[unsafe_offset=2 * rr]
+            var q1 = qrow[unsafe_offset=2 * rr + 1]
+            var k0 = krow[unsafe_offset=2 * rr]
+            var k1 = krow[unsafe_offset=2 * rr + 1]
+            var g0 = dq[unsafe_offset=2 * rr]
+            var g1 = dq[unsafe_offset=2 * rr + 1]
+            var f0 = dk[unsafe_offset=2 * rr]
+            var f1 = dk[unsafe_offset=2 * rr + 1]
+            var dth = ((g1 * q0 - g0 * q1) + f1 * k0) - f0 * k1
+            var t = tcar[unsafe_offset=rr] + dth
+            tcar[unsafe_offset=rr] = t
+            var cc = csr[unsafe_offset=rr]
+            var ss = csr[unsafe_offset=NANG + rr]
+            dq[unsafe_offset=2 * rr] = g0 * cc + g1 * ss
+            dq[unsafe_offset=2 * rr + 1] = g1 * cc - g0 * ss
+            dk[unsafe_offset=2 * rr] = f0 * cc + f1 * ss
+            dk[unsafe_offset=2 * rr + 1] = f1 * cc - f0 * ss
+            var th = tnh[unsafe_offset=rr]
+            ddt_th = (t * th).fma(PI_F32, ddt_th)
+            dap[unsafe_offset=rr] = ((t * PI_F32) * dt) * (Float32(1.0) - th * th)
+        scr[unsafe_offset=V_DDT + j] = ddt_th
+        j -= 1
+    # 7. scalars
+    var dtb = blob[unsafe_offset=dims.o_dtb + hh]
+    for jj in range(n):
+        var r = bb * n + jj
+        var pr = proj.unsafe_offset(r * npj)
+        var dpr = dproj.unsafe_offset(r * npj)
+        var dt = scr[unsafe_offset=V_DT + jj]
+        var sg = scr[unsafe_offset=V_SG + jj]
+        var dadt = scr[unsafe_offset=V_DCUM + jj]
+        var dgs = scr[unsafe_offset=V_DSCALE + jj] + scr[unsafe_offset=V_DGAM + jj]
+        var bco = dbeta_prev
+        if jj > 0:
+            bco = scr[unsafe_offset=V_DSCALE + jj - 1]
+        var ddt = dadt * scr[unsafe_offset=V_A + jj] + dgs * sg
+        ddt = ddt + scr[unsafe_offset=V_DDT + jj]
+        ddt = ddt + bco * (Float32(1.0) - sg)
+        var dsg = dgs * dt - bco * dt
+        var vdt = pr[unsafe_offset=dims.c_dt + hh] + dtb
+        var spg: Float32 = 1.0
+        if not (vdt > 20.0):
+            spg = sigmoid_f32[1](vdt)
+        dpr[unsafe_offset=dims.c_dt + hh] = ddt * spg
+        dpr[unsafe_offset=dims.c_a + hh] = (dadt * dt) * _dphi_a(pr[unsafe_offset=dims.c_a + hh])
+        dpr[unsafe_offset=dims.c_tr + hh] = dsg * (sg * (Float32(1.0) - sg))
+
+
+# ------------------------------------------------------------ reductions
+
+
+def _norm_vjp(v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr, dv: F32Ptr, pw: F32Ptr):
+    """RMSNorm VJP of one row (norms.mojo's forward): gx_j = dout_j w_j;
+    dot = fma chain over j of gx_j v_j; coef = (dot ((r r) r)) / n;
+    dv_j = fma(-v_j, coef, r gx_j); pw_j = dout_j (v_j r)."""
+    var rs = rms_scale(v, n)
+    var dot: Float32 = 0.0
+    for j in range(n):
+        var gx = dout[unsafe_offset=j] * w[unsafe_offset=j]
+        dot = gx.fma(v[unsafe_offset=j], dot)
+    var coef = (dot * ((rs * rs) * rs)) / Float32(n)
+    for j in range(n):
+        var vj = v[unsafe_offset=j]
+        var gxn = dout[unsafe_offset=j]
+        dv[unsafe_offset=j] = (-vj).fma(coef, rs * (gxn * w[unsafe_offset=j]))
+        pw[unsafe_offset=j] = gxn * (vj * rs)
+
+
+def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
+    """Row tasks: head sums (h ascending) of dk, dq, d angle; B/C norm VJPs.
+    Head tasks: B_bias, C_bias, dt_bias, D chains (rows ascending)."""
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var rows = wk.b * nc
+    var nh = dims.nh
+    var npj = dims.np
+    var nrt = ceil_div(rows, ROWS_PER_TASK)
+    var dqk = work.unsafe_offset(wk.o_dqk)
+    var dproj = work.unsafe_offset(wk.o_dproj)
+    if task < nrt:
+        var proj = work.unsafe_offset(wk.o_proj)
+        var r0 = task * ROWS_PER_TASK
+        var r1 = min(rows, r0 + ROWS_PER_TASK)
+        for r in range(r0, r1):
+            var dpr = dproj.unsafe_offset(r * npj)
+            var pbc = work.unsafe_offset(wk.o_pbc + r * 2 * NST)
+            # head sums (h ascending) into the B | C columns of dproj as dBn | dCn
+            for k in range(NST):
+                var sb: Float32 = dqk[unsafe_offset=(r * nh) * QK + NST + k]
+                var sc: Float32 = dqk[unsafe_offset=(r * nh) * QK + k]
+                for hh in range(1, nh):
+                    sb = sb + dqk[unsafe_offset=(r * nh + hh) * QK + NST + k]
+                    sc = sc + dqk[unsafe_offset=(r * nh + hh) * QK + k]
+                dpr[unsafe_offset=dims.c_b + k] = sb
+                dpr[unsafe_offset=dims.c_c + k] = sc
+            for rr in range(NANG):
+                var s: Float32 = work[unsafe_offset=wk.o_dang + (r * nh) * NANG + rr]
+                for hh in range(1, nh):
+                    s = s + work[unsafe_offset=wk.o_dang + (r * nh + hh) * NANG + rr]
+                dpr[unsafe_offset=dims.c_ang + rr] = s
+            var pr = proj.unsafe_offset(r * npj)
+            # in place: each dBn_j is read before dBp_j is written
+            _norm_vjp(pr.unsafe_offset(dims.c_b), NST, blob.unsafe_offset(dims.o_bnw),
+                      dpr.unsafe_offset(dims.c_b), dpr.unsafe_offset(dims.c_b), pbc)
+            _norm_vjp(pr.unsafe_offset(dims.c_c), NST, blob.unsafe_offset(dims.o_cnw),
+                      dpr.unsafe_offset(dims.c_c), dpr.unsafe_offset(dims.c_c),
+                      pbc.unsafe_offset(NST))
+        return
+    var hh = task - nrt
+    var gbb = arg_f32(args, BW_G_BB).unsafe_offset(hh * NST)
+    var gcb = arg_f32(args, BW_G_CB).unsafe_offset(hh * NST)
+    comptime for cc in range(8):
+        var ab = gbb.unsafe_load[width=16](cc * 16)
+        var ac = gcb.unsafe_load[width=16](cc * 16)
+        for r in range(rows):
+            ab = ab + dqk.unsafe_load[width=16]((r * nh + hh) * QK + NST + cc * 16)
+            ac = ac + dqk.unsafe_load[width=16]((r * nh + hh) * QK + cc * 16)
+        gbb.unsafe_store(cc * 16, ab)
+        gcb.unsafe_store(cc * 16, ac)
+    var gdtb = arg_f32(args, BW_G_DTB)
+    var gd = arg_f32(args, BW_G_D)
+    var sdt = gdtb[unsafe_offset=hh]
+    var sd = gd[unsafe_offset=hh]
+    for r in range(rows):
+        sdt = sdt + dproj[unsafe_offset=r * npj + dims.c_dt + hh]
+        sd = sd + work[unsafe_offset=wk.o_dd + r * nh + hh]
+    gdtb[unsafe_offset=hh] = sdt
+    gd[unsafe_offset=hh] = sd
+
+
+def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
+    var work = arg_f32(args, BW_WORK)
+    var rows = wk.b * nc
+    var d = dims.d
+    var npj = dims.np
+    var n1 = gemm_ntasks(rows, d)
+    var n2 = gemm_ntasks(npj, d)
+    if task < n1:  # dxn[r, i] = sum_j dproj[r, j] W_in[j, i]
+        _ = gemm_task(task, work.unsafe_offset(wk.o_dproj), npj, 1,
+                      arg_f32(args, BW_W_IN), d, npj,
+                      work.unsafe_offset(wk.o_dxn), d, rows, d, False)
+    elif task < n1 + n2:  # dW_in[j, i] += sum_r dproj[r, j] xn[r, i]
+        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dproj), 1, npj,
+                      work.unsafe_offset(wk.o_xn), d, rows,
+                      arg_f32(args, BW_G_IN), d, npj, d, True)
+    else:  # B_norm.weight | C_norm.weight += pbc rows, r ascending
+        var q = task - n1 - n2
+        var pbc = work.unsafe_offset(wk.o_pbc)
+        var dst = arg_f32(args, BW_G_BNW)
+        var col = q * 16
+        if col >= NST:
+            dst = arg_f32(args, BW_G_CNW)
+            col -= NST
+        var acc = dst.unsafe_load[width=16](col)
+        for r in range(rows):
+            acc = acc + pbc.unsafe_load[width=16](r * 2 * NST + q * 16)
+        dst.unsafe_store(col, acc)
+
+
+def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
+    """dx = g + RMSNorm VJP of dxn; pn = block norm weight terms."""
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var l = wk.l
+    var d = dims.d
+    var x = arg_f32(args, BW_X)
+    var g = arg_f32(args, BW_G)
+    var dx = arg_f32(args, BW_DX)
+    var r0 = task * ROWS_PER_TASK
+    var r1 = min(wk.b * nc, r0 + ROWS_PER_TASK)
+    for r in range(r0, r1):
+        var off = ((r // nc) * l + c * QC + r % nc) * d
+        _norm_vjp(x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
+                  work.unsafe_offset(wk.o_dxn + r * d), dx.unsafe_offset(off),
+                  work.unsafe_offset(wk.o_pn + r * d))
+        for j in range(d):
+            dx[unsafe_offset=off + j] = g[unsafe_offset=off + j] + dx[unsafe_offset=off + j]
+
+
+def _normw(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
+    var work = arg_f32(args, BW_WORK)
+    var gn = arg_f32(args, BW_G_NORM)
+    var pn = work.unsafe_offset(wk.o_pn)
+    var d = dims.d
+    var col = task * 16
+    var acc = gn.unsafe_load[width=16](col)
+    for r in range(wk.b * nc):
+        acc = acc + pn.unsafe_load[width=16](r * d + col)
+    gn.unsafe_store(col, acc)

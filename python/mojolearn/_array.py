@@ -51,7 +51,20 @@ class Array(native().Storage):
 
     Attributes
     ----------
-    shape, dtype, ndim, size, nbytes, strides, itemsize
+    shape : tuple of int
+        Dimensions.
+    dtype : str
+        Element type name, e.g. 'float32'.
+    ndim : int
+        Number of dimensions.
+    size : int
+        Number of elements.
+    nbytes : int
+        Size in bytes.
+    strides : tuple of int
+        C-contiguous strides in bytes.
+    itemsize : int
+        Bytes per element.
 
     Notes
     -----

@@ -178,4 +178,11 @@ def set_num_threads(n: int) -> None:
 
 
 def get_num_threads() -> int:
+    """Threads the kernels use (see set_num_threads).
+
+    Returns
+    -------
+    int
+        At least 1.
+    """
     return native().get_num_threads()

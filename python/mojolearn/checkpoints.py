@@ -22,16 +22,16 @@ ValueError naming the config field (see ``check_config``).
 
 Key mapping (an optional ``backbone.`` prefix is accepted):
 
-=================================  ==================  ===================
-checkpoint key                      Mamba-1 block        Mamba-2 block
-=================================  ==================  ===================
-layers.{i}.norm.weight              norm.weight          block_norm.weight
-layers.{i}.mixer.norm.weight        (none)               norm.weight
-layers.{i}.mixer.<name>             <name>               <name>
-embeddings.weight                   Checkpoint.embeddings
-norm_f.weight                       Checkpoint.final_norm
-lm_head.weight                      Checkpoint.lm_head (the embeddings when tied)
-=================================  ==================  ===================
+=================================  ===============================================  ===================
+checkpoint key                     Mamba-1 block                                    Mamba-2 block
+=================================  ===============================================  ===================
+layers.{i}.norm.weight             norm.weight                                      block_norm.weight
+layers.{i}.mixer.norm.weight       (none)                                           norm.weight
+layers.{i}.mixer.<name>            <name>                                           <name>
+embeddings.weight                  Checkpoint.embeddings                            (same)
+norm_f.weight                      Checkpoint.final_norm                            (same)
+lm_head.weight                     Checkpoint.lm_head (the embeddings when tied)    (same)
+=================================  ===============================================  ===================
 """
 from __future__ import annotations
 
@@ -369,14 +369,19 @@ class Checkpoint:
     kind : {'mamba', 'mamba2'}
     config : dict
         The transformers config (as read, or inferred from the tensors).
-    d_model, n_layers, vocab_size : int
+    d_model : int
+        Model dimension.
+    n_layers : int
+        Number of layers.
+    vocab_size : int
+        Rows of the embedding table.
     layers : list of dict
         One weight dict per layer (float32 mojolearn.Array) under the
         Mamba1Block / Mamba2Block names.
-    embeddings : mojolearn.Array (vocab_size, d_model)
-    final_norm : mojolearn.Array (d_model,)
+    embeddings : float32 mojolearn.Array, shape (vocab_size, d_model)
+    final_norm : float32 mojolearn.Array, shape (d_model,)
         RMSNorm weight (eps 1e-5) applied after the last layer.
-    lm_head : mojolearn.Array (vocab_size, d_model)
+    lm_head : float32 mojolearn.Array, shape (vocab_size, d_model)
         The embeddings themselves when tie_word_embeddings.
     tie_word_embeddings : bool
     dt_limit : (float, float) or None

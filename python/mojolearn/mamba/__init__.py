@@ -4,6 +4,20 @@ Each block takes caller-supplied weights and provides forward(x, state=None),
 step(x, state), allocate_state(...) and backward(x, grad_output). The
 recurrent state is explicit and owned by the caller, so prefill,
 continuation and token-by-token decode give the same bits.
+
+The block and state classes are also exported from mojolearn (and
+documented under those names). Inputs are read through the buffer protocol,
+so PyTorch and NumPy are not required.
+
+Examples
+--------
+With float32 weights and x of the right shapes:
+
+>>> from mojolearn.mamba import Mamba2Block
+>>> block = Mamba2Block(weights, numeric_mode="identical")
+>>> y = block.forward(x)
+>>> state = block.allocate_state(batch_size=x.shape[0])
+>>> y0 = block.step(x[:, :1], state)
 """
 from importlib import import_module
 

@@ -88,25 +88,50 @@ class Mamba1Block(_MambaBase):
     Parameters
     ----------
     weights : dict of str to float32 buffer
-        norm.weight (d,), in_proj.weight (4d, d), conv1d.weight (2d, 1, 4) or
-        (2d, 4), conv1d.bias (2d,), x_proj.weight (R + 32, 2d), dt_proj.weight
-        (2d, R), dt_proj.bias (2d,), A_log (2d, 16), D (2d,), out_proj.weight
-        (d, 2d), with R = ceil(d / 16). Copied at construction.
+        Weights under the reference parameter names, with d = d_model and
+        R = dt_rank = ceil(d / 16); copied at construction. Projection
+        weights may be packed with :mod:`mojolearn.lowbit`.
+
+        - ``norm.weight`` (d,)
+        - ``in_proj.weight`` (4d, d)
+        - ``conv1d.weight`` (2d, 1, 4) or (2d, 4)
+        - ``conv1d.bias`` (2d,)
+        - ``x_proj.weight`` (R + 32, 2d)
+        - ``dt_proj.weight`` (2d, R)
+        - ``dt_proj.bias`` (2d,)
+        - ``A_log`` (2d, 16)
+        - ``D`` (2d,)
+        - ``out_proj.weight`` (d, 2d)
     numeric_mode : {'identical', 'fast'}, default 'identical'
         'identical': every output bit is a pure function of the inputs (any
         thread count, batch composition, prefill or decode).
 
     Attributes
     ----------
-    d_model, d_inner, dt_rank : int
+    d_model : int
+        Model dimension, read from norm.weight.
+    d_inner : int
+        Inner dimension, 2 * d_model.
+    dt_rank : int
+        Rank of the dt projection, ceil(d_model / 16).
     weight_format : str
-        Format the weights were given in ('float32').
+        Format the weights were given in ('float32', 'bfloat16' or 'int8').
 
     Notes
     -----
     Thread safety: forward may be called concurrently on one block; step
     too (a concurrent step gets its own workspace). A state must not be used
     by two calls at once.
+
+    Examples
+    --------
+    >>> import numpy as np, mojolearn
+    >>> block = mojolearn.Mamba1Block(weights)   # dict of float32 arrays, as above
+    >>> x = np.random.default_rng(0).random((2, 16, block.d_model), dtype=np.float32)
+    >>> y = block.forward(x)
+    >>> state = block.allocate_state(2)
+    >>> y = block.forward(x, state)
+    >>> y_next = block.step(x[:, -1], state)
     """
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):

@@ -43,6 +43,12 @@ def mamba2_weight_shapes(d: int) -> dict:
     }
 
 
+# Gradient arrays of Mamba2Block.backward, in the kernel's argument order
+# (OP_M2_BACKWARD slots 10..18, mojo/mojolearn_kernels/mamba2_backward.mojo).
+_BACKWARD_GRAD_NAMES = ("block_norm.weight", "in_proj.weight", "conv1d.weight",
+                        "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
+                        "out_proj.weight")
+
 _WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                  "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
 
@@ -144,27 +150,54 @@ class Mamba2Block(_MambaBase):
     Parameters
     ----------
     weights : dict of str to float32 buffer
-        block_norm.weight (d,), in_proj.weight (2di + 256 + H, d) rows
-        z | xBC | dt, conv1d.weight (CD, 1, 4) or (CD, 4), conv1d.bias (CD,),
-        dt_bias (H,), A_log (H,), D (H,), norm.weight (di,) (gated norm),
-        out_proj.weight (d, di); di = 2d, H = di / 64, CD = di + 256.
-        Copied at construction.
+        With d = d_model, di = 2d, H = di / 64 heads and CD = di + 256;
+        copied at construction. Projection weights may be packed with
+        :mod:`mojolearn.lowbit`.
+
+        - ``block_norm.weight`` (d,), the block norm
+        - ``in_proj.weight`` (2di + 256 + H, d), rows z | xBC | dt
+        - ``conv1d.weight`` (CD, 1, 4) or (CD, 4)
+        - ``conv1d.bias`` (CD,)
+        - ``dt_bias`` (H,)
+        - ``A_log`` (H,), one value per head
+        - ``D`` (H,)
+        - ``norm.weight`` (di,), the gated norm
+        - ``out_proj.weight`` (d, di)
     dt_limit : (lo, hi), default (0.0, inf)
         dt = min(max(softplus(dtraw + dt_bias), lo), hi); the limits are
         rounded to float32. NaN, lo > hi or not two numbers: ValueError.
     numeric_mode : {'identical', 'fast'}, default 'identical'
+        See the user guide's numeric modes page.
 
     Attributes
     ----------
-    d_model, d_inner, nheads, conv_dim : int
+    d_model : int
+        Model dimension, read from block_norm.weight.
+    d_inner : int
+        Inner dimension, 2 * d_model.
+    nheads : int
+        Number of heads H, d_inner / 64.
+    conv_dim : int
+        Convolution channels CD, d_inner + 256.
     dt_limit : tuple of float
+        The dt clamp (lo, hi), rounded to float32.
     weight_format : str
-    h_last_ : mojolearn.Array (B, H, 64, 128)
+        Format the weights were given in ('float32', 'bfloat16' or 'int8').
+    h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128)
         After every forward/step: the SSM state after all tokens so far (a
         report: on a chunk boundary it equals state.h bitwise; mid-chunk it
         is the fold formula applied to the partial chunk). After a call with
         a state it is computed on first access from that state, which must
         not have been advanced by another call in between (RuntimeError).
+
+    Examples
+    --------
+    >>> import numpy as np, mojolearn
+    >>> block = mojolearn.Mamba2Block(weights, numeric_mode="identical")
+    >>> x = np.random.default_rng(0).random((2, 16, block.d_model), dtype=np.float32)
+    >>> y = block.forward(x)
+    >>> state = block.allocate_state(batch_size=x.shape[0])
+    >>> y0 = block.step(x[:, :1], state)
     """
 
     _param_names = ("weights", "numeric_mode", "dt_limit")
@@ -376,9 +409,52 @@ class Mamba2Block(_MambaBase):
         return Mamba2DecodeSession(self, state)
 
     def backward(self, x, grad_output):
-        """Gradients of a zero-state prefill: not available in this version."""
-        raise NotImplementedError("Mamba2Block.backward is not implemented in this "
-                                  "version of mojolearn")
+        """Gradients of a zero-state prefill (a vector-Jacobian product).
+
+        Recomputes the forward with the current weights on every call; no
+        earlier forward, state or ``h_last_`` is used or changed. The gradient
+        through the dt_limit clamp follows torch.clamp: it passes where
+        lo <= softplus(dtraw + dt_bias) <= hi (bounds included) and is zero
+        outside. Kernel order and memory: docs/backward.md ("Mamba-2").
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, L, d_model)
+        grad_output : float32 buffer, shape (B, L, d_model), finite
+
+        Returns
+        -------
+        grads : dict of str to mojolearn.Array
+            'x' (B, L, d_model) and one entry per constructor weight, under the
+            same name and in the shape the weight was given.
+        """
+        from .._array import Array
+        xv = self._x_view(x)
+        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
+        if gv.shape != xv.shape:
+            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
+                             f"got {gv.shape}")
+        _intake.check_finite(self._lib, xv)
+        _intake.check_finite(self._lib, gv)
+        b, l, d = xv.shape
+        w = self._weights
+        grads = {"x": Array((b, l, d), zero=False)}
+        for name in _BACKWARD_GRAD_NAMES:
+            grads[name] = Array(w[name].shape, zero=True)
+        args = ([b, l, d, xv.address, gv.address, self._blob.address, 0,
+                 grads["x"].address, w["in_proj.weight"].address,
+                 w["out_proj.weight"].address]
+                + [grads[n].address for n in _BACKWARD_GRAD_NAMES])
+        work, lock = self._workspace(_abi.OP_M2_BACKWARD, args)
+        try:
+            args[6] = work.address
+            self._lib.run(_abi.OP_M2_BACKWARD, args)
+        finally:
+            if lock is not None:
+                if work.size * 4 > _KEEP_WORK_BYTES:
+                    self._work = None  # a big backward workspace is not kept
+                lock.release()
+        return grads
 
 
 class Mamba2BlockInference(Mamba2Block):
@@ -404,8 +480,16 @@ class Mamba2DecodeSession:
     close() or sync_state() the state's arrays and buffered_tokens are
     stale, and the block refuses that state; weight edits (set_params) after
     opening are not seen; edits to the state arrays are not seen until
-    load_state(). The block's h_last_ is not updated by session steps. Not
+    load_state(). The block's ``h_last_`` is not updated by session steps. Not
     thread-safe. Use it as a context manager.
+
+    Examples
+    --------
+    >>> state = block.allocate_state(2)
+    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
+    >>> with block.decode_session(state) as session:
+    ...     for x_t in tokens:
+    ...         y_t = session.step(x_t)
     """
 
     def __init__(self, block, state):

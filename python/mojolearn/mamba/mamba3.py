@@ -82,17 +82,30 @@ class Mamba3State:
 
     Parameters
     ----------
-    theta : (B, H, R)          rotary angles, each in [0, 2 pi)
-    h : (B, H, P, N)           SSM state entering the working chunk
-    buffer_qrot, buffer_krot : (B, Q, H, N)
-        rotated, bias-added, unscaled q and k rows of the working chunk
-    buffer_v : (B, Q, H, P)    raw v rows
-    buffer_dt, buffer_sig, buffer_adt : (B, Q, H)
-        dt, sigmoid(trap) and A * dt rows
-    pending_k : (B, H, N), pending_v : (B, H, P)
-        input-state k and v, used only while pending
-    buffered_tokens : int      valid buffer rows, in [0, Q]; [1, Q] after a call
-    pending : bool             set by set_input_states, consumed by the next call
+    theta : float32 buffer, shape (B, H, R)
+        Rotary angles, each in [0, 2 pi).
+    h : float32 buffer, shape (B, H, P, N)
+        SSM state entering the working chunk.
+    buffer_qrot : float32 buffer, shape (B, Q, H, N)
+        Rotated, bias-added, unscaled q rows of the working chunk.
+    buffer_krot : float32 buffer, shape (B, Q, H, N)
+        Rotated, bias-added, unscaled k rows of the working chunk.
+    buffer_v : float32 buffer, shape (B, Q, H, P)
+        Raw v rows.
+    buffer_dt : float32 buffer, shape (B, Q, H)
+        dt rows.
+    buffer_sig : float32 buffer, shape (B, Q, H)
+        sigmoid(trap) rows.
+    buffer_adt : float32 buffer, shape (B, Q, H)
+        A * dt rows.
+    pending_k : float32 buffer, shape (B, H, N)
+        Input-state k, used only while pending.
+    pending_v : float32 buffer, shape (B, H, P)
+        Input-state v, used only while pending.
+    buffered_tokens : int, default 0
+        Valid buffer rows, in [0, Q]; in [1, Q] after a call.
+    pending : bool, default False
+        Set by set_input_states, consumed by the next call.
     """
 
     def __init__(self, theta, h, buffer_qrot, buffer_krot, buffer_v, buffer_dt,
@@ -155,21 +168,56 @@ class Mamba3Block(_MambaBase):
     Parameters
     ----------
     weights : dict of str to float32 buffer
-        block_norm.weight (d,), in_proj.weight (d_in_proj, d) in row order
-        z | x | B | C | dd_dt | dd_A | trap | angle, dt_bias (H,),
-        B_norm.weight (128,), C_norm.weight (128,), B_bias (H, 128),
-        C_bias (H, 128), D (H,), out_proj.weight (d, 2d); copied.
+        With d = d_model, H = 2d / 64 heads and
+        d_in_proj = 4d + 256 + 3H + 32; copied at construction. Projection
+        weights may be packed with :mod:`mojolearn.lowbit`.
+
+        - ``block_norm.weight`` (d,), the block norm
+        - ``in_proj.weight`` (d_in_proj, d), row order
+          z | x | B | C | dd_dt | dd_A | trap | angle
+        - ``dt_bias`` (H,)
+        - ``B_norm.weight`` (128,), RMSNorm with eps 1e-5
+        - ``C_norm.weight`` (128,)
+        - ``B_bias`` (H, 128)
+        - ``C_bias`` (H, 128)
+        - ``D`` (H,)
+        - ``out_proj.weight`` (d, 2d)
     numeric_mode : {'identical', 'fast'}, default 'identical'
+        See the user guide's numeric modes page.
 
     Attributes
     ----------
-    d_model, d_inner, nheads, d_in_proj : int
+    d_model : int
+        Model dimension, read from block_norm.weight.
+    d_inner : int
+        Inner dimension, 2 * d_model.
+    nheads : int
+        Number of heads H, d_inner / 64.
+    d_in_proj : int
+        Rows of in_proj.weight.
     weight_format : str
-    h_last_, k_last_, v_last_, theta_last_ : mojolearn.Array or None
-        Reports of the last call (state after all its tokens, the last token
-        at gamma only; the last rotated k and v; the angles). Computed on
-        first access from the state that call left, so read them before the
-        state is edited or advanced (afterwards access raises ValueError).
+        Format the weights were given in ('float32', 'bfloat16' or 'int8').
+    h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128), or None
+        Report of the last call: the state after all its tokens (the last
+        token at gamma only). Computed on first access from the state that
+        call left, so read it (and the three below) before the state is
+        edited or advanced (afterwards access raises ValueError).
+    k_last_ : float32 mojolearn.Array, shape (B, H, 128), or None
+        Report of the last call: the last rotated k.
+    v_last_ : float32 mojolearn.Array, shape (B, H, 64), or None
+        Report of the last call: the last v.
+    theta_last_ : float32 mojolearn.Array, shape (B, H, 32), or None
+        Report of the last call: the rotary angles.
+
+    Examples
+    --------
+    >>> import numpy as np, mojolearn
+    >>> block = mojolearn.Mamba3Block(weights)
+    >>> x = np.random.default_rng(0).random((2, 16, block.d_model), dtype=np.float32)
+    >>> y = block.forward(x)
+    >>> state = block.allocate_state(x.shape[0])
+    >>> y = block.forward(x, state)
+    >>> y_next = block.step(x[:, -1], state)
     """
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):
@@ -420,9 +468,48 @@ class Mamba3Block(_MambaBase):
         return None if self._session is None else dict(self._session)
 
     def backward(self, x, grad_output):
-        """Gradients of a zero-state prefill: not available in this version."""
-        raise NotImplementedError("Mamba3Block.backward is not implemented in this "
-                                  "version of mojolearn")
+        """Gradients of a zero-state prefill (a vector-Jacobian product).
+
+        Recomputes the forward with the current weights on every call; no
+        earlier forward, state or report is used or changed. Kernel order
+        and memory: docs/backward.md (section Mamba-3).
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, L, d_model)
+        grad_output : float32 buffer, shape (B, L, d_model), finite
+
+        Returns
+        -------
+        grads : dict of str to mojolearn.Array
+            'x' (B, L, d_model) and one entry per constructor weight, under the
+            same name and shape.
+        """
+        from .._array import Array
+        xv = self._x_view(x)
+        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
+        if gv.shape != xv.shape:
+            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
+                             f"got {gv.shape}")
+        _intake.check_finite(self._lib, xv)
+        _intake.check_finite(self._lib, gv)
+        b, l, d = xv.shape
+        w = self._weights
+        grads = {"x": Array((b, l, d), zero=False)}
+        for name in _WEIGHT_ORDER:
+            grads[name] = Array(w[name].shape, zero=True)
+        args = ([b, l, d, xv.address, gv.address, self._blob.address, 0,
+                 grads["x"].address, w["in_proj.weight"].address,
+                 w["out_proj.weight"].address]
+                + [grads[n].address for n in _WEIGHT_ORDER])
+        work, lock = self._workspace(_abi.OP_M3_BACKWARD, args)
+        try:
+            args[6] = work.address
+            self._lib.run(_abi.OP_M3_BACKWARD, args)
+        finally:
+            if lock is not None:
+                lock.release()
+        return grads
 
 
 class Mamba3BlockInference(Mamba3Block):

@@ -14,6 +14,14 @@ class Mamba1DecodeSession:
     are stale and the block refuses that state; weight edits (set_params)
     after opening are not seen; edits to the state arrays are not seen until
     load_state(). Not thread-safe. Use it as a context manager.
+
+    Examples
+    --------
+    >>> state = block.allocate_state(2)
+    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
+    >>> with block.decode_session(state) as session:
+    ...     for x_t in tokens:
+    ...         y_t = session.step(x_t)
     """
 
     # FWD_FLAGS bits (mojo/mojolearn_kernels/mamba1.mojo)

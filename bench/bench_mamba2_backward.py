@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""Benchmark: Mamba2Block.backward against PyTorch autograd of transformers'
+Mamba2Block (float32, CPU), time and peak memory.
+
+For each configuration and each side, a fresh child process:
+  * builds the block from ``tests.reference.weights.mamba2_weights(d, seed=0)``
+    and the inputs from ``random_input`` (x seed 1, grad_output seed 2);
+  * mojolearn: times ``block.backward(x, dy)`` (which recomputes the forward);
+  * transformers: times ``y = block(x); y.backward(dy)`` with x and every
+    parameter requiring grad (``Mamba2Block(cfg).eval()``, its CPU torch
+    path: chunked SSD, chunk 256), grads reset to None before each call;
+  * best of N after one warm-up; ``resource.getrusage(RUSAGE_SELF).ru_maxrss``
+    before the first call and at the end (native memory included; tracemalloc
+    would not see it). "peak over baseline" is what the calls added.
+Threads: ``--threads`` (default 2) on both sides (torch.set_num_threads,
+mojolearn.set_num_threads, OMP/OPENBLAS/MKL_NUM_THREADS). Nothing here
+asserts a speed. The mojolearn row also reports the backward workspace
+(``workspace_bytes`` of OP_M2_BACKWARD), the dominant allocation.
+
+Usage (repository root)::
+
+    PYTHONPATH=python:. python bench/bench_mamba2_backward.py [--quick] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FULL = [(768, 1, 128), (768, 8, 1024)]
+QUICK = [(256, 1, 128), (256, 2, 300)]
+
+
+def _worker(spec: str) -> None:
+    side, d, B, L, threads, reps = spec.split(",")
+    d, B, L, threads, reps = int(d), int(B), int(L), int(threads), int(reps)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import gc
+    import resource
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+    from tests.reference.weights import mamba2_weights, random_input
+    w = mamba2_weights(d, seed=0)
+    extra = {}
+    x = random_input(B, L, d, seed=1)
+    g = random_input(B, L, d, seed=2)
+    if side == "mojolearn":
+        import mojolearn
+        mojolearn.set_num_threads(threads)
+        from mojolearn import _abi
+        block = mojolearn.Mamba2Block(w)
+        extra["workspace_bytes"] = block._lib.workspace_bytes(
+            _abi.OP_M2_BACKWARD, [B, L, d] + [0] * 16)
+
+        def call():
+            return block.backward(x, g)
+    else:
+        import torch
+        torch.set_num_threads(threads)
+        sys.path.insert(0, str(ROOT / "bench"))
+        from bench_mamba2 import hf_block
+        block, _cfg = hf_block(w, d)
+        xt = torch.from_numpy(x).requires_grad_(True)
+        gt = torch.from_numpy(g)
+
+        def call():
+            xt.grad = None
+            for p in block.parameters():
+                p.grad = None
+            y = block(xt)
+            y.backward(gt)
+            return xt.grad
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    call()  # warm-up
+    gc.disable()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"side": side, "d": d, "B": B, "L": L, "threads": threads,
+                      "times_s": times, "best_s": min(times),
+                      "rss_before_kib": base, "rss_peak_kib": peak, **extra}))
+
+
+def measure(side, d, B, L, threads, reps):
+    spec = f"{side},{d},{B},{L},{threads},{reps}"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", spec],
+                         capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"{spec} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", metavar="FILE.json")
+    p.add_argument("--sides", default="mojolearn,transformers",
+                   help="comma-separated subset of mojolearn,transformers")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.worker)
+        return
+    load0 = os.getloadavg()[0]
+    rows, raw = [], []
+    for d, B, L in (QUICK if args.quick else FULL):
+        reps = args.reps if B * L <= 1024 else max(1, args.reps - 1)
+        sides = args.sides.split(",")
+        m = measure("mojolearn", d, B, L, args.threads, reps) if "mojolearn" in sides else None
+        t = measure("transformers", d, B, L, args.threads, reps) if "transformers" in sides else None
+        raw += [r for r in (m, t) if r]
+
+        def ms(r):
+            return f"{r['best_s'] * 1e3:.1f}" if r else "-"
+
+        def mem(r):
+            if not r:
+                return "-"
+            return (f"{r['rss_peak_kib'] / 1024:.0f} "
+                    f"(+{(r['rss_peak_kib'] - r['rss_before_kib']) / 1024:.0f})")
+        speed = f"{t['best_s'] / m['best_s']:.2f}x" if m and t else "-"
+        ws = f"{m['workspace_bytes'] / 2**20:.0f}" if m else "-"
+        rows.append(f"| {d} | {B} | {L} | {ms(m)} | {ms(t)} | {speed} | {mem(m)} | {ws} | "
+                    f"{mem(t)} |")
+    load1 = os.getloadavg()[0]
+    table = "\n".join(
+        [f"threads={args.threads}, load average {load0:.2f} -> {load1:.2f}",
+         "| d | B | L | mojolearn backward ms | transformers fwd+bwd ms | speed-up | "
+         "mojolearn peak RSS MiB (+ over baseline) | mojolearn workspace MiB | "
+         "transformers peak RSS MiB (+) |",
+         "|---|---|---|---|---|---|---|---|---|"] + rows)
+    print(table)
+    if load0 > 1.0 or load1 > 1.0:
+        print("warning: the machine was busy; numbers are unreliable")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"raw": raw, "markdown": table,
+                                              "load": [load0, load1]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Mamba3Block.backward: gradients vs PyTorch autograd of a float64 recurrence
+(tests/reference/torch_mamba3.py, itself checked against the NumPy float64
+reference and against central differences), bit-equality properties (each
+with a negative control) and the error paths of grad_output.
+"""
+import numpy as np
+import pytest
+import torch
+
+import mojolearn
+from tests.bits import assert_bits_differ, assert_same_bits, nudge
+from tests.reference.mamba3_weights import mamba3_dims, mamba3_weights, random_input
+from tests.reference.numpy_mamba3 import mamba3_numpy
+from tests.reference.torch_mamba3 import GRAD_NAMES as NAMES
+from tests.reference.torch_mamba3 import mamba3_grads, mamba3_torch
+
+REL = 1e-4  # max |err| <= REL * max |ref|, per array
+WORST = {}  # name -> (worst err / max|ref|, case), printed at the end
+
+
+def _compare(got, ref, case):
+    assert set(got) == set(NAMES)
+    for name in NAMES:
+        a = np.asarray(got[name], dtype=np.float64)
+        r = ref[name].reshape(a.shape)
+        assert np.isfinite(a).all(), f"{case} {name}: non-finite gradient"
+        scale = float(np.abs(r).max())
+        ratio = float(np.abs(a - r).max()) / scale if scale > 0 else float(np.abs(a).max())
+        if ratio > WORST.get(name, (-1.0, ""))[0]:
+            WORST[name] = (ratio, case)
+        assert ratio <= REL, f"{case} {name}: max|err| / max|ref| = {ratio:.3g} > {REL}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_worst():
+    yield
+    if WORST:
+        print("\nworst max|err|/max|ref| per array (Mamba-3 backward):")
+        for name in NAMES:
+            if name in WORST:
+                print(f"  {name:18s} {WORST[name][0]:.3e}  ({WORST[name][1]})")
+
+
+# --------------------------------------------------------------------------- reference
+def test_torch_reference_matches_numpy_reference():
+    d, B, L = 32, 2, 70
+    w = mamba3_weights(d, seed=5)
+    x = random_input(B, L, d, seed=6)
+    yn, _ = mamba3_numpy(w, x)
+    W = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in w.items()}
+    yt = mamba3_torch(W, torch.tensor(x.astype(np.float64))).numpy()
+    assert np.abs(yt - yn).max() <= 1e-12 * max(1.0, np.abs(yn).max())
+
+
+def test_central_differences_confirm_the_reference():
+    """The float64 autograd reference against central differences of its own
+    float64 forward, over a chunk boundary's worth of tokens (an
+    independent check of the reference's gradients)."""
+    d, B, L = 32, 1, 4
+    w = {k: v.astype(np.float64) for k, v in mamba3_weights(d, seed=21).items()}
+    x = random_input(B, L, d, seed=22).astype(np.float64)
+    g = random_input(B, L, d, seed=23).astype(np.float64)
+    ref = mamba3_grads(w, x, g)
+    rng = np.random.default_rng(0)
+    eps = 1e-6
+
+    def loss(ww, xx):
+        W = {k: torch.tensor(v) for k, v in ww.items()}
+        return float((mamba3_torch(W, torch.tensor(xx)).numpy() * g).sum())
+
+    dm = mamba3_dims(d)
+    for name in NAMES:
+        base = x if name == "x" else w[name]
+        idx = list(rng.choice(base.size, size=min(3, base.size), replace=False))
+        if name == "in_proj.weight":  # one row of each scalar split: dd_dt, dd_A, trap, angle
+            c = 2 * dm["d_inner"] + 256
+            h = dm["nheads"]
+            idx += [(c + o) * d + 3 for o in (0, h, 2 * h, 3 * h + 1)]
+        for i in idx:
+            plus, minus = base.copy(), base.copy()
+            plus.reshape(-1)[i] += eps
+            minus.reshape(-1)[i] -= eps
+            if name == "x":
+                fd = (loss(w, plus) - loss(w, minus)) / (2 * eps)
+            else:
+                fd = (loss(dict(w, **{name: plus}), x)
+                      - loss(dict(w, **{name: minus}), x)) / (2 * eps)
+            an = ref[name].reshape(-1)[i]
+            assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), \
+                f"{name}[{i}]: fd {fd} vs autograd {an}"
+
+
+# --------------------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("L", [1, 5, 63, 64, 65])
+@pytest.mark.parametrize("d", [32, 64])
+def test_gradients_match_float64_autograd(d, L, B):
+    w = mamba3_weights(d, seed=d + L)
+    x = random_input(B, L, d, seed=200 + L)
+    g = random_input(B, L, d, seed=300 + L)
+    got = mojolearn.Mamba3Block(w).backward(x, g)
+    for name in NAMES[1:]:
+        assert got[name].shape == w[name].shape, name
+    assert got["x"].shape == (B, L, d)
+    _compare(got, mamba3_grads(w, x, g), f"d={d} L={L} B={B}")
+
+
+def test_gradients_three_chunks():
+    d, B, L = 32, 2, 150
+    w = mamba3_weights(d, seed=7)
+    x, g = random_input(B, L, d, seed=8), random_input(B, L, d, seed=9)
+    _compare(mojolearn.Mamba3Block(w).backward(x, g), mamba3_grads(w, x, g),
+             f"d={d} L={L} B={B}")
+
+
+@pytest.mark.parametrize("case", ["large_dt", "a_floor", "softplus_identity", "wrapping"])
+def test_gradients_in_extreme_regimes(case):
+    """dt ~ 5 (fast decay, angles wrapping), dd_A << 0 (A on its floor: no
+    gradient to dd_A there), dd_dt + dt_bias > 20 (softplus identity,
+    gradient 1), large angle inputs (tanh saturated, theta wrapping)."""
+    d, B, L = 32, 2, 70
+    w = mamba3_weights(d, seed=11)
+    dm = mamba3_dims(d)
+    h, c = dm["nheads"], 2 * dm["d_inner"] + 256
+    x = random_input(B, L, d, seed=12)
+    g = random_input(B, L, d, seed=13)
+    if case == "large_dt":
+        w["dt_bias"] = w["dt_bias"] * 0 + np.float32(5.0)
+    elif case == "a_floor":
+        # dd_A row of head 0 made very negative: phi < 1e-4 -> A = -1e-4
+        w["in_proj.weight"][c + h] = np.float32(0.0)
+        w["block_norm.weight"][:] = 1.0
+        w["in_proj.weight"][c + h, :] = np.float32(-3e4 / d)
+        x = np.abs(x) + np.float32(0.5)
+    elif case == "softplus_identity":
+        w["dt_bias"] = w["dt_bias"] * 0 + np.float32(20.0)
+        w["dt_bias"][0] = np.float32(19.9)
+    else:
+        w["in_proj.weight"][c + 3 * h:c + 3 * h + 32] *= np.float32(40.0)
+        w["dt_bias"] = w["dt_bias"] * 0 + np.float32(1.0)
+    _compare(mojolearn.Mamba3Block(w).backward(x, g), mamba3_grads(w, x, g), case)
+
+
+# --------------------------------------------------------------------------- bits
+D = 32
+W = mamba3_weights(D, seed=31)
+_BLOCK = None
+
+
+def block():
+    global _BLOCK
+    if _BLOCK is None:
+        _BLOCK = mojolearn.Mamba3Block(W)
+    return _BLOCK
+
+
+def _arrays(grads):
+    return {k: np.asarray(v).copy() for k, v in grads.items()}
+
+
+def _same(a, b, what):
+    for name in NAMES:
+        assert_same_bits(a[name], b[name], f"{what}: {name}")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 70), (2, 64)])
+def test_thread_count_does_not_change_bits(threads, shape):
+    B, L = shape
+    x, g = random_input(B, L, D, seed=41), random_input(B, L, D, seed=42)
+    threads(1)
+    ref = _arrays(block().backward(x, g))
+    for n in (2, 3, 4):
+        threads(n)
+        _same(_arrays(block().backward(x, g)), ref, f"{n} threads vs 1")
+    # negative control: a one-ulp change of grad_output changes the bits
+    nudged = _arrays(block().backward(x, nudge(g, index=g.size - 1)))
+    assert_bits_differ(nudged["x"], ref["x"], "nudged grad_output")
+
+
+def test_repeated_calls_are_identical():
+    x, g = random_input(2, 75, D, seed=43), random_input(2, 75, D, seed=44)
+    first = _arrays(block().backward(x, g))
+    # dirty the shared workspace with other shapes and a forward in between
+    block().backward(random_input(3, 140, D, seed=1), random_input(3, 140, D, seed=2))
+    block().forward(random_input(4, 90, D, seed=3))
+    _same(_arrays(block().backward(x, g)), first, "repeated call")
+    _same(_arrays(mojolearn.Mamba3Block(W).backward(x, g)), first, "fresh block")
+    # negative control: a one-ulp change of x changes the bits
+    assert_bits_differ(np.asarray(block().backward(nudge(x, 7), g)["x"]), first["x"], "nudged x")
+
+
+def test_x_gradient_of_a_row_equals_the_row_alone():
+    B, L = 3, 70
+    x, g = random_input(B, L, D, seed=45), random_input(B, L, D, seed=46)
+    full = _arrays(block().backward(x, g))
+    for i in range(B):
+        alone = _arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
+                                         np.ascontiguousarray(g[i:i + 1])))
+        assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
+    # negative control: a small change of the row's own grad_output (one ulp
+    # of g can vanish in dx = g + ..., so change it by 1e-3 relative)
+    gi = np.ascontiguousarray(g[1:2]).copy()
+    gi[0, 0, 5] *= np.float32(1.001)
+    other = _arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
+    assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
+
+
+def test_zero_grad_output_gives_exact_zeros():
+    x = random_input(2, 70, D, seed=47)
+    got = _arrays(block().backward(x, np.zeros_like(x)))
+    for name in NAMES:
+        assert (got[name] == 0).all(), f"{name} is not all zero"
+        assert (got[name].view(np.uint32) == 0).all(), f"{name} holds -0.0"
+    # negative control: a tiny grad_output in one place reaches every array
+    g = np.zeros_like(x)
+    g[1, 69, 3] = np.float32(2.0 ** -60)
+    got = _arrays(block().backward(x, g))
+    for name in NAMES:
+        assert (got[name] != 0).any(), f"{name} stayed zero"
+    assert (got["x"][1, 69] != 0).any() and (got["x"][0] == 0).all()
+
+
+def test_backward_changes_nothing_it_reads():
+    x, g = random_input(2, 20, D, seed=48), random_input(2, 20, D, seed=49)
+    xc, gc = x.copy(), g.copy()
+    y0 = np.asarray(block().forward(x)).copy()
+    state = block().allocate_state(2)
+    block().forward(x, state)
+    h0 = np.asarray(state.h).copy()
+    hl = np.asarray(block().h_last_).copy()
+    block().backward(x, g)
+    assert_same_bits(x, xc, "x")
+    assert_same_bits(g, gc, "grad_output")
+    assert_same_bits(np.asarray(state.h), h0, "state")
+    assert state.buffered_tokens == 20
+    assert_same_bits(np.asarray(block().h_last_), hl, "h_last_ report")
+    assert_same_bits(np.asarray(block().forward(x)), y0, "forward after backward")
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int32])
+def test_grad_output_bad_dtype(dtype):
+    x = random_input(1, 4, D, seed=1)
+    with pytest.raises(TypeError, match="grad_output"):
+        block().backward(x, np.ones(x.shape, dtype=dtype))
+
+
+@pytest.mark.parametrize("shape", [(1, 4, D + 32), (1, 5, D), (2, 4, D), (4, D), (1, 1, 4, D)])
+def test_grad_output_bad_shape(shape):
+    x = random_input(1, 4, D, seed=1)
+    with pytest.raises(ValueError, match="grad_output"):
+        block().backward(x, np.ones(shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_grad_output_nonfinite_named_with_first_index(value):
+    x = random_input(1, 4, D, seed=1)
+    g = np.ones_like(x)
+    g[0, 2, 5] = value
+    g[0, 3, 0] = value
+    with pytest.raises(ValueError, match=r"grad_output.*flat index %d" % (2 * D + 5)):
+        block().backward(x, g)
+
+
+def test_grad_output_not_a_buffer():
+    x = random_input(1, 4, D, seed=1)
+    with pytest.raises(ValueError, match="grad_output"):
+        block().backward(x, [[1.0] * D] * 4)
+
+
+def test_x_errors_named():
+    g = np.ones((1, 4, D), np.float32)
+    with pytest.raises(TypeError, match="x"):
+        block().backward(g.astype(np.float64), g)
+    bad = g.copy()
+    bad[0, 1, 2] = np.nan
+    with pytest.raises(ValueError, match="x contains"):
+        block().backward(bad, g)
+
+
+def test_inference_block_still_refuses_backward():
+    x = random_input(1, 4, D, seed=1)
+    with pytest.raises(NotImplementedError):
+        mojolearn.Mamba3BlockInference(W).backward(x, x)
+
+
+# --------------------------------------------------------------------------- no NumPy
+def test_backward_without_numpy_same_bytes():
+    """array.array buffers in a child process without NumPy give the same
+    gradient bytes as NumPy inputs here."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from tests.test_mamba3_nonumpy import MAKE, B as NB, D as ND, L as NL  # noqa: F401
+    from tests.test_no_numpy import BLOCK_NUMPY, CHILD_TIMEOUT, PKG_DIR
+    child = BLOCK_NUMPY + MAKE + textwrap.dedent("""
+        import mojolearn
+        w, x, xs = make()
+        gr = mojolearn.Mamba3Block(w).backward(x, x)
+        assert "numpy" not in sys.modules
+        names = sorted(gr)
+        sys.stdout.write("\\n".join(n + " " + memoryview(gr[n]).tobytes().hex() for n in names))
+    """)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PKG_DIR.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
+                       text=True, timeout=CHILD_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = dict(line.split(" ") for line in r.stdout.strip().split("\n"))
+    ns = {}
+    exec(MAKE, ns)
+    w, x, _ = ns["make"]()
+    w = {k: np.asarray(v) for k, v in w.items()}
+    x = np.asarray(x)
+    gr = mojolearn.Mamba3Block(w).backward(x, x)
+    assert sorted(got) == sorted(NAMES)
+    for n in NAMES:
+        assert np.asarray(gr[n]).tobytes().hex() == got[n], n
