@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Benchmark: Mamba1Block.backward against PyTorch autograd of transformers'
+MambaBlock (float32, CPU), time and peak memory.
+
+For each configuration and each side, a fresh child process:
+  * builds the block from ``tests.reference.weights.mamba1_weights(d, seed=0)``
+    and the inputs from ``random_input`` (x seed 1, grad_output seed 2);
+  * mojolearn: times ``block.backward(x, dy)`` (which recomputes the forward);
+  * transformers: times ``y = block(x); y.backward(dy)`` with x and every
+    parameter requiring grad (``MambaBlock(cfg).eval()``, its normal CPU torch
+    path: sequential selective scan, ``use_mambapy=False``), grads reset to
+    None before each call;
+  * best of N after one warm-up; ``resource.getrusage(RUSAGE_SELF).ru_maxrss``
+    before the first call and at the end (native memory included; tracemalloc
+    would not see it). "peak over baseline" is what the calls added.
+Threads: ``--threads`` (default 2) on both sides (torch.set_num_threads,
+mojolearn.set_num_threads, OMP/OPENBLAS/MKL_NUM_THREADS). Nothing here
+asserts a speed.
+
+Usage (repository root)::
+
+    PYTHONPATH=python:. python bench/bench_mamba1_backward.py [--quick] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FULL = [(768, 1, 128), (768, 8, 1024)]
+QUICK = [(768, 1, 128), (256, 2, 256)]
+
+
+def _worker(spec: str) -> None:
+    side, d, B, L, threads, reps = spec.split(",")
+    d, B, L, threads, reps = int(d), int(B), int(L), int(threads), int(reps)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import gc
+    import resource
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+    from tests.reference.weights import mamba1_weights, random_input
+    w = mamba1_weights(d, seed=0)
+    x = random_input(B, L, d, seed=1)
+    g = random_input(B, L, d, seed=2)
+    if side == "mojolearn":
+        import mojolearn
+        mojolearn.set_num_threads(threads)
+        block = mojolearn.Mamba1Block(w)
+
+        def call():
+            return block.backward(x, g)
+    else:
+        import torch
+        torch.set_num_threads(threads)
+        from transformers import MambaConfig
+        from transformers.models.mamba import modeling_mamba as hf
+        cfg = MambaConfig(hidden_size=d, state_size=16, expand=2, conv_kernel=4,
+                          time_step_rank=math.ceil(d / 16), use_bias=False,
+                          use_conv_bias=True, layer_norm_epsilon=1e-5, hidden_act="silu",
+                          use_mambapy=False, num_hidden_layers=1)
+        block = hf.MambaBlock(cfg, layer_idx=0).eval()
+        sd = {("norm.weight" if k == "norm.weight" else f"mixer.{k}"):
+              torch.from_numpy(v.reshape(2 * d, 1, 4) if k == "conv1d.weight" else v.copy())
+              for k, v in w.items()}
+        block.load_state_dict(sd, strict=True)
+        xt = torch.from_numpy(x).requires_grad_(True)
+        gt = torch.from_numpy(g)
+
+        def call():
+            xt.grad = None
+            for p in block.parameters():
+                p.grad = None
+            y = block(xt)
+            y.backward(gt)
+            return xt.grad
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    if reps > 0:
+        call()  # warm-up
+    gc.disable()
+    for _ in range(max(reps, 1)):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"side": side, "d": d, "B": B, "L": L, "threads": threads,
+                      "times_s": times, "best_s": min(times),
+                      "rss_before_kib": base, "rss_peak_kib": peak}))
+
+
+def measure(side, d, B, L, threads, reps):
+    spec = f"{side},{d},{B},{L},{threads},{reps}"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", spec],
+                         capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"{spec} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed calls after one warm-up; 0: one timed call, no warm-up")
+    p.add_argument("--config", action="append", metavar="D,B,L",
+                   help="run these shapes instead of the default list")
+    p.add_argument("--out", metavar="FILE.json")
+    p.add_argument("--sides", default="mojolearn,transformers",
+                   help="comma-separated subset of mojolearn,transformers")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.worker)
+        return
+    load0 = os.getloadavg()[0]
+    rows, raw = [], []
+    configs = QUICK if args.quick else FULL
+    if args.config:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.config]
+    print(f"threads={args.threads}, load average {load0:.2f} at start", flush=True)
+    for d, B, L in configs:
+        reps = args.reps
+        sides = args.sides.split(",")
+        m = measure("mojolearn", d, B, L, args.threads, reps) if "mojolearn" in sides else None
+        t = measure("transformers", d, B, L, args.threads, reps) if "transformers" in sides else None
+        raw += [r for r in (m, t) if r]
+
+        def ms(r):
+            return f"{r['best_s'] * 1e3:.1f}" if r else "-"
+
+        def mem(r):
+            if not r:
+                return "-"
+            return (f"{r['rss_peak_kib'] / 1024:.0f} "
+                    f"(+{(r['rss_peak_kib'] - r['rss_before_kib']) / 1024:.0f})")
+        speed = f"{t['best_s'] / m['best_s']:.2f}x" if m and t else "-"
+        rows.append(f"| {d} | {B} | {L} | {ms(m)} | {ms(t)} | {speed} | {mem(m)} | {mem(t)} |")
+        print(rows[-1], flush=True)
+    load1 = os.getloadavg()[0]
+    table = "\n".join(
+        [f"threads={args.threads}, load average {load0:.2f} -> {load1:.2f}",
+         "| d | B | L | mojolearn backward ms | transformers fwd+bwd ms | speed-up | "
+         "mojolearn peak RSS MiB (+ over baseline) | transformers peak RSS MiB (+) |",
+         "|---|---|---|---|---|---|---|---|"] + rows)
+    print(table)
+    if load0 > 1.0 or load1 > 1.0:
+        print("warning: the machine was busy; numbers are unreliable")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"raw": raw, "markdown": table,
+                                              "load": [load0, load1]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
