@@ -204,13 +204,43 @@ struct Library {
     return nonfinite(reinterpret_cast<float *>(address), n);
   }
 
+  // Decode fast path: if x is a C-contiguous float32 buffer of shape (b, d)
+  // or (b, 1, d) holding only finite values, put its address in args[slot]
+  // and run op with x's buffer held; returns false (and runs nothing) for
+  // anything else, so the caller's full checks raise the precise error.
+  bool run_step(int64_t op, std::vector<int64_t> &args, nb::handle x, int64_t b, int64_t d,
+                size_t slot) const {
+    Py_buffer view;
+    if (PyObject_GetBuffer(x.ptr(), &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    bool ok = view.itemsize == 4 && view.format != nullptr &&
+              (std::strcmp(view.format, "f") == 0 || std::strcmp(view.format, "<f") == 0 ||
+               std::strcmp(view.format, "=f") == 0) &&
+              ((view.ndim == 2 && view.shape[0] == b && view.shape[1] == d) ||
+               (view.ndim == 3 && view.shape[0] == b && view.shape[1] == 1 && view.shape[2] == d)) &&
+              slot < args.size() && nonfinite(static_cast<float *>(view.buf), b * d) < 0;
+    if (ok) {
+      args[slot] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(view.buf));
+      try {
+        run(op, args);
+      } catch (...) {
+        PyBuffer_Release(&view);
+        throw;
+      }
+    }
+    PyBuffer_Release(&view);
+    return ok;
+  }
+
   int64_t workspace_bytes(int64_t op, std::vector<int64_t> args) const {
     int64_t n = plan(op, args.data(), kPlanWorkspace);
     if (n < 0) throw std::runtime_error("unknown op " + std::to_string(op));
     return n;
   }
 
-  void run(int64_t op, std::vector<int64_t> args) const {
+  void run(int64_t op, std::vector<int64_t> &args) const {
     int64_t status = 0;
     {
       nb::gil_scoped_release release;
@@ -350,8 +380,16 @@ NB_MODULE(_native, m) {
       .def_ro("description", &Library::description)
       .def("symbol", &Library::symbol, nb::arg("name"))
       .def("first_nonfinite", &Library::first_nonfinite, nb::arg("address"), nb::arg("n"))
+      .def(
+          "run_step",
+          [](const Library &lib, int64_t op, std::vector<int64_t> args, nb::handle x, int64_t b,
+             int64_t d, size_t slot) { return lib.run_step(op, args, x, b, d, slot); },
+          nb::arg("op"), nb::arg("args"), nb::arg("x"), nb::arg("b"), nb::arg("d"), nb::arg("slot"),
+          "Decode fast path: run op with x (float32, C-contiguous, (b, d) or (b, 1, d), "
+          "finite) in args[slot]; False (nothing run) for any other x.")
       .def("workspace_bytes", &Library::workspace_bytes, nb::arg("op"), nb::arg("args"))
-      .def("run", &Library::run, nb::arg("op"), nb::arg("args"),
+      .def("run", [](const Library &lib, int64_t op, std::vector<int64_t> args) { lib.run(op, args); },
+           nb::arg("op"), nb::arg("args"),
            "Run op over the int64 argument slots, all phases, GIL released.");
 
   nb::class_<Storage>(m, "Storage", nb::type_slots(storage_slots))

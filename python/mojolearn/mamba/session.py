@@ -81,15 +81,18 @@ class Mamba1DecodeSession:
         """
         from .._array import Array
         self._check_open()
-        xv, b = self._block._step_x_view(x)
-        if b != self._b:
-            raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
-        _intake.check_finite(self._lib, xv)
-        y = Array((b, 1, self._d), zero=False)
+        y = Array((self._b, 1, self._d), zero=False)
         args = self._args
-        args[3] = xv.address
         args[4] = y.address
-        self._lib.run(_abi.OP_M1_FORWARD, args)
+        # A plain C-contiguous float32 x is checked and run in one native
+        # call; anything else goes through the full intake (and its errors).
+        if not self._lib.run_step(_abi.OP_M1_FORWARD, args, x, self._b, self._d, 3):
+            xv, b = self._block._step_x_view(x)
+            if b != self._b:
+                raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
+            _intake.check_finite(self._lib, xv)
+            args[3] = xv.address
+            self._lib.run(_abi.OP_M1_FORWARD, args)
         self._state.absolute_position += 1
         return y
 
