@@ -135,6 +135,27 @@ class _MambaBase:
             raise ValueError(f"x has d_model {d}, the block has {self.d_model}")
         return v, b
 
+    def _run_op(self, op, args, work_slot):
+        """Run op with the block's workspace address in args[work_slot]."""
+        work, lock = self._workspace(op, args)
+        try:
+            args[work_slot] = work.address
+            self._lib.run(op, args)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _backward_views(self, x, grad_output):
+        """Validated (x, grad_output) views for backward: same shape, finite."""
+        xv = self._x_view(x)
+        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
+        if gv.shape != xv.shape:
+            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
+                             f"got {gv.shape}")
+        _intake.check_finite(self._lib, xv)
+        _intake.check_finite(self._lib, gv)
+        return xv, gv
+
     def _workspace(self, op, args):
         """(workspace Array, lock or None) for one call of op.
 

@@ -258,13 +258,7 @@ class Mamba1Block(_MambaBase):
 
     def _run(self, args):
         """Run the forward op with the block's workspace in slot FWD_WORK."""
-        work, lock = self._workspace(_abi.OP_M1_FORWARD, args)
-        try:
-            args[9] = work.address
-            self._lib.run(_abi.OP_M1_FORWARD, args)
-        finally:
-            if lock is not None:
-                lock.release()
+        self._run_op(_abi.OP_M1_FORWARD, args, 9)
 
     def backward(self, x, grad_output):
         """Gradients of a zero-state prefill (a vector-Jacobian product).
@@ -285,13 +279,7 @@ class Mamba1Block(_MambaBase):
             same name and in the shape the weight was given.
         """
         from .._array import Array
-        xv = self._x_view(x)
-        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
-        if gv.shape != xv.shape:
-            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
-                             f"got {gv.shape}")
-        _intake.check_finite(self._lib, xv)
-        _intake.check_finite(self._lib, gv)
+        xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
         w = self._weights
         grads = {"x": Array((b, l, d), zero=False)}
@@ -301,13 +289,7 @@ class Mamba1Block(_MambaBase):
                 grads["x"].address] + [w[n].address for n in (
                     "in_proj.weight", "x_proj.weight", "dt_proj.weight",
                     "out_proj.weight")] + [grads[n].address for n in _BACKWARD_GRAD_NAMES]
-        work, lock = self._workspace(_abi.OP_M1_BACKWARD, args)
-        try:
-            args[6] = work.address
-            self._lib.run(_abi.OP_M1_BACKWARD, args)
-        finally:
-            if lock is not None:
-                lock.release()
+        self._run_op(_abi.OP_M1_BACKWARD, args, 6)
         return grads
 
     def decode_session(self, state):

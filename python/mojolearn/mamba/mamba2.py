@@ -429,13 +429,7 @@ class Mamba2Block(_MambaBase):
             same name and in the shape the weight was given.
         """
         from .._array import Array
-        xv = self._x_view(x)
-        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
-        if gv.shape != xv.shape:
-            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
-                             f"got {gv.shape}")
-        _intake.check_finite(self._lib, xv)
-        _intake.check_finite(self._lib, gv)
+        xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
         w = self._weights
         grads = {"x": Array((b, l, d), zero=False)}

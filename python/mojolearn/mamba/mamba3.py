@@ -486,13 +486,7 @@ class Mamba3Block(_MambaBase):
             same name and shape.
         """
         from .._array import Array
-        xv = self._x_view(x)
-        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
-        if gv.shape != xv.shape:
-            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
-                             f"got {gv.shape}")
-        _intake.check_finite(self._lib, xv)
-        _intake.check_finite(self._lib, gv)
+        xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
         w = self._weights
         grads = {"x": Array((b, l, d), zero=False)}
@@ -502,13 +496,7 @@ class Mamba3Block(_MambaBase):
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]
                 + [grads[n].address for n in _WEIGHT_ORDER])
-        work, lock = self._workspace(_abi.OP_M3_BACKWARD, args)
-        try:
-            args[6] = work.address
-            self._lib.run(_abi.OP_M3_BACKWARD, args)
-        finally:
-            if lock is not None:
-                lock.release()
+        self._run_op(_abi.OP_M3_BACKWARD, args, 6)
         return grads
 
 
