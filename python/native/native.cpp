@@ -84,6 +84,10 @@ class Pool {
     epoch_.notify_all();
     work(e);
     while (done_.load(std::memory_order_acquire) != job.ntasks) _mm_pause();
+    // Close the ticket before the next job's fields are written: a worker
+    // still holding this job's last ticket value would otherwise compare it
+    // with the next job's task count and claim one of its tasks.
+    ticket_.store(((e & 0xffffffffu) << 32) | kClosed, std::memory_order_release);
     return status_.load(std::memory_order_relaxed);
   }
 
@@ -101,6 +105,7 @@ class Pool {
       uint64_t t = ticket_.load(std::memory_order_acquire);
       for (;;) {
         if ((t >> 32) != (e & 0xffffffffu)) return;  // that job is over
+        if ((t & 0xffffffffu) == kClosed) return;     // all done, ticket closed
         if (static_cast<int64_t>(t & 0xffffffffu) >= job_.ntasks) return;
         if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) break;
       }
@@ -132,6 +137,7 @@ class Pool {
   }
 
   static constexpr int kSpinMicros = 50;
+  static constexpr uint64_t kClosed = 0xffffffffu;  // task index of a closed ticket
   int nthreads_;
   std::vector<std::thread> workers_;
   Job job_{};
