@@ -120,6 +120,16 @@ class _MambaBase:
             raise ValueError(f"{name} has d_model {d}, the block has {self.d_model}")
         return v
 
+    @staticmethod
+    def _lengths(lengths, state, b, l):
+        """(keep-alive, address) of validated ragged lengths; (None, 0) if none."""
+        if lengths is None:
+            return None, 0
+        if state is not None:
+            raise ValueError("lengths cannot be combined with a state")
+        keep = _intake.lengths_array(lengths, b, l)
+        return keep, keep[2]
+
     def _step_x_view(self, x):
         v = _intake.float32_view(x, "x", ndim=(2, 3))
         if len(v.shape) == 3:

@@ -213,12 +213,7 @@ class Mamba1Block(_MambaBase):
         from .._array import Array
         xv = self._x_view(x)
         b, l, d = xv.shape
-        lens_addr, lens_keep = 0, None
-        if lengths is not None:
-            if state is not None:
-                raise ValueError("lengths cannot be combined with a state")
-            lens_keep = _intake.lengths_array(lengths, b, l)
-            lens_addr = lens_keep[2]
+        lens_keep, lens_addr = self._lengths(lengths, state, b, l)
         cw = h = None
         if state is not None:
             cw, h = self._state_views(state, b)

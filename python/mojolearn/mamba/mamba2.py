@@ -312,12 +312,7 @@ class Mamba2Block(_MambaBase):
         from .._array import Array
         xv = self._x_view(x)
         b, l, d = xv.shape
-        lens_addr, lens_keep = 0, None
-        if lengths is not None:
-            if state is not None:
-                raise ValueError("lengths cannot be combined with a state")
-            lens_keep = _intake.lengths_array(lengths, b, l)
-            lens_addr = lens_keep[2]
+        lens_keep, lens_addr = self._lengths(lengths, state, b, l)
         sv = None
         if state is not None:
             sv = self._state_views(state, b)

@@ -334,12 +334,7 @@ class Mamba3Block(_MambaBase):
         from .._array import Array
         xv = self._x_view(x)
         b, l, d = xv.shape
-        lens_keep, lens_addr = None, 0
-        if lengths is not None:
-            if state is not None:
-                raise ValueError("lengths cannot be combined with a state")
-            lens_keep = _intake.lengths_array(lengths, b, l)
-            lens_addr = lens_keep[2]
+        lens_keep, lens_addr = self._lengths(lengths, state, b, l)
         if state is not None:
             views, nb = self._state_views(state, b)
         _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
