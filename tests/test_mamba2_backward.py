@@ -53,12 +53,37 @@ def grad_reference(weights, x, grad_output, dt_limit=(0.0, INF)):
     return out
 
 
-def _compare(got, ref, case):
+def d_term_scale(weights, x, grad_output):
+    """Per head, sum over (row, token) of |that token's term of dL/dD|.
+
+    dL/dD_h is one number, a sum over every token of dy . x; on some draws
+    it cancels to ~1e-3 of its terms, and then no float32 computation gets
+    1e-4 of it (ours and PyTorch's float32 both miss by 1e-6 of the terms,
+    which is up to 1e-3 of the sum). Found by running the float64 reference
+    with D broadcast to one leaf per (row, token, head)."""
+    block, _cfg, _d, _di, heads = _hf._mamba2_block(weights, (0.0, INF), residual_in_fp32=False)
+    B, L, _ = np.shape(x)
+    Lp = -(-L // 256) * 256  # the reference pads to whole chunks
+    block.mixer.D = torch.nn.Parameter(block.mixer.D.detach().expand(B, Lp, heads).clone())
+    x64 = torch.from_numpy(np.array(x, dtype=np.float64))
+    g64 = torch.from_numpy(np.array(grad_output, dtype=np.float64))
+    repl = {n: inspect.unwrap(getattr(_hf._hf_m2, n)) for n in _hf._M2_KERNEL_NAMES}
+    with _hf._LOCK, _hf._patched(_hf._hf_m2, repl), torch.enable_grad():
+        with _hf._CastNeutraliser():
+            (block(x64) * g64).sum().backward()
+    return np.abs(block.mixer.D.grad.numpy()).sum(axis=(0, 1))
+
+
+def _compare(got, ref, case, d_scale=None):
+    """max|err| <= REL max|ref| per array; for D, when given its terms'
+    scale S (d_term_scale), max|err| <= REL max|ref| + 1e-5 max S."""
     assert set(got) == set(NAMES)
     for name in NAMES:
         a = np.asarray(got[name], dtype=np.float64)
         r = ref[name].reshape(a.shape)
         scale = float(np.abs(r).max())
+        if name == "D" and d_scale is not None:
+            scale += 1e-5 / REL * float(np.max(d_scale))
         ratio = float(np.abs(a - r).max()) / scale if scale > 0 else float(np.abs(a).max())
         if ratio > WORST.get(name, (-1.0, ""))[0]:
             WORST[name] = (ratio, case)
@@ -88,7 +113,7 @@ def test_gradients_match_float64_autograd(d, B, L):
     for name in NAMES[1:]:
         assert got[name].shape == w[name].shape, name
     assert got["x"].shape == (B, L, d)
-    _compare(got, grad_reference(w, x, g), f"d={d} L={L} B={B}")
+    _compare(got, grad_reference(w, x, g), f"d={d} L={L} B={B}", d_term_scale(w, x, g))
 
 
 def _torch_float32_grads(weights, x, grad_output, dt_limit=(0.0, INF)):

@@ -1,11 +1,9 @@
 """Mamba-2 forward vs transformers' Mamba2Block run in verified float64.
 
-Bound: max |err| <= ATOL + 1e-5 |ref| per element, ATOL = 1e-6 for
-d_model <= 64. For d_model = 256 ATOL is 3e-6: the canonical order makes
-out_proj one sequential fma chain over d_inner = 512 terms of size ~1 (the
-gated RMSNorm makes |g| ~ 1), whose rounding alone reaches ~2.3e-6 on
-outputs near zero (docs/mamba2.md, "Accuracy"); transformers' float32 path
-is closer only because its BLAS sums in 16 interleaved partial sums.
+Bound (the issue's): max |err| <= 1e-6 + 1e-5 |ref| per element. It holds
+at d_model = 256 because Mamba-2's projections sum in 16 lane-split partial
+sums (linear_split.mojo); one sequential chain over d_inner = 512 terms
+reached err/bound 1.5 there (docs/mamba2.md, "Accuracy").
 """
 import math
 
@@ -21,7 +19,7 @@ WORST = {}  # label -> (max |err|, worst err / bound), for the report
 
 
 def atol_for(d):
-    return 1e-6 if d <= 64 else 3e-6
+    return 1e-6
 
 
 def _check(y, ref, label, atol):
@@ -52,7 +50,7 @@ def block_for(d, **kw):
 
 
 CASES = [(d, L) for d in (32, 64) for L in (1, 4, 255, 256, 257, 513, 770)]
-CASES += [(256, L) for L in (1, 4, 255, 257, 513, 770)]
+CASES += [(256, L) for L in (1, 4, 255, 256, 257, 513, 770)]
 
 
 @pytest.mark.parametrize("d,L", CASES)

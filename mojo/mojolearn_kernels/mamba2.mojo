@@ -33,6 +33,7 @@ out_proj + residual; last, the state is saved (one task per row).
 from std.memory import bitcast
 from .abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from .linear import pack_panels, matmul_ntasks, matmul_task
+from .linear_split import split_pack, split_matmul_ntasks, split_matmul_task
 from .norms import rmsnorm_row
 from .conv import causal_conv_silu
 from .numerics import exp_f32
@@ -66,9 +67,9 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     if task == 0:
-        pack_panels(arg_f32(args, PREP_IN), dims.npj, d, blob.unsafe_offset(dims.o_in))
+        split_pack(arg_f32(args, PREP_IN), dims.npj, d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        pack_panels(arg_f32(args, PREP_OUT), d, dims.di, blob.unsafe_offset(dims.o_out))
+        split_pack(arg_f32(args, PREP_OUT), d, dims.di, blob.unsafe_offset(dims.o_out))
     elif task == 2:
         var cw = arg_f32(args, PREP_CONVW)
         for c in range(dims.cd):
@@ -115,14 +116,14 @@ def m2_forward_plan(args: I64Ptr, phase: Int) -> Int:
     if stage == ST_NORM or stage == ST_GNORM:
         return ceil_div(rows, NORM_ROWS_PER_TASK)
     if stage == ST_INPROJ:
-        return matmul_ntasks(rows, dims.npj)
+        return split_matmul_ntasks(rows, dims.npj)
     if stage == ST_CONV:
         return dims.nh + 4
     if stage == ST_CB:
         return wk.b * ceil_div(gp.gn, CB_ROWS_PER_TASK)
     if stage == ST_SSD:
         return wk.b * dims.nh
-    return matmul_ntasks(rows, dims.d)
+    return split_matmul_ntasks(rows, dims.d)
 
 
 def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
@@ -144,7 +145,7 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     if stage == ST_NORM:
         _norm_rows(cl, gp, task)
     elif stage == ST_INPROJ:
-        _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, rows,
+        _ = split_matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, rows,
                         blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
                         work.unsafe_offset(wk.o_zx), dims.npj)
     elif stage == ST_CONV:
@@ -156,9 +157,9 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == ST_GNORM:
         _gnorm_rows(cl, gp, task)
     else:
-        var t = matmul_task(task, work.unsafe_offset(wk.o_yg), dims.di, rows,
-                            blob.unsafe_offset(dims.o_out), dims.di, dims.d,
-                            work.unsafe_offset(wk.o_xn), dims.d)
+        var t = split_matmul_task(task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+                                  blob.unsafe_offset(dims.o_out), dims.di, dims.d,
+                                  work.unsafe_offset(wk.o_xn), dims.d)
         _residual(cl, gp, t.r0, t.r1, t.c0, t.c1)
 
 

@@ -5,6 +5,7 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
 from .linear import packed_floats
+from .linear_split import split_floats
 
 comptime P = 64  # head dim
 comptime N = 128  # state size
@@ -108,7 +109,7 @@ struct M2Dims(ImplicitlyCopyable):
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += packed_floats(self.npj, d)
+        o += max(packed_floats(self.npj, d), split_floats(self.npj, d))
         self.o_convw = o
         o += round_up(KCONV * self.cd, ALIGN_FLOATS)
         self.o_convb = o
@@ -122,7 +123,7 @@ struct M2Dims(ImplicitlyCopyable):
         self.o_gnorm = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_out = o
-        o += packed_floats(d, self.di)
+        o += split_floats(d, self.di)
         self.o_lim = o
         o += ALIGN_FLOATS
         self.blob = o
