@@ -15,7 +15,7 @@ comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 
 # Bumped whenever an op id, an argument slot or a layout changes.
-comptime ABI_VERSION = 1
+comptime ABI_VERSION = 2  # 2: blobs start with a weight-format header; PREP_WFMT slots
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
 comptime PLAN_WORKSPACE = -1

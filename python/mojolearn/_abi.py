@@ -4,7 +4,7 @@ Mirrors mojo/mojolearn_kernels/abi.mojo and the slot constants at the top of
 each kernel module; keep them equal (ABI_VERSION guards a mismatch).
 """
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 VENDORS = {0: "cpu", 1: "cuda", 2: "hip", 3: "metal"}
 NUMERIC_MODES = {0: "identical", 1: "fast"}

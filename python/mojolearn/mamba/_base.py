@@ -40,9 +40,11 @@ def weight_views(weights, shapes: dict, lib) -> dict:
             parts.append(f"unknown {unknown}")
         raise ValueError("weights: " + "; ".join(parts) + f" (expected {sorted(shapes)})")
     from .. import lowbit  # packed weights: expanded exactly to float32 (SPEC section 8)
-    weights, fmt = lowbit.unpack(weights)
+    packed = {n: weights[n] for n in weights.keys() if lowbit.is_packed(weights[n])}
+    weights, fmt = lowbit.unpack(weights)  # the expansion validates shapes and values
     views = _Views()
     views.weight_format = fmt
+    views.packed = packed
     for name, want in shapes.items():
         v = _intake.float32_view(weights[name], name)
         options = want if isinstance(want[0], tuple) else (want,)
@@ -55,10 +57,39 @@ def weight_views(weights, shapes: dict, lib) -> dict:
 
 
 class _Views(dict):
-    """weight_views' result: {name: View} plus the format the weights were
-    given in (weight_format: 'float32', 'bfloat16' or 'int8')."""
+    """weight_views' result: {name: View} of float32 values, plus the format
+    the weights were given in (weight_format: 'float32', 'bfloat16' or
+    'int8') and the packed values as given (packed: {name: PackedWeight})."""
 
     weight_format = "float32"
+    packed: dict = {}
+
+
+# Weight format ids of the prepare ops (mojo/mojolearn_kernels/linear.mojo WF_*).
+_WF_ID = {"float32": 0, "bfloat16": 1, "int8": 2}
+
+
+def _is_packed(w) -> bool:
+    from ..lowbit import is_packed
+    return is_packed(w)
+
+
+def weight_address(w) -> int:
+    """Address of a kept weight's values (a packed weight's codes)."""
+    return w.data.address if _is_packed(w) else w.address
+
+
+def _exponent_address(w) -> int:
+    return w.exponents.address if _is_packed(w) and w.exponents is not None else 0
+
+
+def _copy_weight(w):
+    """A private copy of a kept weight (float32 Array or PackedWeight)."""
+    if _is_packed(w):
+        from ..lowbit import PackedWeight
+        ex = None if w.exponents is None else w.exponents.copy()
+        return PackedWeight._wrap(w.format, w.shape, w.data.copy(), ex)
+    return w.copy()
 
 
 class _MambaBase:
@@ -72,15 +103,63 @@ class _MambaBase:
         self._work_lock = threading.Lock()
         self._work = None
 
+    # -- weights ------------------------------------------------------------
+    # Packed projection weights (mojolearn.lowbit) stay packed: the block keeps
+    # the given codes (for get_params) and the prepare op copies them into
+    # bfloat16 / int8 panels that the kernels widen exactly on load, so a
+    # block holds about 1/2 (bfloat16) or 1/4 (int8) of the float32 bytes of
+    # those weights and gives the bits of the block on unpack(weights).
+    _packed_names: tuple = ()  # kernel slots that take packed panels, in slot order
+
+    def _keep_weights(self, views) -> None:
+        """self._weights: private copies; packed projection weights as given."""
+        from .._array import Array
+        self.weight_format = views.weight_format
+        self._weights = {}
+        for name, v in views.items():
+            p = views.packed.get(name)
+            if p is not None and name in self._packed_names:
+                self._weights[name] = _copy_weight(p)
+            else:
+                a = Array(v.shape, zero=False)
+                memoryview(a).cast("B")[:] = v.mv.cast("B")
+                self._weights[name] = a
+
+    def _build_blob(self, op, args, weights):
+        """Run the prepare op `op`. args: its slots up to the blob slot (the
+        last, 0); the format and exponent slots are appended here."""
+        from .._array import Array
+        fmt = "float32"
+        for n in self._packed_names:
+            if _is_packed(weights[n]):
+                fmt = weights[n].format
+        slot = len(args) - 1
+        args = list(args) + [_WF_ID[fmt]] + [_exponent_address(weights[n])
+                                             for n in self._packed_names]
+        blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
+        args[slot] = blob.address
+        self._lib.run(op, args)
+        return blob
+
+    def _backward_weights(self):
+        """(float32 weights, blob of float32 panels) for backward. On packed
+        weights both are expanded for the call (backward reads float32
+        panels): the bits are those of the block on the expanded weights."""
+        if self.weight_format == "float32":
+            return self._weights, self._blob
+        w = {n: v.to_float32() if _is_packed(v) else v for n, v in self._weights.items()}
+        return w, self._make_blob(w)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the weight copies and the prepared blob the block holds."""
+        return self._blob.nbytes + sum(v.nbytes for v in self._weights.values())
+
     # -- estimator API ------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict:
-        """Constructor parameters: {'weights': copies, 'numeric_mode': ...}."""
-        p = {"weights": {k: v.copy() for k, v in self._weights.items()},
-             "numeric_mode": self.numeric_mode}
-        if getattr(self, "weight_format", "float32") != "float32":
-            from .. import lowbit  # re-packing the exact expansion gives the same values
-            p["weights"] = lowbit.pack(p["weights"], self.weight_format)
-        return p
+        """Constructor parameters: {'weights': copies, 'numeric_mode': ...};
+        packed weights are returned packed, as given."""
+        return {"weights": {k: _copy_weight(v) for k, v in self._weights.items()},
+                "numeric_mode": self.numeric_mode}
 
     def set_params(self, **params):
         """Set constructor parameters; the block is rebuilt through its
