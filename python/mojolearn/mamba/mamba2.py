@@ -152,7 +152,8 @@ class Mamba2Block(_MambaBase):
     weights : dict of str to float32 buffer
         With d = d_model, di = 2d, H = di / 64 heads and CD = di + 256;
         copied at construction. Projection weights may be packed with
-        :mod:`mojolearn.lowbit`.
+        :mod:`mojolearn.lowbit`; they stay packed in the block (the kernels
+        widen them exactly on load).
 
         - ``block_norm.weight`` (d,), the block norm
         - ``in_proj.weight`` (2di + 256 + H, d), rows z | xBC | dt

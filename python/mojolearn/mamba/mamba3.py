@@ -170,7 +170,8 @@ class Mamba3Block(_MambaBase):
     weights : dict of str to float32 buffer
         With d = d_model, H = 2d / 64 heads and
         d_in_proj = 4d + 256 + 3H + 32; copied at construction. Projection
-        weights may be packed with :mod:`mojolearn.lowbit`.
+        weights may be packed with :mod:`mojolearn.lowbit`; they stay packed
+        in the block (the kernels widen them exactly on load).
 
         - ``block_norm.weight`` (d,), the block norm
         - ``in_proj.weight`` (d_in_proj, d), row order
