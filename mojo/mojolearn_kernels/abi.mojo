@@ -36,6 +36,7 @@ comptime OP_M3_FORWARD = 31
 comptime OP_M3_BACKWARD = 32
 comptime OP_LOWBIT_PACK = 40
 comptime OP_LOWBIT_UNPACK = 41
+comptime OP_PANELS_EXTRACT = 42  # packed codes back out of a prepared blob
 
 # Alignment of every sub-array inside a workspace or weight blob, in floats.
 comptime ALIGN_FLOATS = 16

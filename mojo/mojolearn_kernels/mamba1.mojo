@@ -22,7 +22,9 @@ from .abi import (
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
 from .linear import NR, WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
-from .weight_panels import pack_weight_panels, set_blob_format, blob_format, valid_format
+from .weight_panels import (
+    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
+)
 from .norms import rmsnorm_row
 from .conv import causal_conv_silu
 from .numerics import exp_f32, softplus_f32, silu_f32
@@ -223,6 +225,10 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
                 blob[unsafe_offset=dims.o_convw + k * di + c] = cw[unsafe_offset=c * KCONV + k]
     else:
         set_blob_format(blob, wf)
+        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
+        set_blob_section(blob, 1, dims.o_x)
+        set_blob_section(blob, 2, dims.o_dt)
+        set_blob_section(blob, 3, dims.o_out)
         _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
         _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)

@@ -33,7 +33,7 @@ out_proj + residual; last, the state is saved (one task per row).
 from std.memory import bitcast
 from .abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from .linear import matmul_ntasks, matmul_task_wf
-from .weight_panels import pack_weight_panels, set_blob_format, valid_format
+from .weight_panels import pack_weight_panels, set_blob_format, set_blob_section, valid_format
 from .norms import rmsnorm_row
 from .conv import causal_conv_silu
 from .numerics import exp_f32
@@ -84,6 +84,8 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
                 blob[unsafe_offset=dims.o_convw + k * dims.cd + c] = cw[unsafe_offset=c * KCONV + k]
     else:
         set_blob_format(blob, wf)
+        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
+        set_blob_section(blob, 1, dims.o_out)
         _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
         _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)

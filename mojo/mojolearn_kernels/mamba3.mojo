@@ -28,7 +28,9 @@ from .abi import (
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
 from .linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
-from .weight_panels import pack_weight_panels, set_blob_format, blob_format, valid_format
+from .weight_panels import (
+    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
+)
 from .norms import rmsnorm_row
 from .numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
@@ -216,6 +218,8 @@ def m3_prepare_task(args: I64Ptr, phase: Int, task: Int):
                            dims.d, dims.di, blob.unsafe_offset(dims.o_out))
     else:
         set_blob_format(blob, wf)
+        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
+        set_blob_section(blob, 1, dims.o_out)
         _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), dims.d)
         _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
         _copy(arg_f32(args, PREP_BNW), blob.unsafe_offset(dims.o_bnw), NST)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .. import _intake
+from .. import _abi, _intake
 from .._loader import available_modes, describe, library
 
 NUMERIC_MODES = ("identical", "fast")
@@ -83,13 +83,6 @@ def _exponent_address(w) -> int:
     return w.exponents.address if _is_packed(w) and w.exponents is not None else 0
 
 
-def _copy_weight(w):
-    """A private copy of a kept weight (float32 Array or PackedWeight)."""
-    if _is_packed(w):
-        from ..lowbit import PackedWeight
-        ex = None if w.exponents is None else w.exponents.copy()
-        return PackedWeight._wrap(w.format, w.shape, w.data.copy(), ex)
-    return w.copy()
 
 
 class _MambaBase:
@@ -104,26 +97,49 @@ class _MambaBase:
         self._work = None
 
     # -- weights ------------------------------------------------------------
-    # Packed projection weights (mojolearn.lowbit) stay packed: the block keeps
-    # the given codes (for get_params) and the prepare op copies them into
-    # bfloat16 / int8 panels that the kernels widen exactly on load, so a
-    # block holds about 1/2 (bfloat16) or 1/4 (int8) of the float32 bytes of
-    # those weights and gives the bits of the block on unpack(weights).
+    # Packed projection weights (mojolearn.lowbit) stay packed: the prepare op
+    # copies their codes into bfloat16 / int8 panels that the kernels widen
+    # exactly on load, and the blob is their only copy (get_params and
+    # backward read them back out with OP_PANELS_EXTRACT). So a block holds
+    # about 1/4 (bfloat16) or 1/8 (int8) of the bytes of a float32 block (which
+    # keeps a float32 copy next to its float32 panels) and gives the bits of
+    # the block on unpack(weights).
     _packed_names: tuple = ()  # kernel slots that take packed panels, in slot order
 
-    def _keep_weights(self, views) -> None:
-        """self._weights: private copies; packed projection weights as given."""
+    def _keep_weights(self, views) -> dict:
+        """Keep private float32 copies in self._weights (all weights, or the
+        non-packed ones); return the weights for the prepare op (the packed
+        ones as given: the prepare op copies them into the blob)."""
         from .._array import Array
         self.weight_format = views.weight_format
+        self._weight_names = tuple(views.keys())
         self._weights = {}
+        self._packed_shapes = {}
+        prep = {}
         for name, v in views.items():
             p = views.packed.get(name)
             if p is not None and name in self._packed_names:
-                self._weights[name] = _copy_weight(p)
+                self._packed_shapes[name] = p.shape
+                prep[name] = p
             else:
                 a = Array(v.shape, zero=False)
                 memoryview(a).cast("B")[:] = v.mv.cast("B")
-                self._weights[name] = a
+                self._weights[name] = prep[name] = a
+        return prep
+
+    def _packed_weight(self, name):
+        """A new PackedWeight with the codes of `name`, read from the blob."""
+        from .._array import Array
+        from ..lowbit import PackedWeight
+        rows, cols = self._packed_shapes[name]
+        fmt = self.weight_format
+        data = Array((rows, cols), "uint16" if fmt == "bfloat16" else "int8", zero=False)
+        ex = Array((rows,), "int32", zero=False) if fmt == "int8" else None
+        if rows * cols:
+            self._lib.run(_abi.OP_PANELS_EXTRACT, [
+                self._blob.address, self._packed_names.index(name), rows, cols,
+                data.address, ex.address if ex is not None else 0])
+        return PackedWeight._wrap(fmt, (rows, cols), data, ex)
 
     def _build_blob(self, op, args, weights):
         """Run the prepare op `op`. args: its slots up to the blob slot (the
@@ -145,9 +161,10 @@ class _MambaBase:
         """(float32 weights, blob of float32 panels) for backward. On packed
         weights both are expanded for the call (backward reads float32
         panels): the bits are those of the block on the expanded weights."""
-        if self.weight_format == "float32":
+        if not self._packed_shapes:
             return self._weights, self._blob
-        w = {n: v.to_float32() if _is_packed(v) else v for n, v in self._weights.items()}
+        w = {n: self._weights[n] if n in self._weights else self._packed_weight(n).to_float32()
+             for n in self._weight_names}
         return w, self._make_blob(w)
 
     def _held_bytes(self) -> int:
@@ -157,9 +174,10 @@ class _MambaBase:
     # -- estimator API ------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters: {'weights': copies, 'numeric_mode': ...};
-        packed weights are returned packed, as given."""
-        return {"weights": {k: _copy_weight(v) for k, v in self._weights.items()},
-                "numeric_mode": self.numeric_mode}
+        packed weights are returned packed, with the codes they were given."""
+        weights = {n: self._weights[n].copy() if n in self._weights else self._packed_weight(n)
+                   for n in self._weight_names}
+        return {"weights": weights, "numeric_mode": self.numeric_mode}
 
     def set_params(self, **params):
         """Set constructor parameters; the block is rebuilt through its

@@ -144,11 +144,11 @@ class Mamba1Block(_MambaBase):
         if d < 1:
             raise ValueError("norm.weight must have d_model >= 1 entries")
         views = weight_views(weights, mamba1_weight_shapes(d), self._lib)
-        self._keep_weights(views)
+        prep = self._keep_weights(views)
         self.d_model = d
         self.d_inner = 2 * d
         self.dt_rank = -(-d // 16)
-        self._blob = self._make_blob(self._weights)
+        self._blob = self._make_blob(prep)
 
     def _make_blob(self, w):
         """The prepared weights (packed weights stay packed in it)."""

@@ -216,11 +216,11 @@ class Mamba2Block(_MambaBase):
             raise ValueError(f"Mamba-2 needs d_model a positive multiple of 32; "
                              f"block_norm.weight has {d} entries")
         views = weight_views(weights, mamba2_weight_shapes(d), self._lib)
-        self._keep_weights(views)
+        prep = self._keep_weights(views)
         self.d_model = d
         self.d_inner, self.nheads, self.conv_dim, self._npj = mamba2_dims(d)
         self.dt_limit = (lo, hi)
-        self._blob = self._make_blob(self._weights)
+        self._blob = self._make_blob(prep)
         self._h_last = None
         self._h_last_src = None
 

@@ -234,13 +234,13 @@ class Mamba3Block(_MambaBase):
             raise ValueError(f"Mamba-3 needs d_model a positive multiple of 32 "
                              f"(block_norm.weight has {d} entries)")
         views = weight_views(weights, mamba3_weight_shapes(d), self._lib)
-        self._keep_weights(views)
+        prep = self._keep_weights(views)
         dm = mamba3_dims(d)
         self.d_model = d
         self.d_inner = dm["d_inner"]
         self.nheads = dm["nheads"]
         self.d_in_proj = dm["d_in_proj"]
-        self._blob = self._make_blob(self._weights)
+        self._blob = self._make_blob(prep)
         self._report = None
         self._session = None
 
