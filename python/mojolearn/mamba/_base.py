@@ -83,8 +83,6 @@ def _exponent_address(w) -> int:
     return w.exponents.address if _is_packed(w) and w.exponents is not None else 0
 
 
-
-
 class _MambaBase:
     """Shared behaviour of the Mamba block estimators."""
 
