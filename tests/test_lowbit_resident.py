@@ -228,3 +228,23 @@ def test_backward_on_packed_weights_gives_the_unpacked_gradients(cls, make, d, f
     blob_bytes = bp._blob.nbytes
     assert_same_bits(bp.forward(x), bu.forward(x))  # still packed afterwards
     assert bp._blob.nbytes == blob_bytes and "in_proj.weight" not in bp._weights
+
+
+@pytest.mark.parametrize("cls, make, d", [("Mamba1Block", mamba1_weights, 16),
+                                          ("Mamba2Block", mamba2_weights, 32),
+                                          ("Mamba3Block", mamba3_weights, 32)],
+                         ids=["Mamba1Block", "Mamba2Block", "Mamba3Block"])
+def test_backward_op_refuses_a_packed_blob(cls, make, d):
+    """The backward kernels read float32 panels: a packed blob is refused
+    (the blob names its format) instead of being misread."""
+    from mojolearn import _abi
+    op = getattr(_abi, f"OP_M{cls[5]}_BACKWARD")
+    bp, bu, _ = _pair(cls, make, d, "bfloat16")
+
+    def args(blob):
+        a = [0] * 40
+        a[0:3], a[5] = [1, 4, d], blob.address  # B, L, d; slot 5: the blob
+        return a
+    assert bu._lib.workspace_bytes(op, args(bu._blob)) > 0
+    with pytest.raises(RuntimeError):
+        bp._lib.workspace_bytes(op, args(bp._blob))
