@@ -7,6 +7,9 @@
 #   LIB_DIR    where the kernel binary goes (default python/mojolearn/lib);
 #              point MOJOLEARN_LIB_DIR at it when it is not the default
 #   ENTRY      Mojo entry file (default mojo/entry_cpu.mojo)
+#   CPU_VARIANTS  extra CPU targets to build (default: CMake's, x86-64-v4 on
+#              x86-64; empty for the baseline only). Variants not built are
+#              removed from LIB_DIR so the loader cannot pick a stale one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
@@ -14,11 +17,17 @@ build=${BUILD_DIR:-$root/build/dev}
 libdir=${LIB_DIR:-$root/python/mojolearn/lib}
 entry=${ENTRY:-$root/mojo/entry_cpu.mojo}
 cmake -S "$root" -B "$build" -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release \
-      -DML_ENTRY="$entry" >/dev/null
+      -DML_ENTRY="$entry" ${CPU_VARIANTS+-DML_CPU_VARIANTS="$CPU_VARIANTS"} >/dev/null
 cmake --build "$build" -j 2
 mkdir -p "$libdir"
 # Replace atomically (copy, then rename): overwriting a loaded .so in place
 # crashes every process that has it mapped.
 place() { cp "$1" "$2.tmp.$$" && mv -f "$2.tmp.$$" "$2"; }
 for f in "$build"/_native*.so; do place "$f" "$root/python/mojolearn/$(basename "$f")"; done
-place "$build/libmojolearn_cpu.so" "$libdir/libmojolearn_cpu.so"
+rm -f "$libdir"/libmojolearn_cpu_*.so
+for f in "$build"/libmojolearn_cpu*.so; do
+  variant=${f#"$build"/libmojolearn_cpu}; variant=${variant%.so}; variant=${variant#_}
+  # a variant left in the build folder from an earlier configuration is stale
+  if [ -n "$variant" ] && ! grep -q "ML_CPU_VARIANTS:STRING=.*$variant" "$build/CMakeCache.txt"; then continue; fi
+  place "$f" "$libdir/$(basename "$f")"
+done

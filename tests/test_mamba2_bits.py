@@ -327,6 +327,32 @@ def test_decode_session_equals_block_step():
     assert_bits_differ(y3, ys, "session from a nudged state")
 
 
+def test_decode_session_over_two_folds_and_a_reload():
+    """The session keeps transposed copies of h and of the open chunk's B
+    rows; they must be rebuilt after each fold and after load_state()."""
+    x = random_input(2, 530, D, seed=41)
+    s1, s2 = block().allocate_state(2), block().allocate_state(2)
+    ys = steps(block(), x, s1, 0, 520)  # folds at tokens 256 and 512
+    with block().decode_session(s2) as sess:
+        yd = np.concatenate([np.asarray(sess.step(x[:, t])) for t in range(520)], 1)
+        assert_same_bits(yd, ys, "520 session steps vs step")
+        # edit h and a buffered B row of the session's state, then reload
+        sess.sync_state()
+        np.asarray(s2.h)[0, 1, 5, 7] += np.float32(0.25)
+        np.asarray(s2.buffer_xbc)[1, 3, block().d_inner + 2] -= np.float32(0.5)
+        sess.load_state()
+        yd2 = np.concatenate([np.asarray(sess.step(x[:, t])) for t in range(520, 530)], 1)
+    np.asarray(s1.h)[0, 1, 5, 7] += np.float32(0.25)
+    np.asarray(s1.buffer_xbc)[1, 3, block().d_inner + 2] -= np.float32(0.5)
+    ys2 = steps(block(), x, s1, 520, 530)
+    assert_same_bits(yd2, ys2, "session after load_state vs step")
+    assert_same_state(s2, s1, "state after the edited run")
+    # negative control: without the edit the outputs differ
+    s3 = block().allocate_state(2)
+    block().forward(x[:, :520], s3)
+    assert_bits_differ(steps(block(), x, s3, 520, 530), ys2, "unedited state")
+
+
 @pytest.mark.parametrize("B,L", [(40, 300), (260, 20)])
 def test_large_batches_grouped_rows_equal_rows_alone(B, L):
     """Large batches process a chunk's rows in groups of 256 // B tokens

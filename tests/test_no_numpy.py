@@ -233,7 +233,7 @@ CHILD_LAZY = BLOCK_NUMPY + textwrap.dedent("""
     after_block = loaded()
     assert after_block["native_module"] and after_block["kernel_so"], after_block
     maps = open("/proc/self/maps").read()
-    assert "libmojolearn_cpu.so" in maps
+    assert "libmojolearn_cpu" in maps  # the baseline or a faster CPU variant
     x = array.array("f", [0.5, -0.25, 1.0])
     y = block.forward(memoryview(x).cast("B").cast("f", [1, 3, 1]))
     assert isinstance(y, mojolearn.Array) and y.shape == (1, 3, 1)

@@ -20,10 +20,17 @@ order and gives the same bits as on the expanded float32 panels.
 """
 from std.collections import Array
 from std.memory import bitcast
+from std.sys import get_defined_string
 from .abi import F32Ptr, ceil_div, round_up, ALIGN_FLOATS
 
 comptime NR = 16
+# Register tile: MR rows x TP panels of accumulators. AVX2 has 16 vector
+# registers (6 rows x 1 panel = 12 ymm); AVX-512 has 32, and 6 rows x 2
+# panels (12 zmm) was 1.25x faster on the Mamba-1 prefill than 6 x 1 (12 x 2,
+# 8 x 2, 4 x 4, 6 x 3 were measured too: no better).
+comptime WIDE = get_defined_string["ML_ARCH", "x86-64-v3"]() == "x86-64-v4"
 comptime MR = 6
+comptime TP = 2 if WIDE else 1
 comptime VN = SIMD[DType.float32, NR]
 
 # Weight panel formats (ids shared with lowbit.mojo's FMT_* and the blobs).
@@ -136,8 +143,9 @@ def _rows_few[R: Int, WF: Int = WF_F32](
     x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
     y: F32Ptr, ldy: Int,
 ):
-    """R (< MR) rows over panels [p0, p1): four full panels at a time."""
-    comptime NP = 4
+    """R (< MR) rows over panels [p0, p1): several full panels at a time
+    (four, fewer where R rows of four would not fit the AVX-512 registers)."""
+    comptime NP = min(4, max(1, 24 // R)) if WIDE else 4
     var ps = panel_floats[WF](k)
     var p = p0
     while p + NP <= p1 and (p + NP) * NR <= m:
@@ -165,29 +173,31 @@ def matmul_block[WF: Int = WF_F32](
 ):
     """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k)."""
     var full = r0 + (r1 - r0) // MR * MR
-    for p in range(p0, p1):
+    var p = p0
+    while p < p1:
         var panel = wp.unsafe_offset(p * panel_floats[WF](k))
         var col = p * NR
-        var ncols = min(NR, m - col)
         var r = r0
-        while r < full:
-            _tile[MR, WF](x.unsafe_offset(r * ldx), ldx, panel, k,
-                      y.unsafe_offset(r * ldy + col), ldy, ncols)
-            r += MR
+        if TP > 1 and p + TP <= p1 and (p + TP) * NR <= m:
+            while r < full:
+                _tile_panels[MR, TP, WF](x.unsafe_offset(r * ldx), ldx, panel, k,
+                                         y.unsafe_offset(r * ldy + col), ldy)
+                r += MR
+            p += TP
+        else:
+            var ncols = min(NR, m - col)
+            while r < full:
+                _tile[MR, WF](x.unsafe_offset(r * ldx), ldx, panel, k,
+                              y.unsafe_offset(r * ldy + col), ldy, ncols)
+                r += MR
+            p += 1
     # Leftover rows: all of them in one pass over the panels.
     var rem = r1 - full
     var xr = x.unsafe_offset(full * ldx)
     var yr = y.unsafe_offset(full * ldy)
-    if rem == 5:
-        _rows_few[5, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
-    elif rem == 4:
-        _rows_few[4, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
-    elif rem == 3:
-        _rows_few[3, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
-    elif rem == 2:
-        _rows_few[2, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
-    elif rem == 1:
-        _rows_few[1, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+    comptime for R in range(1, MR):
+        if rem == R:
+            _rows_few[R, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
 
 
 # Task grid for one matmul phase: row blocks x panel blocks.

@@ -48,6 +48,7 @@ comptime FWD_LENGTHS = 11  # 0: every row has length L
 comptime FWD_HLAST = 12  # 0: no h_last report
 comptime FWD_SAVE = 13  # 1: write the conv window and buffers back
 comptime FWD_WORK = 14
+comptime FWD_CACHE = 15  # 0, or a decode session's cache (see M2Call.hcache)
 
 # Stages of one chunk.
 comptime ST_NORM = 0
@@ -69,6 +70,17 @@ comptime CB_ROWS_PER_TASK = 16
 # row-major B rows (8 interleaved scalar chains) instead of a transposed B.
 comptime DIRECT_CB_MAX = 8
 comptime SCR = 2 * Q + N * P  # per SSD task: seg row, w row, h transposed
+# Decode session cache, per batch row: for each head a marker float and h
+# transposed (N, P); then a count float and the open chunk's B rows
+# transposed (N, Q). Copies of state values only, laid out so one-token steps
+# run the same fma chains vectorized instead of gathering lanes; a marker is
+# 0 when the copy must be rebuilt (new session, reload, fold).
+comptime CACHE_HDR = 16
+comptime CACHE_HEAD = CACHE_HDR + N * P
+
+
+def cache_floats_per_row(nh: Int) -> Int:
+    return nh * CACHE_HEAD + CACHE_HDR + N * Q
 
 
 struct M2Dims(ImplicitlyCopyable):
@@ -272,6 +284,8 @@ struct M2Call(ImplicitlyCopyable):
     var lens: I64Ptr
     var hlast: F32Ptr
     var work: F32Ptr
+    var cache: F32Ptr
+    var has_cache: Bool
 
     def __init__(out self, args: I64Ptr):
         self.dims = M2Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
@@ -292,6 +306,8 @@ struct M2Call(ImplicitlyCopyable):
         self.lens = arg_i64(args, FWD_LENGTHS)
         self.hlast = arg_f32(args, FWD_HLAST)
         self.work = arg_f32(args, FWD_WORK)
+        self.has_cache = arg_int(args, FWD_CACHE) != 0
+        self.cache = arg_f32(args, FWD_CACHE)
 
     def vlen(self, bb: Int) -> Int:
         """Virtual rows of batch row bb (buffered + its real tokens)."""
@@ -317,3 +333,13 @@ struct M2Call(ImplicitlyCopyable):
         if self.has_state:
             return self.h.unsafe_offset(off)
         return self.work.unsafe_offset(self.wk.o_h + off)
+
+    def hcache(self, bb: Int, hh: Int) -> F32Ptr:
+        """Head hh of row bb in the decode cache: marker, then h^T (N, P)."""
+        var base = bb * cache_floats_per_row(self.dims.nh)
+        return self.cache.unsafe_offset(base + hh * CACHE_HEAD)
+
+    def bcache(self, bb: Int) -> F32Ptr:
+        """Row bb's open-chunk B^T in the decode cache: count, then (N, Q)."""
+        var nh = self.dims.nh
+        return self.cache.unsafe_offset(bb * cache_floats_per_row(nh) + nh * CACHE_HEAD)

@@ -5,7 +5,7 @@ from std.collections import Array
 from .abi import F32Ptr, ceil_div
 from .numerics import exp_f32, softplus_f32, silu_f32
 from .mamba2_layout import (
-    P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, M2Call, M2Group,
+    P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, CACHE_HDR, M2Call, M2Group,
 )
 
 
@@ -57,7 +57,10 @@ def cb_task(cl: M2Call, gp: M2Group, task: Int):
         var crow = cl.xbc_row(bb, c, i).unsafe_offset(di + N)
         var dst = cl.work.unsafe_offset(wk.o_cb + (bb * gn + r) * Q)
         if gp.nnew <= DIRECT_CB_MAX:
-            cb_row_direct(cl, c, bb, i, crow, dst)
+            if cl.has_cache:
+                cb_row_cached(cl, c, bb, i, crow, dst)
+            else:
+                cb_row_direct(cl, c, bb, i, crow, dst)
             continue
         var jv = 0
         while jv + 4 * VW <= i + 1:  # four independent chains at a time
@@ -83,6 +86,29 @@ def cb_task(cl: M2Call, gp: M2Group, task: Int):
                 acc = V(crow[unsafe_offset=n]).fma(bt.unsafe_load[width=VW](n * Q + jv), acc)
             dst.unsafe_store(jv, acc)
             jv += VW
+
+
+def cb_row_cached(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
+    """CB_ij for j = 0..i from the session's transposed copy of the open
+    chunk's B rows (rows not yet copied are added first): the same fma chain
+    over n per element, 16 j per vector."""
+    var bc = cl.bcache(bb)
+    var bt = bc.unsafe_offset(CACHE_HDR)
+    var have = Int(bc[unsafe_offset=0])
+    if have > i:  # a new chunk began
+        have = 0
+    for j in range(have, i + 1):
+        var br = cl.xbc_row(bb, c, j).unsafe_offset(cl.dims.di)
+        for n in range(N):
+            bt[unsafe_offset=n * Q + j] = br[unsafe_offset=n]
+    bc[unsafe_offset=0] = Float32(i + 1)
+    var jv = 0
+    while jv <= i:  # lanes past i hold stale values and are never read
+        var acc = V(0.0)
+        for n in range(N):
+            acc = V(crow[unsafe_offset=n]).fma(bt.unsafe_load[width=VW](n * Q + jv), acc)
+        dst.unsafe_store(jv, acc)
+        jv += VW
 
 
 def cb_row_direct(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
@@ -133,11 +159,16 @@ def ssd_task(cl: M2Call, gp: M2Group, bb: Int, hh: Int, task: Int):
     var yg = work.unsafe_offset(wk.o_yg)
     var zx = work.unsafe_offset(wk.o_zx)
     var direct = gn <= DIRECT_CB_MAX  # few rows (decode): no transpose of h
+    if direct and cl.has_cache:  # a session keeps h^T until the next fold
+        var hc = cl.hcache(bb, hh)
+        ht = hc.unsafe_offset(CACHE_HDR)
+        if hc[unsafe_offset=0] != 1.0:
+            _transpose_h(hh_home, ht)
+            hc[unsafe_offset=0] = 1.0
+        direct = False
+    elif not direct and out_end > g_lo:
+        _transpose_h(hh_home, ht)
     if out_end > g_lo:
-        if not direct:
-            for p in range(P):
-                for n in range(N):
-                    ht[unsafe_offset=n * P + p] = hh_home[unsafe_offset=p * N + n]
         var dskip = V(cl.blob[unsafe_offset=dims.o_dskip + hh])
         for i in range(g_lo, out_end):
             var r = bb * gn + i - g_lo
@@ -200,11 +231,19 @@ def ssd_task(cl: M2Call, gp: M2Group, bb: Int, hh: Int, task: Int):
     var hl = cl.hlast.unsafe_offset((bb * nh + hh) * P * N)
     if n_real == Q:
         fold_chunk(cl, c, bb, hh, Q, hh_home, hh_home, seg, wrow)
+        if cl.has_cache:
+            cl.hcache(bb, hh)[unsafe_offset=0] = 0.0
         if want:
             for k in range(P * N):
                 hl[unsafe_offset=k] = hh_home[unsafe_offset=k]
     elif want:
         fold_chunk(cl, c, bb, hh, n_real, hh_home, hl, seg, wrow)
+
+
+def _transpose_h(h: F32Ptr, ht: F32Ptr):
+    for p in range(P):
+        for n in range(N):
+            ht[unsafe_offset=n * P + p] = h[unsafe_offset=p * N + n]
 
 
 def yoff_direct(crow: F32Ptr, h: F32Ptr, dst: F32Ptr):

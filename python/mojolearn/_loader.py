@@ -7,7 +7,12 @@ each says what it is (vendor, numeric mode, ABI version), and that is what
 the loader believes, not the file name.
 
 Choice of binary: MOJOLEARN_VENDOR (cpu, cuda, hip, metal) if set, else the
-host CPU binary (GPU binaries are not built yet).
+host CPU binary (GPU binaries are not built yet). For the CPU there is a
+portable baseline `libmojolearn_cpu.so` and optional faster variants
+`libmojolearn_cpu_<target>.so` (e.g. x86-64-v4) built from the same formula
+code, so with the same bits; the best one whose CPU features this machine has
+is used, or the one MOJOLEARN_CPU_TARGET names ('baseline' for the portable
+one).
 """
 from __future__ import annotations
 
@@ -68,16 +73,54 @@ def requested_vendor() -> str:
     return v or "cpu"
 
 
+# CPU target of a variant binary -> the /proc/cpuinfo flags it needs. The
+# check happens before loading: running any code of a binary built for a
+# newer ISA on an older CPU could fault.
+CPU_VARIANT_FLAGS = {
+    "x86-64-v4": ("avx2", "fma", "bmi2", "f16c", "avx512f", "avx512bw",
+                  "avx512cd", "avx512dq", "avx512vl"),
+}
+
+
+def requested_cpu_target() -> str | None:
+    """MOJOLEARN_CPU_TARGET: 'baseline' or a key of CPU_VARIANT_FLAGS."""
+    t = os.environ.get("MOJOLEARN_CPU_TARGET", "").strip().lower()
+    if not t:
+        return None
+    if t != "baseline" and t not in CPU_VARIANT_FLAGS:
+        raise ValueError(f"MOJOLEARN_CPU_TARGET={t!r} is not one of "
+                         f"{['baseline', *sorted(CPU_VARIANT_FLAGS)]}")
+    return t
+
+
+def _cpu_names() -> list[tuple[str, str]]:
+    """(target, file name) of the CPU binaries to try, best first."""
+    flags = cpu_flags()
+    want = requested_cpu_target()
+    names = []
+    for target, need in CPU_VARIANT_FLAGS.items():
+        if want in (None, target) and flags is not None and set(need) <= flags:
+            names.append((target, f"libmojolearn_cpu_{target}.so"))
+    if want in (None, "baseline"):
+        names.append(("baseline", "libmojolearn_cpu.so"))
+    if want not in (None, "baseline") and not names:
+        raise BinaryNotFoundError(
+            f"mojolearn: MOJOLEARN_CPU_TARGET={want} asks for CPU features "
+            f"{list(CPU_VARIANT_FLAGS[want])} that this machine lacks")
+    return names
+
+
 def library_path(vendor: str | None = None) -> Path:
     """Path of the binary that would be used for `vendor` (default: chosen)."""
     vendor = vendor or requested_vendor()
-    name = f"libmojolearn_{vendor}.so"
-    for d in lib_dirs():
-        p = d / name
-        if p.is_file():
-            return p
+    names = [n for _, n in _cpu_names()] if vendor == "cpu" else [f"libmojolearn_{vendor}.so"]
+    for d in lib_dirs():  # a folder earlier in the search order wins
+        for name in names:
+            p = d / name
+            if p.is_file():
+                return p
     raise BinaryNotFoundError(
-        f"mojolearn: no compiled kernel binary {name} found (looked in "
+        f"mojolearn: no compiled kernel binary {' or '.join(names)} found (looked in "
         f"{', '.join(str(d) for d in lib_dirs())}); the package was installed "
         "without its binaries. Reinstall with `pip install .` from a source "
         "checkout with the Mojo compiler available (see README.md).")
@@ -111,8 +154,8 @@ def cpu_flags() -> set | None:
 
 
 # binary feature name -> /proc/cpuinfo flag
-_FLAG_NAMES = {"avx2": "avx2", "fma": "fma", "bmi2": "bmi2", "f16c": "f16c",
-               "avx512f": "avx512f"}
+_FLAG_NAMES = {f: f for f in ("avx2", "fma", "bmi2", "f16c", "avx512f", "avx512bw",
+                               "avx512cd", "avx512dq", "avx512vl")}
 
 
 def missing_cpu_features(lib) -> list[str]:

@@ -13,8 +13,10 @@ D_CONV = 4
 CHUNK = 256
 
 # OP_M2_FORWARD argument slots (mojo/mojolearn_kernels/mamba2.mojo).
-_FWD_SLOTS = 15
+_FWD_SLOTS = 16
 _FWD_WORK = 14
+_FWD_CACHE = 15  # a decode session's cache (mamba2_layout.mojo, CACHE_HDR)
+_CACHE_HDR = 16
 # The block keeps its workspace between calls (no allocation per decode
 # step) unless it is larger than this (a prefill of many rows).
 _KEEP_WORK_BYTES = 64 << 20
@@ -497,6 +499,12 @@ class Mamba2DecodeSession:
         self._work = Array((max(1, self._lib.workspace_bytes(
             _abi.OP_M2_FORWARD, self._args) // 4),), zero=False)
         self._args[_FWD_WORK] = self._work.address
+        # transposed copies of h and of the open chunk's B rows, rebuilt by
+        # the kernel whenever a marker is 0: same chains, vectorized
+        per_row = (self._block.nheads * (_CACHE_HDR + D_STATE * HEAD_DIM)
+                   + _CACHE_HDR + D_STATE * CHUNK)
+        self._cache = Array((self._b * per_row,), zero=True)
+        self._args[_FWD_CACHE] = self._cache.address
         state._held_by = self
         self._open = True
 
@@ -566,6 +574,7 @@ class Mamba2DecodeSession:
             self._state._held_by = holder
         self._copy_in(views)
         self._s = _intake.as_int(self._state.buffered_tokens, "state.buffered_tokens")
+        memoryview(self._cache).cast("B")[:] = bytes(self._cache.nbytes)  # all stale
         return self._state
 
     def close(self):
@@ -575,7 +584,7 @@ class Mamba2DecodeSession:
         self.sync_state()
         self._state._held_by = None
         self._open = False
-        self._arrays = self._work = None
+        self._arrays = self._work = self._cache = None
 
     def __enter__(self):
         return self
