@@ -12,6 +12,7 @@ from mojolearn_kernels.abi import (
     OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
     OP_M2_PREPARE, OP_M2_FORWARD, OP_M3_PREPARE, OP_M3_FORWARD,
     OP_M1_BACKWARD, OP_M2_BACKWARD, OP_M3_BACKWARD, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK,
+    OP_PANELS_EXTRACT,
 )
 from mojolearn_kernels.checks import first_nonfinite_task, first_nonfinite
 from mojolearn_kernels.math_eval import math_eval
@@ -27,6 +28,7 @@ from mojolearn_kernels.mamba3_backward import m3_backward_plan, m3_backward_task
 from mojolearn_kernels.lowbit import (
     lowbit_pack_plan, lowbit_pack_task, lowbit_unpack_plan, lowbit_unpack_task,
 )
+from mojolearn_kernels.weight_panels import panels_extract_plan, panels_extract_task
 from mojolearn_kernels.mamba3 import (
     m3_prepare_plan, m3_prepare_task, m3_forward_plan, m3_forward_task,
 )
@@ -102,6 +104,8 @@ def ml_plan(op: Int64, args: I64Ptr, phase: Int64) abi("C") -> Int64:
         return Int64(lowbit_pack_plan(args, p))
     if op == OP_LOWBIT_UNPACK:
         return Int64(lowbit_unpack_plan(args, p))
+    if op == OP_PANELS_EXTRACT:
+        return Int64(panels_extract_plan(args, p))
     if op == OP_FIRST_NONFINITE or op == OP_MATH_EVAL:
         if p == PLAN_WORKSPACE:
             return 0
@@ -135,6 +139,8 @@ def ml_task(op: Int64, args: I64Ptr, phase: Int64, task: Int64) abi("C") -> Int6
         lowbit_pack_task(args, p, t)
     elif op == OP_LOWBIT_UNPACK:
         lowbit_unpack_task(args, p, t)
+    elif op == OP_PANELS_EXTRACT:
+        panels_extract_task(args, p, t)
     elif op == OP_FIRST_NONFINITE:
         first_nonfinite_task(args)
     elif op == OP_MATH_EVAL:

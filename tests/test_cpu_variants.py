@@ -15,12 +15,13 @@ from mojolearn import _loader
 ROOT = Path(__file__).resolve().parent.parent
 
 # Each child hashes forward, decode steps, a ragged batch and backward of all
-# three blocks, at lengths that cross the chunk sizes (Q=256, Q=64).
+# three blocks, at lengths that cross the chunk sizes (Q=256, Q=64); also on
+# bfloat16 / int8 packed weights (the GEMM widening them on load).
 CHILD = r"""
 import hashlib, json, sys
 import numpy as np
 import mojolearn
-from mojolearn import _loader
+from mojolearn import _loader, lowbit
 from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
 from tests.reference.mamba3_weights import mamba3_weights
 bump = sys.argv[1] == "bump"
@@ -28,8 +29,8 @@ out = {"arch": _loader.describe(_loader.library())["arch"]}
 for name, make, cls, L in (("m1", mamba1_weights, mojolearn.Mamba1Block, 70),
                            ("m2", mamba2_weights, mojolearn.Mamba2Block, 260),
                            ("m3", mamba3_weights, mojolearn.Mamba3Block, 70)):
-    for d in (32, 64):
-        blk = cls(make(d, seed=3))
+    for d, fmt in ((32, "float32"), (64, "float32"), (64, "bfloat16"), (64, "int8")):
+        blk = cls(lowbit.pack(make(d, seed=3), fmt))  # packed: kernels on bf16/int8 panels
         x = random_input(3, L, d, seed=5)
         if bump:   # negative control: one input one ulp away
             x[1, 2, 0] = np.nextafter(x[1, 2, 0], np.float32(9))
@@ -39,10 +40,11 @@ for name, make, cls, L in (("m1", mamba1_weights, mojolearn.Mamba1Block, 70),
         st = blk.allocate_state(3)
         for t in range(6):
             h.update(np.asarray(blk.step(np.ascontiguousarray(x[:, t]), st)).tobytes())
-        g = blk.backward(x[:, :40], random_input(3, 40, d, seed=6))
-        for k in sorted(g):
-            h.update(np.asarray(g[k]).tobytes())
-        out[f"{name}_d{d}"] = h.hexdigest()
+        if fmt == "float32":  # (backward on packed weights runs the float32 kernels)
+            g = blk.backward(x[:, :40], random_input(3, 40, d, seed=6))
+            for k in sorted(g):
+                h.update(np.asarray(g[k]).tobytes())
+        out[f"{name}_d{d}_{fmt}"] = h.hexdigest()
 print(json.dumps(out))
 """
 

@@ -10,10 +10,18 @@ depend on the SIMD width, the tile shape or how tiles are spread on threads.
 Weights are packed once into panels of NR = 16 output rows, k-major:
 packed[p, k, j] = W[p * NR + j, k] (zero rows past M), so each k step loads
 16 contiguous floats.
+
+Weight format WF (a compile-time parameter; float32 is the default and its
+code is the plain float32 kernel): the panels may also hold bfloat16 bits or
+int8 codes (mojolearn.lowbit). Each weight is widened to float32 on load,
+exactly (bf16: bits << 16; int8: code * 2^e, a power-of-two scale per
+output row), so the fma chain sees the same float32 values in the same
+order and gives the same bits as on the expanded float32 panels.
 """
 from std.collections import Array
+from std.memory import bitcast
 from std.sys import get_defined_string
-from .abi import F32Ptr, ceil_div
+from .abi import F32Ptr, ceil_div, round_up, ALIGN_FLOATS
 
 comptime NR = 16
 # Register tile: MR rows x TP panels of accumulators. AVX2 has 16 vector
@@ -25,10 +33,56 @@ comptime MR = 6
 comptime TP = 2 if WIDE else 1
 comptime VN = SIMD[DType.float32, NR]
 
+# Weight panel formats (ids shared with lowbit.mojo's FMT_* and the blobs).
+comptime WF_F32 = 0  # packed[p, k, j] float32
+comptime WF_BF16 = 1  # the same order, bfloat16 bits (uint16)
+comptime WF_INT8 = 2  # per panel: NR float32 scales 2^e[row], then int8 codes [k, j]
 
-def packed_floats(m: Int, k: Int) -> Int:
-    """Floats in the packed form of an (m, k) matrix."""
-    return ceil_div(m, NR) * k * NR
+
+@always_inline
+def panel_floats[WF: Int](k: Int) -> Int:
+    """Floats (4-byte units) one panel of k steps occupies in format WF."""
+    comptime if WF == WF_BF16:
+        return k * NR // 2
+    elif WF == WF_INT8:
+        return NR + k * NR // 4
+    else:
+        return k * NR
+
+
+def packed_floats(m: Int, k: Int, wf: Int = WF_F32) -> Int:
+    """Floats in the packed form of an (m, k) matrix in format wf, rounded
+    up to ALIGN_FLOATS (float32 panels are always a multiple of it)."""
+    var per: Int
+    if wf == WF_BF16:
+        per = panel_floats[WF_BF16](k)
+    elif wf == WF_INT8:
+        per = panel_floats[WF_INT8](k)
+    else:
+        per = panel_floats[WF_F32](k)
+    return round_up(ceil_div(m, NR) * per, ALIGN_FLOATS)
+
+
+@always_inline
+def _wscale[WF: Int](panel: F32Ptr) -> VN:
+    """The panel's per-row scales (int8); unused (and optimised away) else."""
+    comptime if WF == WF_INT8:
+        return panel.unsafe_load[width=NR](0)
+    else:
+        return VN(1.0)
+
+
+@always_inline
+def _wload[WF: Int](panel: F32Ptr, kk: Int, scale: VN) -> VN:
+    """Step kk of one panel as NR float32 weights, widened exactly."""
+    comptime if WF == WF_BF16:
+        var h = panel.unsafe_bitcast[UInt16]().unsafe_load[width=NR](kk * NR)
+        return bitcast[DType.float32, NR](h.cast[DType.uint32]() << 16)
+    elif WF == WF_INT8:
+        var c = panel.unsafe_offset(NR).unsafe_bitcast[Int8]().unsafe_load[width=NR](kk * NR)
+        return c.cast[DType.float32]() * scale  # code * 2^e is representable: exact
+    else:
+        return panel.unsafe_load[width=NR](kk * NR)
 
 
 def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
@@ -45,13 +99,14 @@ def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
 
 
 @always_inline
-def _tile[R: Int](
+def _tile[R: Int, WF: Int = WF_F32](
     x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int, ncols: Int
 ):
     """R rows x one panel: y[i, 0:ncols] = x[i, :] . panel."""
     var acc = Array[VN, R](fill=VN(0.0))
+    var scale = _wscale[WF](panel)
     for kk in range(k):
-        var wv = panel.unsafe_load[width=NR](kk * NR)
+        var wv = _wload[WF](panel, kk, scale)
         comptime for i in range(R):
             acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
     if ncols == NR:
@@ -64,16 +119,19 @@ def _tile[R: Int](
 
 
 @always_inline
-def _tile_panels[R: Int, NP: Int](
+def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32](
     x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int
 ):
     """R rows x NP consecutive full panels. With few rows, one panel has too
     few independent fma chains to hide the fma latency; several panels do."""
     var acc = Array[VN, R * NP](fill=VN(0.0))
-    var pstride = k * NR
+    var pstride = panel_floats[WF](k)
+    var scale = Array[VN, NP](fill=VN(1.0))
+    comptime for q in range(NP):
+        scale[q] = _wscale[WF](panel.unsafe_offset(q * pstride))
     for kk in range(k):
         comptime for q in range(NP):
-            var wv = panel.unsafe_load[width=NR](q * pstride + kk * NR)
+            var wv = _wload[WF](panel.unsafe_offset(q * pstride), kk, scale[q])
             comptime for i in range(R):
                 acc[i * NP + q] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
     comptime for i in range(R):
@@ -81,25 +139,26 @@ def _tile_panels[R: Int, NP: Int](
             y.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
 
 
-def _rows_few[R: Int](
+def _rows_few[R: Int, WF: Int = WF_F32](
     x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
     y: F32Ptr, ldy: Int,
 ):
     """R (< MR) rows over panels [p0, p1): several full panels at a time
     (four, fewer where R rows of four would not fit the AVX-512 registers)."""
     comptime NP = min(4, max(1, 24 // R)) if WIDE else 4
+    var ps = panel_floats[WF](k)
     var p = p0
     while p + NP <= p1 and (p + NP) * NR <= m:
-        _tile_panels[R, NP](x, ldx, wp.unsafe_offset(p * k * NR), k,
-                            y.unsafe_offset(p * NR), ldy)
+        _tile_panels[R, NP, WF](x, ldx, wp.unsafe_offset(p * ps), k,
+                                y.unsafe_offset(p * NR), ldy)
         p += NP
     while p < p1:
-        _tile[R](x, ldx, wp.unsafe_offset(p * k * NR), k,
-                 y.unsafe_offset(p * NR), ldy, min(NR, m - p * NR))
+        _tile[R, WF](x, ldx, wp.unsafe_offset(p * ps), k,
+                     y.unsafe_offset(p * NR), ldy, min(NR, m - p * NR))
         p += 1
 
 
-def matmul_block(
+def matmul_block[WF: Int = WF_F32](
     x: F32Ptr,
     ldx: Int,
     r0: Int,
@@ -116,20 +175,20 @@ def matmul_block(
     var full = r0 + (r1 - r0) // MR * MR
     var p = p0
     while p < p1:
-        var panel = wp.unsafe_offset(p * k * NR)
+        var panel = wp.unsafe_offset(p * panel_floats[WF](k))
         var col = p * NR
         var r = r0
         if TP > 1 and p + TP <= p1 and (p + TP) * NR <= m:
             while r < full:
-                _tile_panels[MR, TP](x.unsafe_offset(r * ldx), ldx, panel, k,
-                                     y.unsafe_offset(r * ldy + col), ldy)
+                _tile_panels[MR, TP, WF](x.unsafe_offset(r * ldx), ldx, panel, k,
+                                         y.unsafe_offset(r * ldy + col), ldy)
                 r += MR
             p += TP
         else:
             var ncols = min(NR, m - col)
             while r < full:
-                _tile[MR](x.unsafe_offset(r * ldx), ldx, panel, k,
-                          y.unsafe_offset(r * ldy + col), ldy, ncols)
+                _tile[MR, WF](x.unsafe_offset(r * ldx), ldx, panel, k,
+                              y.unsafe_offset(r * ldy + col), ldy, ncols)
                 r += MR
             p += 1
     # Leftover rows: all of them in one pass over the panels.
@@ -138,7 +197,7 @@ def matmul_block(
     var yr = y.unsafe_offset(full * ldy)
     comptime for R in range(1, MR):
         if rem == R:
-            _rows_few[R](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+            _rows_few[R, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
 
 
 # Task grid for one matmul phase: row blocks x panel blocks.
@@ -164,7 +223,7 @@ struct TileRange(ImplicitlyCopyable):
         self.c1 = c1
 
 
-def matmul_task(
+def matmul_task[WF: Int = WF_F32](
     task: Int, x: F32Ptr, ldx: Int, rows: Int, wp: F32Ptr, k: Int, m: Int,
     y: F32Ptr, ldy: Int,
 ) -> TileRange:
@@ -175,5 +234,17 @@ def matmul_task(
     var r1 = min(rows, r0 + ROW_BLOCK)
     var p0 = (task % npb) * PANEL_BLOCK
     var p1 = min(npanels, p0 + PANEL_BLOCK)
-    matmul_block(x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)
+    matmul_block[WF](x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)
     return TileRange(r0, r1, p0 * NR, min(m, p1 * NR))
+
+
+def matmul_task_wf(
+    wf: Int, task: Int, x: F32Ptr, ldx: Int, rows: Int, wp: F32Ptr, k: Int, m: Int,
+    y: F32Ptr, ldy: Int,
+) -> TileRange:
+    """matmul_task on panels in the run-time weight format wf."""
+    if wf == WF_BF16:
+        return matmul_task[WF_BF16](task, x, ldx, rows, wp, k, m, y, ldy)
+    if wf == WF_INT8:
+        return matmul_task[WF_INT8](task, x, ldx, rows, wp, k, m, y, ldy)
+    return matmul_task[WF_F32](task, x, ldx, rows, wp, k, m, y, ldy)

@@ -12,13 +12,17 @@ about six times smaller than one chain's. The tile shape, the vector width
 and the task split never change an operand, so never a bit.
 
 Weights are packed once in groups of G = 8 output rows, k-block-major:
-packed[g, kb, j, l] = W[g * G + j, kb * 16 + l] (zeros past M and K), so
+element [g, kb, j, l] = W[g * G + j, kb * 16 + l] (zeros past M and K), so
 the G weight vectors of one k block are contiguous: one stream per tile.
+Formats (mojolearn.lowbit, kept packed; widened exactly on load):
+  WF_F32  float32 elements;  WF_BF16  bfloat16 bits (uint16) elements;
+  WF_INT8 one float32 scale 2^e per (padded) row, then int8 code elements.
 """
 from std.collections import Array
+from std.memory import Pointer, bitcast
 from std.sys import get_defined_string
-from .abi import F32Ptr, ceil_div
-from .linear import TileRange
+from .abi import F32Ptr, ALIGN_FLOATS, ceil_div, round_up
+from .linear import TileRange, WF_F32, WF_BF16, WF_INT8
 
 comptime KL = 16  # lanes of the k split
 comptime VK = SIMD[DType.float32, KL]
@@ -38,20 +42,102 @@ def split_ld(k: Int) -> Int:
     return ceil_div(k, KL) * KL
 
 
-def split_floats(m: Int, k: Int) -> Int:
-    return ceil_div(m, MPAD) * MPAD * split_ld(k)
+def split_rows(m: Int) -> Int:
+    """Packed rows: M padded so a tile may read (never store) past M."""
+    return ceil_div(m, MPAD) * MPAD
+
+
+def split_floats(m: Int, k: Int, wf: Int = WF_F32) -> Int:
+    """Floats (4-byte units) of the packed (m, k) weight in format wf."""
+    var n = split_rows(m) * split_ld(k)
+    if wf == WF_BF16:
+        n = n // 2
+    elif wf == WF_INT8:
+        n = split_rows(m) + n // 4
+    return round_up(n, ALIGN_FLOATS)
+
+
+comptime U16Ptr = Pointer[UInt16, MutUntrackedOrigin]
+comptime I8Ptr = Pointer[Int8, MutUntrackedOrigin]
+comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
+
+
+@always_inline
+def _pow2_f32(e: Int) -> Float32:
+    """2^e exactly for e in [-149, 127] (through float64: no rounding)."""
+    return Float32(bitcast[DType.float64, 1](UInt64(e + 1023) << 52))
 
 
 def split_pack(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
-    """Row-major W (m, k) -> groups of G rows, k-block-major, zero padded
-    to MPAD rows (a tile may read, never store, past M)."""
+    """Row-major float32 W (m, k) -> the packed float32 form."""
+    split_pack_wf(WF_F32, Int(w), 0, m, k, dst)
+
+
+def split_pack_wf(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr):
+    """The (m, k) weight at address src in format wf (float32 values,
+    bfloat16 bits, or int8 codes with int32 exponents at exps, one per row)
+    -> the packed form: a copy of the given values, no conversion."""
     var ld = split_ld(k)
-    for o in range(ceil_div(m, MPAD) * MPAD):
+    var mp = split_rows(m)
+    var codes = dst
+    if wf == WF_INT8:
+        for o in range(mp):
+            var e = Int(I32Ptr(unsafe_from_address=exps)[unsafe_offset=o]) if o < m else 0
+            dst[unsafe_offset=o] = _pow2_f32(e)
+        codes = dst.unsafe_offset(mp)
+    for o in range(mp):
         for kk in range(ld):
-            var v: Float32 = 0.0
-            if o < m and kk < k:
-                v = w[unsafe_offset=o * k + kk]
-            dst[unsafe_offset=_woff(o, kk // KL, ld) + kk % KL] = v
+            var at = _woff(o, kk // KL, ld) + kk % KL
+            var inside = o < m and kk < k
+            if wf == WF_BF16:
+                var v: UInt16 = 0
+                if inside:
+                    v = U16Ptr(unsafe_from_address=src)[unsafe_offset=o * k + kk]
+                codes.unsafe_bitcast[UInt16]()[unsafe_offset=at] = v
+            elif wf == WF_INT8:
+                var v: Int8 = 0
+                if inside:
+                    v = I8Ptr(unsafe_from_address=src)[unsafe_offset=o * k + kk]
+                codes.unsafe_bitcast[Int8]()[unsafe_offset=at] = v
+            else:
+                var v: Float32 = 0.0
+                if inside:
+                    v = F32Ptr(unsafe_from_address=src)[unsafe_offset=o * k + kk]
+                codes[unsafe_offset=at] = v
+
+
+def split_extract(wf: Int, w: F32Ptr, m: Int, k: Int, r0: Int, r1: Int,
+                  dst: Int, exps: Int):
+    """Rows [r0, r1) of a packed bfloat16 / int8 weight back to row-major
+    codes (uint16 bits or int8) and, for int8, int32 exponents."""
+    var ld = split_ld(k)
+    var codes = w.unsafe_offset(split_rows(m)) if wf == WF_INT8 else w
+    for o in range(r0, r1):
+        if wf == WF_INT8:
+            # the scale is 2^e exactly; float64 keeps it normal: e is its exponent
+            var b = bitcast[DType.uint64, 1](Float64(w[unsafe_offset=o]))
+            I32Ptr(unsafe_from_address=exps)[unsafe_offset=o] = Int32(Int((b >> 52) & 0x7FF) - 1023)
+        for kk in range(k):
+            var at = _woff(o, kk // KL, ld) + kk % KL
+            if wf == WF_BF16:
+                U16Ptr(unsafe_from_address=dst)[unsafe_offset=o * k + kk] = (
+                    codes.unsafe_bitcast[UInt16]()[unsafe_offset=at])
+            else:
+                I8Ptr(unsafe_from_address=dst)[unsafe_offset=o * k + kk] = (
+                    codes.unsafe_bitcast[Int8]()[unsafe_offset=at])
+
+
+@always_inline
+def _wload[WF: Int](codes: F32Ptr, scales: F32Ptr, o: Int, at: Int) -> VK:
+    """16 weights of row o at element `at`, widened exactly to float32."""
+    comptime if WF == WF_BF16:
+        var h = codes.unsafe_bitcast[UInt16]().unsafe_load[width=KL](at)
+        return bitcast[DType.float32, KL](h.cast[DType.uint32]() << 16)
+    elif WF == WF_INT8:
+        var c = codes.unsafe_bitcast[Int8]().unsafe_load[width=KL](at)
+        return c.cast[DType.float32]() * VK(scales[unsafe_offset=o])  # exact
+    else:
+        return codes.unsafe_load[width=KL](at)
 
 
 @always_inline
@@ -131,8 +217,8 @@ def _xblock(x: F32Ptr, k0: Int, k: Int) -> VK:
 
 
 @always_inline
-def _tile[R: Int, C: Int](
-    x: F32Ptr, ldx: Int, w: F32Ptr, ld: Int, k: Int, c: Int, nc: Int,
+def _tile[R: Int, C: Int, WF: Int](
+    x: F32Ptr, ldx: Int, w: F32Ptr, sc: F32Ptr, ld: Int, k: Int, c: Int, nc: Int,
     y: F32Ptr, ldy: Int,
 ):
     """R rows x outputs [c, c + C) (c a multiple of min(C, G)); stores the
@@ -144,14 +230,14 @@ def _tile[R: Int, C: Int](
         comptime for i in range(R):
             xs[i] = x.unsafe_load[width=KL](i * ldx + kb * KL)
         comptime for j in range(C):
-            var wv = w.unsafe_load[width=KL](_woff(c + j, kb, ld))
+            var wv = _wload[WF](w, sc, c + j, _woff(c + j, kb, ld))
             comptime for i in range(R):
                 acc[i * C + j] = xs[i].fma(wv, acc[i * C + j])
     if kfull * KL < k:  # the last, partial block: lanes past k add x = +0.0
         comptime for i in range(R):
             var xv = _xblock(x.unsafe_offset(i * ldx), kfull * KL, k)
             comptime for j in range(C):
-                acc[i * C + j] = xv.fma(w.unsafe_load[width=KL](_woff(c + j, kfull, ld)),
+                acc[i * C + j] = xv.fma(_wload[WF](w, sc, c + j, _woff(c + j, kfull, ld)),
                                         acc[i * C + j])
     var yc = y.unsafe_offset(c)
     comptime if R * C == 24 and C == 8:  # two rows, then one
@@ -185,18 +271,19 @@ def _store[C: Int](y: F32Ptr, v: SIMD[DType.float32, C], nc: Int):
             y[unsafe_offset=j] = v[j]
 
 
-def split_matmul_block(
-    x: F32Ptr, ldx: Int, r0: Int, r1: Int, w: F32Ptr, k: Int,
+def split_matmul_block[WF: Int = WF_F32](
+    x: F32Ptr, ldx: Int, r0: Int, r1: Int, wp: F32Ptr, k: Int, m: Int,
     c0: Int, c1: Int, y: F32Ptr, ldy: Int,
 ):
-    """Rows [r0, r1) x outputs [c0, c1) of y = x @ W^T (W from split_pack;
-    c0 a multiple of 16)."""
+    """Rows [r0, r1) x outputs [c0, c1) of y = x @ W^T (W packed (m, k) in
+    format WF; c0 a multiple of 16)."""
     var ld = split_ld(k)
+    var w = wp.unsafe_offset(split_rows(m)) if WF == WF_INT8 else wp
     if r1 - r0 == 1:  # one row (a decode step): more outputs per tile
         var c = c0
         while c < c1:
-            _tile[1, SC1](x.unsafe_offset(r0 * ldx), ldx, w, ld, k, c, c1 - c,
-                          y.unsafe_offset(r0 * ldy), ldy)
+            _tile[1, SC1, WF](x.unsafe_offset(r0 * ldx), ldx, w, wp, ld, k, c, c1 - c,
+                              y.unsafe_offset(r0 * ldy), ldy)
             c += SC1
         return
     # Output tiles outside, rows inside: the tile's weights stay in L1 while
@@ -205,12 +292,12 @@ def split_matmul_block(
     while c < c1:
         var r = r0
         while r + SR <= r1:
-            _tile[SR, SC](x.unsafe_offset(r * ldx), ldx, w, ld, k, c, c1 - c,
-                          y.unsafe_offset(r * ldy), ldy)
+            _tile[SR, SC, WF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c, c1 - c,
+                              y.unsafe_offset(r * ldy), ldy)
             r += SR
         while r < r1:
-            _tile[1, SC](x.unsafe_offset(r * ldx), ldx, w, ld, k, c, c1 - c,
-                         y.unsafe_offset(r * ldy), ldy)
+            _tile[1, SC, WF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c, c1 - c,
+                             y.unsafe_offset(r * ldy), ldy)
             r += 1
         c += SC
 
@@ -224,7 +311,19 @@ def split_matmul_ntasks(rows: Int, m: Int) -> Int:
     return ceil_div(rows, SPLIT_ROW_BLOCK) * ceil_div(m, SPLIT_COL_BLOCK)
 
 
-def split_matmul_task(
+def split_matmul_task_wf(
+    wf: Int, task: Int, x: F32Ptr, ldx: Int, rows: Int, w: F32Ptr, k: Int, m: Int,
+    y: F32Ptr, ldy: Int,
+) -> TileRange:
+    """split_matmul_task on a weight in the run-time format wf."""
+    if wf == WF_BF16:
+        return split_matmul_task[WF_BF16](task, x, ldx, rows, w, k, m, y, ldy)
+    if wf == WF_INT8:
+        return split_matmul_task[WF_INT8](task, x, ldx, rows, w, k, m, y, ldy)
+    return split_matmul_task[WF_F32](task, x, ldx, rows, w, k, m, y, ldy)
+
+
+def split_matmul_task[WF: Int = WF_F32](
     task: Int, x: F32Ptr, ldx: Int, rows: Int, w: F32Ptr, k: Int, m: Int,
     y: F32Ptr, ldy: Int,
 ) -> TileRange:
@@ -234,5 +333,5 @@ def split_matmul_task(
     var r1 = min(rows, r0 + SPLIT_ROW_BLOCK)
     var c0 = (task % ncb) * SPLIT_COL_BLOCK
     var c1 = min(m, c0 + SPLIT_COL_BLOCK)
-    split_matmul_block(x, ldx, r0, r1, w, k, c0, c1, y, ldy)
+    split_matmul_block[WF](x, ldx, r0, r1, w, k, m, c0, c1, y, ldy)
     return TileRange(r0, r1, c0, c1)

@@ -21,7 +21,10 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from .linear import NR, packed_floats, pack_panels, matmul_ntasks, matmul_task
+from .linear import NR, WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
+from .weight_panels import (
+    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
+)
 from .norms import rmsnorm_row
 from .conv import causal_conv_silu
 from .numerics import exp_f32, softplus_f32, silu_f32
@@ -42,6 +45,11 @@ comptime PREP_ALOG = 8
 comptime PREP_D_SKIP = 9
 comptime PREP_OUT = 10
 comptime PREP_BLOB = 11
+comptime PREP_WFMT = 12  # projection weight format (linear.WF_*); 0 if absent
+comptime PREP_IN_EXP = 13  # int8: int32 exponents, one per row
+comptime PREP_X_EXP = 14
+comptime PREP_DT_EXP = 15
+comptime PREP_OUT_EXP = 16
 
 # OP_M1_FORWARD argument slots.
 comptime FWD_B = 0
@@ -95,25 +103,27 @@ struct M1Dims(ImplicitlyCopyable):
     var o_dskip: Int
     var o_out: Int
     var blob: Int  # floats
+    var wf: Int  # format of the projection panels (linear.WF_*)
 
-    def __init__(out self, d: Int):
+    def __init__(out self, d: Int, wf: Int = WF_F32):
         self.d = d
         self.di = 2 * d
         self.r = ceil_div(d, 16)
         self.nx = self.r + 2 * NSTATE
-        var o = 0
+        self.wf = wf
+        var o = ALIGN_FLOATS  # header: the weight format (weight_panels.mojo)
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += packed_floats(2 * self.di, d)
+        o += packed_floats(2 * self.di, d, wf)
         self.o_convw = o
         o += round_up(KCONV * self.di, ALIGN_FLOATS)
         self.o_convb = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_x = o
-        o += packed_floats(self.nx, self.di)
+        o += packed_floats(self.nx, self.di, wf)
         self.o_dt = o
-        o += packed_floats(self.di, self.r)
+        o += packed_floats(self.di, self.r, wf)
         self.o_dtb = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_a = o
@@ -121,7 +131,7 @@ struct M1Dims(ImplicitlyCopyable):
         self.o_dskip = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_out = o
-        o += packed_floats(d, self.di)
+        o += packed_floats(d, self.di, wf)
         self.blob = o
 
 
@@ -174,26 +184,34 @@ struct M1Work(ImplicitlyCopyable):
 
 
 def m1_prepare_plan(args: I64Ptr, phase: Int) -> Int:
+    var wf = arg_int(args, PREP_WFMT)
+    if not valid_format(wf):
+        return -3
     if phase == PLAN_WORKSPACE:
-        return M1Dims(arg_int(args, PREP_D)).blob * 4
+        return M1Dims(arg_int(args, PREP_D), wf).blob * 4
     if phase == 0:
         return 7
     return PHASE_END
 
 
 def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var dims = M1Dims(arg_int(args, PREP_D))
+    var wf = arg_int(args, PREP_WFMT)
+    var dims = M1Dims(arg_int(args, PREP_D), wf)
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     var di = dims.di
     if task == 0:
-        pack_panels(arg_f32(args, PREP_IN), 2 * di, d, blob.unsafe_offset(dims.o_in))
+        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+                           2 * di, d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        pack_panels(arg_f32(args, PREP_X), dims.nx, di, blob.unsafe_offset(dims.o_x))
+        pack_weight_panels(wf, arg_int(args, PREP_X), arg_int(args, PREP_X_EXP),
+                           dims.nx, di, blob.unsafe_offset(dims.o_x))
     elif task == 2:
-        pack_panels(arg_f32(args, PREP_DT), di, dims.r, blob.unsafe_offset(dims.o_dt))
+        pack_weight_panels(wf, arg_int(args, PREP_DT), arg_int(args, PREP_DT_EXP),
+                           di, dims.r, blob.unsafe_offset(dims.o_dt))
     elif task == 3:
-        pack_panels(arg_f32(args, PREP_OUT), d, di, blob.unsafe_offset(dims.o_out))
+        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+                           d, di, blob.unsafe_offset(dims.o_out))
     elif task == 4:
         var alog = arg_f32(args, PREP_ALOG)
         for c in range(di):
@@ -206,6 +224,11 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
             for k in range(KCONV):
                 blob[unsafe_offset=dims.o_convw + k * di + c] = cw[unsafe_offset=c * KCONV + k]
     else:
+        set_blob_format(blob, wf)
+        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
+        set_blob_section(blob, 1, dims.o_x)
+        set_blob_section(blob, 2, dims.o_dt)
+        set_blob_section(blob, 3, dims.o_out)
         _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
         _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)
@@ -221,8 +244,13 @@ def _copy(src: F32Ptr, dst: F32Ptr, n: Int):
 # ---------------------------------------------------------------- forward
 
 
+def forward_dims(args: I64Ptr) -> M1Dims:
+    """The block's sizes and blob layout, in the format its blob records."""
+    return M1Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
+
+
 def m1_forward_plan(args: I64Ptr, phase: Int) -> Int:
-    var dims = M1Dims(arg_int(args, FWD_D))
+    var dims = forward_dims(args)
     var b = arg_int(args, FWD_B)
     var wk = M1Work(dims, b, arg_int(args, FWD_L))
     if phase == PLAN_WORKSPACE:
@@ -257,7 +285,7 @@ def m1_forward_plan(args: I64Ptr, phase: Int) -> Int:
 
 
 def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
-    var dims = M1Dims(arg_int(args, FWD_D))
+    var dims = forward_dims(args)
     var b = arg_int(args, FWD_B)
     var wk = M1Work(dims, b, arg_int(args, FWD_L))
     var work = arg_f32(args, FWD_WORK)
@@ -284,7 +312,8 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
     if stage == ST_NORM:
         _norm_rows(args, dims, t0, nc, task, blob.unsafe_offset(dims.o_norm), xn)
     elif stage == ST_INPROJ:
-        _ = matmul_task(task, xn, d, rows, blob.unsafe_offset(dims.o_in), d, 2 * di, hg, 2 * di)
+        _ = matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
+                           2 * di, hg, 2 * di)
     elif stage == ST_CONV:
         var c0 = task * CONV_CHANNELS_PER_TASK
         var c1 = min(di, c0 + CONV_CHANNELS_PER_TASK)
@@ -297,9 +326,11 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
                 u.unsafe_offset(bb * nc * di), di,
             )
     elif stage == ST_XPROJ:
-        _ = matmul_task(task, u, di, rows, blob.unsafe_offset(dims.o_x), di, dims.nx, dbc, dims.nx)
+        _ = matmul_task_wf(dims.wf, task, u, di, rows, blob.unsafe_offset(dims.o_x), di,
+                           dims.nx, dbc, dims.nx)
     elif stage == ST_DTPROJ:
-        var t = matmul_task(task, dbc, dims.nx, rows, blob.unsafe_offset(dims.o_dt), dims.r, di, dl, di)
+        var t = matmul_task_wf(dims.wf, task, dbc, dims.nx, rows,
+                               blob.unsafe_offset(dims.o_dt), dims.r, di, dl, di)
         var bias = blob.unsafe_offset(dims.o_dtb)
         for r in range(t.r0, t.r1):
             _bias_softplus(dl.unsafe_offset(r * di), bias, t.c0, t.c1)
@@ -316,7 +347,8 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
             for cc in range(c0, c1):
                 _scan_lanes[1](dims, blob, ht, dl, u, dbc, hg, yg, row0, nc, cc)
     else:
-        var t = matmul_task(task, yg, di, rows, blob.unsafe_offset(dims.o_out), di, d, xn, d)
+        var t = matmul_task_wf(dims.wf, task, yg, di, rows, blob.unsafe_offset(dims.o_out),
+                               di, d, xn, d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
 
 

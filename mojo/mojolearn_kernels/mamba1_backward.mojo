@@ -27,7 +27,8 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task, packed_floats, NR
+from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
+from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task
 from .norms import rmsnorm_row, rms_scale
 from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
@@ -281,6 +282,8 @@ def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int) -> Int:
 
 
 def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
+    if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
+        return -3  # backward reads float32 panels; blocks on packed weights expand them
     var dims = M1Dims(arg_int(args, BW_D))
     var b = arg_int(args, BW_B)
     var wk = BWork(dims, b, arg_int(args, BW_L))

@@ -32,8 +32,8 @@ out_proj + residual; last, the state is saved (one task per row).
 """
 from std.memory import bitcast
 from .abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
-from .linear import pack_panels, matmul_ntasks, matmul_task
-from .linear_split import split_pack, split_matmul_ntasks, split_matmul_task
+from .linear_split import split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
+from .weight_panels import set_blob_format, set_blob_section, set_blob_layout, valid_format, LAYOUT_SPLIT
 from .norms import rmsnorm_row
 from .conv import causal_conv_silu
 from .numerics import exp_f32
@@ -41,6 +41,7 @@ from .mamba2_layout import (
     P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
     PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
     PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
+    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP,
     ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
     M2Dims, M2Call, M2Group,
 )
@@ -55,27 +56,37 @@ def _f32_bits(v: Int) -> Float32:
 
 
 def m2_prepare_plan(args: I64Ptr, phase: Int) -> Int:
+    var wf = arg_int(args, PREP_WFMT)
+    if not valid_format(wf):
+        return -3
     if phase == PLAN_WORKSPACE:
-        return M2Dims(arg_int(args, PREP_D)).blob * 4
+        return M2Dims(arg_int(args, PREP_D), wf).blob * 4
     if phase == 0:
         return 4
     return PHASE_END
 
 
 def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var dims = M2Dims(arg_int(args, PREP_D))
+    var wf = arg_int(args, PREP_WFMT)
+    var dims = M2Dims(arg_int(args, PREP_D), wf)
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     if task == 0:
-        split_pack(arg_f32(args, PREP_IN), dims.npj, d, blob.unsafe_offset(dims.o_in))
+        split_pack_wf(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+                      dims.npj, d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        split_pack(arg_f32(args, PREP_OUT), d, dims.di, blob.unsafe_offset(dims.o_out))
+        split_pack_wf(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+                      d, dims.di, blob.unsafe_offset(dims.o_out))
     elif task == 2:
         var cw = arg_f32(args, PREP_CONVW)
         for c in range(dims.cd):
             for k in range(KCONV):
                 blob[unsafe_offset=dims.o_convw + k * dims.cd + c] = cw[unsafe_offset=c * KCONV + k]
     else:
+        set_blob_format(blob, wf)
+        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
+        set_blob_section(blob, 1, dims.o_out)
+        set_blob_layout(blob, LAYOUT_SPLIT)
         _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
         _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
@@ -145,9 +156,9 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     if stage == ST_NORM:
         _norm_rows(cl, gp, task)
     elif stage == ST_INPROJ:
-        _ = split_matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, rows,
-                        blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
-                        work.unsafe_offset(wk.o_zx), dims.npj)
+        _ = split_matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_xn), dims.d, rows,
+                                 blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
+                                 work.unsafe_offset(wk.o_zx), dims.npj)
     elif stage == ST_CONV:
         _conv_task(cl, gp, task)
     elif stage == ST_CB:
@@ -157,9 +168,9 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == ST_GNORM:
         _gnorm_rows(cl, gp, task)
     else:
-        var t = split_matmul_task(task, work.unsafe_offset(wk.o_yg), dims.di, rows,
-                                  blob.unsafe_offset(dims.o_out), dims.di, dims.d,
-                                  work.unsafe_offset(wk.o_xn), dims.d)
+        var t = split_matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+                                     blob.unsafe_offset(dims.o_out), dims.di, dims.d,
+                                     work.unsafe_offset(wk.o_xn), dims.d)
         _residual(cl, gp, t.r0, t.r1, t.c0, t.c1)
 
 

@@ -33,7 +33,9 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
+from .linear import WF_F32
 from .linear_split import split_matmul_ntasks, split_matmul_task, split_ld
+from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task
 from .norms import rmsnorm_row, rms_scale
 from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
@@ -273,6 +275,8 @@ def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
 
 
 def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
+    if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
+        return -3  # backward reads float32 panels; blocks on packed weights expand them
     var bw = BW2(args)
     if phase == PLAN_WORKSPACE:
         return bw.floats * 4

@@ -4,8 +4,9 @@ Mirrored in python/mojolearn/mamba/mamba2.py (slot numbers)."""
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from .linear import packed_floats
+from .linear import WF_F32
 from .linear_split import split_floats
+from .weight_panels import blob_format
 
 comptime P = 64  # head dim
 comptime N = 128  # state size
@@ -28,6 +29,9 @@ comptime PREP_OUT = 9
 comptime PREP_LO = 10  # float32 bits of dt_limit[0] (as a signed int32)
 comptime PREP_HI = 11
 comptime PREP_BLOB = 12
+comptime PREP_WFMT = 13  # projection weight format (linear.WF_*); 0 if absent
+comptime PREP_IN_EXP = 14  # int8: int32 exponents, one per row
+comptime PREP_OUT_EXP = 15
 
 # OP_M2_FORWARD argument slots.
 comptime FWD_B = 0
@@ -98,18 +102,20 @@ struct M2Dims(ImplicitlyCopyable):
     var o_out: Int
     var o_lim: Int  # lo, hi
     var blob: Int
+    var wf: Int  # format of the projection panels (linear.WF_*)
 
-    def __init__(out self, d: Int):
+    def __init__(out self, d: Int, wf: Int = WF_F32):
         self.d = d
         self.di = 2 * d
         self.nh = self.di // P
         self.cd = self.di + 2 * N
         self.npj = 2 * self.di + 2 * N + self.nh
-        var o = 0
+        self.wf = wf
+        var o = ALIGN_FLOATS  # header: the weight format (weight_panels.mojo)
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += max(packed_floats(self.npj, d), split_floats(self.npj, d))
+        o += split_floats(self.npj, d, wf)
         self.o_convw = o
         o += round_up(KCONV * self.cd, ALIGN_FLOATS)
         self.o_convb = o
@@ -123,7 +129,7 @@ struct M2Dims(ImplicitlyCopyable):
         self.o_gnorm = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_out = o
-        o += split_floats(d, self.di)
+        o += split_floats(d, self.di, wf)
         self.o_lim = o
         o += ALIGN_FLOATS
         self.blob = o
@@ -283,7 +289,7 @@ struct M2Call(ImplicitlyCopyable):
     var has_cache: Bool
 
     def __init__(out self, args: I64Ptr):
-        self.dims = M2Dims(arg_int(args, FWD_D))
+        self.dims = M2Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
         self.has_state = arg_int(args, FWD_H) != 0
         var s = arg_int(args, FWD_S) if self.has_state else 0
         self.wk = M2Work(self.dims, arg_int(args, FWD_B), arg_int(args, FWD_L), s,

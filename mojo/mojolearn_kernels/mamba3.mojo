@@ -27,7 +27,10 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from .linear import packed_floats, pack_panels, matmul_ntasks, matmul_task
+from .linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
+from .weight_panels import (
+    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
+)
 from .norms import rmsnorm_row
 from .numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
@@ -53,6 +56,9 @@ comptime PREP_CB = 7
 comptime PREP_DSKIP = 8
 comptime PREP_OUT = 9
 comptime PREP_BLOB = 10
+comptime PREP_WFMT = 11  # projection weight format (linear.WF_*); 0 if absent
+comptime PREP_IN_EXP = 12  # int8: int32 exponents, one per row
+comptime PREP_OUT_EXP = 13
 
 # OP_M3_FORWARD argument slots.
 comptime FWD_B = 0
@@ -117,9 +123,11 @@ struct M3Dims(ImplicitlyCopyable):
     var o_cb: Int
     var o_dskip: Int
     var blob: Int
+    var wf: Int  # format of the projection panels (linear.WF_*)
 
-    def __init__(out self, d: Int):
+    def __init__(out self, d: Int, wf: Int = WF_F32):
         self.d = d
+        self.wf = wf
         self.di = 2 * d
         self.nh = self.di // HP
         self.np = 2 * self.di + 2 * NST + 3 * self.nh + NANG
@@ -130,13 +138,13 @@ struct M3Dims(ImplicitlyCopyable):
         self.c_a = self.c_dt + self.nh
         self.c_tr = self.c_a + self.nh
         self.c_ang = self.c_tr + self.nh
-        var o = 0
+        var o = ALIGN_FLOATS  # header: the weight format (weight_panels.mojo)
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += packed_floats(self.np, d)
+        o += packed_floats(self.np, d, wf)
         self.o_out = o
-        o += packed_floats(d, self.di)
+        o += packed_floats(d, self.di, wf)
         self.o_dtb = o
         o += round_up(self.nh, ALIGN_FLOATS)
         self.o_bnw = o
@@ -188,21 +196,30 @@ struct M3Work(ImplicitlyCopyable):
 
 
 def m3_prepare_plan(args: I64Ptr, phase: Int) -> Int:
+    var wf = arg_int(args, PREP_WFMT)
+    if not valid_format(wf):
+        return -3
     if phase == PLAN_WORKSPACE:
-        return M3Dims(arg_int(args, PREP_D)).blob * 4
+        return M3Dims(arg_int(args, PREP_D), wf).blob * 4
     if phase == 0:
         return 3
     return PHASE_END
 
 
 def m3_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var dims = M3Dims(arg_int(args, PREP_D))
+    var wf = arg_int(args, PREP_WFMT)
+    var dims = M3Dims(arg_int(args, PREP_D), wf)
     var blob = arg_f32(args, PREP_BLOB)
     if task == 0:
-        pack_panels(arg_f32(args, PREP_IN), dims.np, dims.d, blob.unsafe_offset(dims.o_in))
+        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+                           dims.np, dims.d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        pack_panels(arg_f32(args, PREP_OUT), dims.d, dims.di, blob.unsafe_offset(dims.o_out))
+        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+                           dims.d, dims.di, blob.unsafe_offset(dims.o_out))
     else:
+        set_blob_format(blob, wf)
+        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
+        set_blob_section(blob, 1, dims.o_out)
         _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), dims.d)
         _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
         _copy(arg_f32(args, PREP_BNW), blob.unsafe_offset(dims.o_bnw), NST)
@@ -261,8 +278,13 @@ def _count_after(n0: Int, k: Int) -> Int:
 # ---------------------------------------------------------------- forward
 
 
+def forward_dims(args: I64Ptr) -> M3Dims:
+    """The block's sizes and blob layout, in the format its blob records."""
+    return M3Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
+
+
 def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
-    var dims = M3Dims(arg_int(args, FWD_D))
+    var dims = forward_dims(args)
     var b = arg_int(args, FWD_B)
     if arg_int(args, FWD_MODE) == 1:
         if phase == PLAN_WORKSPACE:
@@ -288,7 +310,7 @@ def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
 
 
 def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
-    var dims = M3Dims(arg_int(args, FWD_D))
+    var dims = forward_dims(args)
     var b = arg_int(args, FWD_B)
     if arg_int(args, FWD_MODE) == 1:
         _report_task(args, dims, task)
@@ -308,7 +330,8 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
     if stage == ST_NORM:
         _norm_rows(args, dims, t0, nc, task, blob.unsafe_offset(dims.o_norm), xn)
     elif stage == ST_INPROJ:
-        _ = matmul_task(task, xn, d, rows, blob.unsafe_offset(dims.o_in), d, dims.np, proj, dims.np)
+        _ = matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
+                           dims.np, proj, dims.np)
     elif stage == ST_BCNORM:
         var r0 = task * NORM_ROWS_PER_TASK
         var r1 = min(rows, r0 + NORM_ROWS_PER_TASK)
@@ -324,7 +347,8 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
         _scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * SCR),
                    bb, hh, t0, nc)
     else:
-        var t = matmul_task(task, o, dims.di, rows, blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
+        var t = matmul_task_wf(dims.wf, task, o, dims.di, rows,
+                               blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
 
 

@@ -30,7 +30,8 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task
+from .linear import matmul_ntasks, matmul_task, WF_F32
+from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task
 from .norms import rmsnorm_row, rms_scale
 from .numerics import (
@@ -286,6 +287,8 @@ def _counts(dims: M3Dims, wk: BW3, stage: Int, nr: Int, is_b: Bool) -> Int:
 
 
 def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
+    if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
+        return -3  # backward reads float32 panels; blocks on packed weights expand them
     var dims = M3Dims(arg_int(args, BW_D))
     var b = arg_int(args, BW_B)
     var wk = BW3(dims, b, arg_int(args, BW_L))

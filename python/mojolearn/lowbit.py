@@ -20,10 +20,10 @@ Formats
 A packed value is a :class:`PackedWeight`: a plain container, deliberately
 *not* a buffer (``memoryview(p)`` raises TypeError, it has no ``dtype``), so
 nothing can mistake its codes for float32 values. Blocks (Mamba1Block,
-Mamba2Block, Mamba3Block) accept packed projection weights, expand them
-exactly to float32 at construction and report the format in
-``weight_format``; the outputs are byte-identical to the same block built on
-``unpack(weights)[0]``.
+Mamba2Block, Mamba3Block) accept packed projection weights, keep them packed
+(their kernels widen each weight exactly to float32 on load) and report the
+format in ``weight_format``; the outputs are byte-identical to the same
+block built on ``unpack(weights)[0]``.
 
 The packing and expansion loops run in the kernel binary (ops
 OP_LOWBIT_PACK / OP_LOWBIT_UNPACK), row blocks in parallel; each row is a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .. import _intake
+from .. import _abi, _intake
 from .._loader import available_modes, describe, library
 
 NUMERIC_MODES = ("identical", "fast")
@@ -40,9 +40,11 @@ def weight_views(weights, shapes: dict, lib) -> dict:
             parts.append(f"unknown {unknown}")
         raise ValueError("weights: " + "; ".join(parts) + f" (expected {sorted(shapes)})")
     from .. import lowbit  # packed weights: expanded exactly to float32 (SPEC section 8)
-    weights, fmt = lowbit.unpack(weights)
+    packed = {n: weights[n] for n in weights.keys() if lowbit.is_packed(weights[n])}
+    weights, fmt = lowbit.unpack(weights)  # the expansion validates shapes and values
     views = _Views()
     views.weight_format = fmt
+    views.packed = packed
     for name, want in shapes.items():
         v = _intake.float32_view(weights[name], name)
         options = want if isinstance(want[0], tuple) else (want,)
@@ -55,10 +57,30 @@ def weight_views(weights, shapes: dict, lib) -> dict:
 
 
 class _Views(dict):
-    """weight_views' result: {name: View} plus the format the weights were
-    given in (weight_format: 'float32', 'bfloat16' or 'int8')."""
+    """weight_views' result: {name: View} of float32 values, plus the format
+    the weights were given in (weight_format: 'float32', 'bfloat16' or
+    'int8') and the packed values as given (packed: {name: PackedWeight})."""
 
     weight_format = "float32"
+    packed: dict = {}
+
+
+# Weight format ids of the prepare ops (mojo/mojolearn_kernels/linear.mojo WF_*).
+_WF_ID = {"float32": 0, "bfloat16": 1, "int8": 2}
+
+
+def _is_packed(w) -> bool:
+    from ..lowbit import is_packed
+    return is_packed(w)
+
+
+def weight_address(w) -> int:
+    """Address of a kept weight's values (a packed weight's codes)."""
+    return w.data.address if _is_packed(w) else w.address
+
+
+def _exponent_address(w) -> int:
+    return w.exponents.address if _is_packed(w) and w.exponents is not None else 0
 
 
 class _MambaBase:
@@ -72,15 +94,88 @@ class _MambaBase:
         self._work_lock = threading.Lock()
         self._work = None
 
+    # -- weights ------------------------------------------------------------
+    # Packed projection weights (mojolearn.lowbit) stay packed: the prepare op
+    # copies their codes into bfloat16 / int8 panels that the kernels widen
+    # exactly on load, and the blob is their only copy (get_params and
+    # backward read them back out with OP_PANELS_EXTRACT). So a block holds
+    # about 1/4 (bfloat16) or 1/8 (int8) of the bytes of a float32 block (which
+    # keeps a float32 copy next to its float32 panels) and gives the bits of
+    # the block on unpack(weights).
+    _packed_names: tuple = ()  # kernel slots that take packed panels, in slot order
+
+    def _keep_weights(self, views) -> dict:
+        """Keep private float32 copies in self._weights (all weights, or the
+        non-packed ones); return the weights for the prepare op (the packed
+        ones as given: the prepare op copies them into the blob)."""
+        from .._array import Array
+        self.weight_format = views.weight_format
+        self._weight_names = tuple(views.keys())
+        self._weights = {}
+        self._packed_shapes = {}
+        prep = {}
+        for name, v in views.items():
+            p = views.packed.get(name)
+            if p is not None and name in self._packed_names:
+                self._packed_shapes[name] = p.shape
+                prep[name] = p
+            else:
+                a = Array(v.shape, zero=False)
+                memoryview(a).cast("B")[:] = v.mv.cast("B")
+                self._weights[name] = prep[name] = a
+        return prep
+
+    def _packed_weight(self, name):
+        """A new PackedWeight with the codes of `name`, read from the blob."""
+        from .._array import Array
+        from ..lowbit import PackedWeight
+        rows, cols = self._packed_shapes[name]
+        fmt = self.weight_format
+        data = Array((rows, cols), "uint16" if fmt == "bfloat16" else "int8", zero=False)
+        ex = Array((rows,), "int32", zero=False) if fmt == "int8" else None
+        if rows * cols:
+            self._lib.run(_abi.OP_PANELS_EXTRACT, [
+                self._blob.address, self._packed_names.index(name), rows, cols,
+                data.address, ex.address if ex is not None else 0])
+        return PackedWeight._wrap(fmt, (rows, cols), data, ex)
+
+    def _build_blob(self, op, args, weights):
+        """Run the prepare op `op`. args: its slots up to the blob slot (the
+        last, 0); the format and exponent slots are appended here."""
+        from .._array import Array
+        fmt = "float32"
+        for n in self._packed_names:
+            if _is_packed(weights[n]):
+                fmt = weights[n].format
+        slot = len(args) - 1
+        args = list(args) + [_WF_ID[fmt]] + [_exponent_address(weights[n])
+                                             for n in self._packed_names]
+        blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
+        args[slot] = blob.address
+        self._lib.run(op, args)
+        return blob
+
+    def _backward_weights(self):
+        """(float32 weights, blob of float32 panels) for backward. On packed
+        weights both are expanded for the call (backward reads float32
+        panels): the bits are those of the block on the expanded weights."""
+        if not self._packed_shapes:
+            return self._weights, self._blob
+        w = {n: self._weights[n] if n in self._weights else self._packed_weight(n).to_float32()
+             for n in self._weight_names}
+        return w, self._make_blob(w)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the weight copies and the prepared blob the block holds."""
+        return self._blob.nbytes + sum(v.nbytes for v in self._weights.values())
+
     # -- estimator API ------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict:
-        """Constructor parameters: {'weights': copies, 'numeric_mode': ...}."""
-        p = {"weights": {k: v.copy() for k, v in self._weights.items()},
-             "numeric_mode": self.numeric_mode}
-        if getattr(self, "weight_format", "float32") != "float32":
-            from .. import lowbit  # re-packing the exact expansion gives the same values
-            p["weights"] = lowbit.pack(p["weights"], self.weight_format)
-        return p
+        """Constructor parameters: {'weights': copies, 'numeric_mode': ...};
+        packed weights are returned packed, with the codes they were given."""
+        weights = {n: self._weights[n].copy() if n in self._weights else self._packed_weight(n)
+                   for n in self._weight_names}
+        return {"weights": weights, "numeric_mode": self.numeric_mode}
 
     def set_params(self, **params):
         """Set constructor parameters; the block is rebuilt through its

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import _abi, _intake
-from ._base import _MambaBase, weight_views
+from ._base import _MambaBase, weight_address, weight_views
 
 D_STATE = 16
 D_CONV = 4
@@ -22,10 +22,6 @@ def mamba1_weight_shapes(d: int) -> dict:
         "D": (di,),
         "out_proj.weight": (d, di),
     }
-
-
-def _copy_into(dst, src_mv) -> None:
-    memoryview(dst).cast("B")[:] = src_mv.cast("B")
 
 
 class Mamba1State:
@@ -73,6 +69,8 @@ class Mamba1State:
 _BACKWARD_GRAD_NAMES = ("norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                         "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
                         "out_proj.weight")
+# OP_M1_PREPARE weight slots, in order (the same order as the gradients).
+_WEIGHT_ORDER = _BACKWARD_GRAD_NAMES
 
 
 class Mamba1Block(_MambaBase):
@@ -90,7 +88,8 @@ class Mamba1Block(_MambaBase):
     weights : dict of str to float32 buffer
         Weights under the reference parameter names, with d = d_model and
         R = dt_rank = ceil(d / 16); copied at construction. Projection
-        weights may be packed with :mod:`mojolearn.lowbit`.
+        weights may be packed with :mod:`mojolearn.lowbit`; they stay packed
+        in the block (the kernels widen them exactly on load).
 
         - ``norm.weight`` (d,)
         - ``in_proj.weight`` (4d, d)
@@ -134,6 +133,8 @@ class Mamba1Block(_MambaBase):
     >>> y_next = block.step(x[:, -1], state)
     """
 
+    _packed_names = ("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight")
+
     def __init__(self, weights, *, numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
         if not hasattr(weights, "keys") or "norm.weight" not in weights:
@@ -143,24 +144,16 @@ class Mamba1Block(_MambaBase):
         if d < 1:
             raise ValueError("norm.weight must have d_model >= 1 entries")
         views = weight_views(weights, mamba1_weight_shapes(d), self._lib)
-        from .._array import Array
-        self._weights = {}
-        for name, v in views.items():
-            a = Array(v.shape, zero=False)
-            _copy_into(a, v.mv)
-            self._weights[name] = a
+        prep = self._keep_weights(views)
         self.d_model = d
         self.d_inner = 2 * d
         self.dt_rank = -(-d // 16)
-        self.weight_format = views.weight_format
-        w = self._weights
-        args = [d] + [w[n].address for n in (
-            "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
-            "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
-            "out_proj.weight")] + [0]
-        self._blob = Array((self._lib.workspace_bytes(_abi.OP_M1_PREPARE, args) // 4,), zero=True)
-        args[-1] = self._blob.address
-        self._lib.run(_abi.OP_M1_PREPARE, args)
+        self._blob = self._make_blob(prep)
+
+    def _make_blob(self, w):
+        """The prepared weights (packed weights stay packed in it)."""
+        args = [self.d_model] + [weight_address(w[n]) for n in _WEIGHT_ORDER] + [0]
+        return self._build_blob(_abi.OP_M1_PREPARE, args, w)
 
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba1State:
@@ -276,11 +269,11 @@ class Mamba1Block(_MambaBase):
         from .._array import Array
         xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
-        w = self._weights
+        w, blob = self._backward_weights()
         grads = {"x": Array((b, l, d), zero=False)}
         for name in _BACKWARD_GRAD_NAMES:
             grads[name] = Array(w[name].shape, zero=True)
-        args = [b, l, d, xv.address, gv.address, self._blob.address, 0,
+        args = [b, l, d, xv.address, gv.address, blob.address, 0,
                 grads["x"].address] + [w[n].address for n in (
                     "in_proj.weight", "x_proj.weight", "dt_proj.weight",
                     "out_proj.weight")] + [grads[n].address for n in _BACKWARD_GRAD_NAMES]

@@ -5,7 +5,7 @@ import math
 import struct
 
 from .. import _abi, _intake
-from ._base import _MambaBase, weight_views
+from ._base import _MambaBase, weight_address, weight_views
 
 D_STATE = 128
 HEAD_DIM = 64
@@ -154,7 +154,8 @@ class Mamba2Block(_MambaBase):
     weights : dict of str to float32 buffer
         With d = d_model, di = 2d, H = di / 64 heads and CD = di + 256;
         copied at construction. Projection weights may be packed with
-        :mod:`mojolearn.lowbit`.
+        :mod:`mojolearn.lowbit`; they stay packed in the block (the kernels
+        widen them exactly on load).
 
         - ``block_norm.weight`` (d,), the block norm
         - ``in_proj.weight`` (2di + 256 + H, d), rows z | xBC | dt
@@ -204,6 +205,8 @@ class Mamba2Block(_MambaBase):
 
     _param_names = ("weights", "numeric_mode", "dt_limit")
 
+    _packed_names = ("in_proj.weight", "out_proj.weight")
+
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
         lo, hi = check_dt_limit(dt_limit)
@@ -215,24 +218,20 @@ class Mamba2Block(_MambaBase):
             raise ValueError(f"Mamba-2 needs d_model a positive multiple of 32; "
                              f"block_norm.weight has {d} entries")
         views = weight_views(weights, mamba2_weight_shapes(d), self._lib)
-        from .._array import Array
-        self._weights = {}
-        for name, v in views.items():
-            a = Array(v.shape, zero=False)
-            _copy_into(a, v.mv)
-            self._weights[name] = a
+        prep = self._keep_weights(views)
         self.d_model = d
         self.d_inner, self.nheads, self.conv_dim, self._npj = mamba2_dims(d)
         self.dt_limit = (lo, hi)
-        # packed (mojolearn.lowbit) weights are expanded exactly by weight_views
-        self.weight_format = getattr(views, "weight_format", "float32")
-        w = self._weights
-        args = [d] + [w[n].address for n in _WEIGHT_ORDER] + [_f32_bits(lo), _f32_bits(hi), 0]
-        self._blob = Array((self._lib.workspace_bytes(_abi.OP_M2_PREPARE, args) // 4,), zero=True)
-        args[-1] = self._blob.address
-        self._lib.run(_abi.OP_M2_PREPARE, args)
+        self._blob = self._make_blob(prep)
         self._h_last = None
         self._h_last_src = None
+
+    def _make_blob(self, w):
+        """The prepared weights (packed weights stay packed in it)."""
+        lo, hi = self.dt_limit
+        args = ([self.d_model] + [weight_address(w[n]) for n in _WEIGHT_ORDER]
+                + [_f32_bits(lo), _f32_bits(hi), 0])
+        return self._build_blob(_abi.OP_M2_PREPARE, args, w)
 
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters: weights (copies), numeric_mode, dt_limit."""
@@ -428,11 +427,11 @@ class Mamba2Block(_MambaBase):
         from .._array import Array
         xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
-        w = self._weights
+        w, blob = self._backward_weights()
         grads = {"x": Array((b, l, d), zero=False)}
         for name in _BACKWARD_GRAD_NAMES:
             grads[name] = Array(w[name].shape, zero=True)
-        args = ([b, l, d, xv.address, gv.address, self._blob.address, 0,
+        args = ([b, l, d, xv.address, gv.address, blob.address, 0,
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]
                 + [grads[n].address for n in _BACKWARD_GRAD_NAMES])

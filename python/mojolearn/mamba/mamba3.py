@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array as _pyarray
 
 from .. import _abi, _intake
-from ._base import _MambaBase, weight_views
+from ._base import _MambaBase, weight_address, weight_views
 
 D_STATE = 128      # N
 HEAD_DIM = 64      # P
@@ -170,7 +170,8 @@ class Mamba3Block(_MambaBase):
     weights : dict of str to float32 buffer
         With d = d_model, H = 2d / 64 heads and
         d_in_proj = 4d + 256 + 3H + 32; copied at construction. Projection
-        weights may be packed with :mod:`mojolearn.lowbit`.
+        weights may be packed with :mod:`mojolearn.lowbit`; they stay packed
+        in the block (the kernels widen them exactly on load).
 
         - ``block_norm.weight`` (d,), the block norm
         - ``in_proj.weight`` (d_in_proj, d), row order
@@ -220,6 +221,8 @@ class Mamba3Block(_MambaBase):
     >>> y_next = block.step(x[:, -1], state)
     """
 
+    _packed_names = ("in_proj.weight", "out_proj.weight")
+
     def __init__(self, weights, *, numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
         if not hasattr(weights, "keys") or "block_norm.weight" not in weights:
@@ -231,26 +234,20 @@ class Mamba3Block(_MambaBase):
             raise ValueError(f"Mamba-3 needs d_model a positive multiple of 32 "
                              f"(block_norm.weight has {d} entries)")
         views = weight_views(weights, mamba3_weight_shapes(d), self._lib)
-        from .._array import Array
-        self._weights = {}
-        for name, v in views.items():
-            a = Array(v.shape, zero=False)
-            _copy_into(a, v.mv)
-            self._weights[name] = a
+        prep = self._keep_weights(views)
         dm = mamba3_dims(d)
         self.d_model = d
         self.d_inner = dm["d_inner"]
         self.nheads = dm["nheads"]
         self.d_in_proj = dm["d_in_proj"]
-        self.weight_format = views.weight_format
-        w = self._weights
-        args = [d] + [w[n].address for n in _WEIGHT_ORDER] + [0]
-        self._blob = Array((self._lib.workspace_bytes(_abi.OP_M3_PREPARE, args) // 4,),
-                           zero=True)
-        args[-1] = self._blob.address
-        self._lib.run(_abi.OP_M3_PREPARE, args)
+        self._blob = self._make_blob(prep)
         self._report = None
         self._session = None
+
+    def _make_blob(self, w):
+        """The prepared weights (packed weights stay packed in it)."""
+        args = [self.d_model] + [weight_address(w[n]) for n in _WEIGHT_ORDER] + [0]
+        return self._build_blob(_abi.OP_M3_PREPARE, args, w)
 
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba3State:
@@ -483,11 +480,11 @@ class Mamba3Block(_MambaBase):
         from .._array import Array
         xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
-        w = self._weights
+        w, blob = self._backward_weights()
         grads = {"x": Array((b, l, d), zero=False)}
         for name in _WEIGHT_ORDER:
             grads[name] = Array(w[name].shape, zero=True)
-        args = ([b, l, d, xv.address, gv.address, self._blob.address, 0,
+        args = ([b, l, d, xv.address, gv.address, blob.address, 0,
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]
                 + [grads[n].address for n in _WEIGHT_ORDER])
