@@ -28,6 +28,7 @@ from .abi import (
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
 from .linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
+from .linear_split import reduce_many
 from .weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
@@ -245,6 +246,32 @@ def _tree16(acc: V16) -> Float32:
     var s4 = s8.slice[4, offset=0]() + s8.slice[4, offset=4]()
     var s2 = s4.slice[2, offset=0]() + s4.slice[2, offset=2]()
     return s2[0] + s2[1]
+
+
+@always_inline
+def dot128_many[M: Int](a: F32Ptr, b: F32Ptr, stride: Int) -> SIMD[DType.float32, M]:
+    """Lane m = dot128(a, b + m * stride), M in {4, 8, 16}: the same chains,
+    reduced M at a time by the same tree (linear_split.reduce_many)."""
+    var acc = Array[V16, M](fill=V16(0.0))
+    comptime for c in range(8):
+        var av = a.unsafe_load[width=16](c * 16)
+        comptime for m in range(M):
+            acc[m] = av.fma(b.unsafe_load[width=16](m * stride + c * 16), acc[m])
+    return reduce_many[M](acc)
+
+
+def dot128_into(a: F32Ptr, b: F32Ptr, stride: Int, n: Int, dst: F32Ptr):
+    """dst[m] = dot128(a, b + m * stride) for m < n, 16, 4, then 1 at a time."""
+    var m = 0
+    while m + 16 <= n:
+        dst.unsafe_store(m, dot128_many[16](a, b.unsafe_offset(m * stride), stride))
+        m += 16
+    while m + 4 <= n:
+        dst.unsafe_store(m, dot128_many[4](a, b.unsafe_offset(m * stride), stride))
+        m += 4
+    while m < n:
+        dst[unsafe_offset=m] = dot128(a, b.unsafe_offset(m * stride))
+        m += 1
 
 
 @always_inline
@@ -574,10 +601,11 @@ def _scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr
         var gamma = dt * sg
         var diag = dot128(qu, ku) * gamma
         var hdec = _weights(hs, i, Float32(0.0), w)
+        var qk = hq  # q . k_j for j < i, then q . h[p] (dots batched per tree)
+        dot128_into(qrow, hs.bk, hs.rs, i, qk)
         for j in range(i):
-            w[unsafe_offset=j] = w[unsafe_offset=j] * dot128(qrow, hs.bk.unsafe_offset(j * hs.rs))
-        for p in range(HP):
-            hq[unsafe_offset=p] = dot128(qrow, hs.h.unsafe_offset(p * NST))
+            w[unsafe_offset=j] = w[unsafe_offset=j] * qk[unsafe_offset=j]
+        dot128_into(qrow, hs.h, NST, HP, hq)
         var zrow = pr.unsafe_offset(hh * HP)
         var orow = o.unsafe_offset(r * dims.di + hh * HP)
         comptime for c in range(4):

@@ -17,6 +17,7 @@ _LAZY = {
     "Mamba2BlockInference": ".mamba",
     "Mamba2State": ".mamba",
     "Mamba2DecodeSession": ".mamba",
+    "Mamba3DecodeSession": ".mamba",
     "Mamba3Block": ".mamba",
     "Mamba3BlockInference": ".mamba",
     "Mamba3State": ".mamba",

@@ -26,6 +26,7 @@ _LAZY = {
     "Mamba1DecodeSession": ".session",
     "Mamba2Block": ".mamba2", "Mamba2BlockInference": ".mamba2", "Mamba2State": ".mamba2",
     "Mamba2DecodeSession": ".mamba2",
+    "Mamba3DecodeSession": ".mamba3_session",
     "Mamba3Block": ".mamba3", "Mamba3BlockInference": ".mamba3", "Mamba3State": ".mamba3",
 }
 

@@ -126,6 +126,7 @@ class Mamba3State:
             raise TypeError(f"pending must be a bool, got {type(pending).__name__}")
         self.pending = pending
         self._calls = 0  # advanced by every call that uses the state
+        self._held_by = None  # an open Mamba3DecodeSession
 
     def set_input_states(self, theta, h, k, v):
         """Start from a reference Input_States continuation.
@@ -270,6 +271,9 @@ class Mamba3Block(_MambaBase):
     def _state_views(self, state, batch):
         if not isinstance(state, Mamba3State):
             raise TypeError(f"state must be a Mamba3State, got {type(state).__name__}")
+        if getattr(state, "_held_by", None) is not None:
+            raise ValueError("state is held by an open Mamba3DecodeSession; use the "
+                             "session's step, or close()/sync_state() it first")
         views = {}
         for n in _STATE_BUFFERS:
             views[n] = _intake.float32_view(getattr(state, n), f"state.{n}",
@@ -363,6 +367,12 @@ class Mamba3Block(_MambaBase):
         y = Array((b, 1, self.d_model), zero=False)
         self._call(xv, y, b, 1, views, nb, state, None, "step")
         return y
+
+    def decode_session(self, state):
+        """Open a Mamba3DecodeSession: token-by-token decoding that gives the
+        bytes of ``step`` without re-validating the state at every token."""
+        from .mamba3_session import Mamba3DecodeSession
+        return Mamba3DecodeSession(self, state)
 
     def _args(self, b, l, xaddr, yaddr, views, nb, pending, lens_addr, mode):
         args = [0] * _N_SLOTS
