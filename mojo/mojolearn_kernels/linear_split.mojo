@@ -221,24 +221,31 @@ def _tile[R: Int, C: Int, WF: Int](
     x: F32Ptr, ldx: Int, w: F32Ptr, sc: F32Ptr, ld: Int, k: Int, c: Int, nc: Int,
     y: F32Ptr, ldy: Int,
 ):
-    """R rows x outputs [c, c + C) (c a multiple of min(C, G)); stores the
+    """R rows x outputs [c, c + C) (c a multiple of min(C, G), C <= G or a
+    multiple of G); stores the
     first nc: y[i, c + j] = tree16(lane chains of x[i, :] . W[c + j, :])."""
     var acc = Array[VK, R * C](fill=VK(0.0))
     var kfull = k // KL
+    # element offset of (c + j, kb) = base + j's constant part + kb * G * KL
+    # (c is a multiple of 8, or C divides 8: c + j stays in c's group)
+    var base = (c // G) * G * ld + (c % G) * KL
     for kb in range(kfull):
         var xs = Array[VK, R](fill=VK(0.0))
         comptime for i in range(R):
             xs[i] = x.unsafe_load[width=KL](i * ldx + kb * KL)
+        var at = base + kb * (G * KL)
         comptime for j in range(C):
-            var wv = _wload[WF](w, sc, c + j, _woff(c + j, kb, ld))
+            var wv = _wload[WF](w, sc, c + j, at + (j // G) * G * ld + (j % G) * KL)
             comptime for i in range(R):
                 acc[i * C + j] = xs[i].fma(wv, acc[i * C + j])
     if kfull * KL < k:  # the last, partial block: lanes past k add x = +0.0
+        var at = base + kfull * (G * KL)
         comptime for i in range(R):
             var xv = _xblock(x.unsafe_offset(i * ldx), kfull * KL, k)
             comptime for j in range(C):
-                acc[i * C + j] = xv.fma(_wload[WF](w, sc, c + j, _woff(c + j, kfull, ld)),
-                                        acc[i * C + j])
+                acc[i * C + j] = xv.fma(
+                    _wload[WF](w, sc, c + j, at + (j // G) * G * ld + (j % G) * KL),
+                    acc[i * C + j])
     var yc = y.unsafe_offset(c)
     comptime if R * C == 24 and C == 8:  # two rows, then one
         var a = Array[VK, 16](fill=VK(0.0))
