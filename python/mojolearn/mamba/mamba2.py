@@ -5,6 +5,7 @@ import math
 import struct
 
 from .. import _abi, _intake
+from ._session_base import DecodeSessionBase
 from ._base import _MambaBase, weight_address, weight_views
 
 D_STATE = 128
@@ -460,7 +461,7 @@ class Mamba2BlockInference(Mamba2Block):
                                   "Mamba2Block for gradients")
 
 
-class Mamba2DecodeSession:
+class Mamba2DecodeSession(DecodeSessionBase):
     """Token-by-token decoding on one Mamba2Block and one Mamba2State.
 
     Made by ``Mamba2Block.decode_session(state)``. Every output is byte for
@@ -482,15 +483,12 @@ class Mamba2DecodeSession:
     ...         y_t = session.step(x_t)
     """
 
+    _OP = _abi.OP_M2_FORWARD
+
     def __init__(self, block, state):
         from .._array import Array
         views = block._state_views(state, None)
-        self._block = block
-        self._lib = block._lib
-        self._blob = block._blob  # pinned: a later set_params is not seen
-        self._state = state
-        self._b = views[0].shape[0]
-        self._d = block.d_model
+        self._bind(block, state, views[0].shape[0])
         self._arrays = [Array(v.shape, zero=False) for v in views]
         self._copy_in(views)
         self._s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
@@ -505,54 +503,17 @@ class Mamba2DecodeSession:
                    + _CACHE_HDR + D_STATE * CHUNK)
         self._cache = Array((self._b * per_row,), zero=True)
         self._args[_FWD_CACHE] = self._cache.address
-        state._held_by = self
-        self._open = True
-
-    @property
-    def state(self):
-        """The Mamba2State this session decodes from."""
-        return self._state
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    def _check_open(self):
-        if not self._open:
-            raise ValueError("the Mamba2DecodeSession is closed")
+        self._activate()
 
     def _copy_in(self, views):
         for a, v in zip(self._arrays, views):
             _copy_into(a, v.mv)
 
-    def step(self, x):
-        """Decode one token per row.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, 1, d_model)
-        """
-        from .._array import Array
-        self._check_open()
-        y = Array((self._b, 1, self._d), zero=False)
-        args = self._args
-        args[4] = y.address
+    def _before_step(self, args):
         args[10] = self._s
-        # A plain C-contiguous float32 x is checked and run in one native
-        # call; anything else goes through the full intake (and its errors).
-        if not self._lib.run_step(_abi.OP_M2_FORWARD, args, x, self._b, self._d, 3):
-            xv, b = self._block._step_x_view(x)
-            if b != self._b:
-                raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
-            _intake.check_finite(self._lib, xv)
-            args[3] = xv.address
-            self._lib.run(_abi.OP_M2_FORWARD, args)
+
+    def _after_step(self):
         self._s = (self._s + 1) % CHUNK
-        return y
 
     def sync_state(self):
         """Copy the session's state into the Mamba2State; return it."""
@@ -567,35 +528,11 @@ class Mamba2DecodeSession:
     def load_state(self):
         """Reload the session from the Mamba2State (after you edit it); return it."""
         self._check_open()
-        holder, self._state._held_by = self._state._held_by, None
-        try:
-            views = self._block._state_views(self._state, self._b)
-        finally:
-            self._state._held_by = holder
+        views = self._unheld_views(lambda: self._block._state_views(self._state, self._b))
         self._copy_in(views)
         self._s = _intake.as_int(self._state.buffered_tokens, "state.buffered_tokens")
         memoryview(self._cache).cast("B")[:] = bytes(self._cache.nbytes)  # all stale
         return self._state
 
-    def close(self):
-        """Copy the state back, release the buffers and close. Idempotent."""
-        if not self._open:
-            return
-        self.sync_state()
-        self._state._held_by = None
-        self._open = False
+    def _release(self):
         self._arrays = self._work = self._cache = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            if self._open:
-                self._state._held_by = None
-        except AttributeError:
-            pass

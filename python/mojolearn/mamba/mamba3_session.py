@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from .. import _abi, _intake
+from ._session_base import DecodeSessionBase
 
-_SLOT_X, _SLOT_Y, _SLOT_WORK, _SLOT_N0, _SLOT_PENDING = 3, 4, 7, 8, 9
+_SLOT_WORK, _SLOT_N0, _SLOT_PENDING = 7, 8, 9
 
 
 def _copy_into(dst, src) -> None:
     memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
 
 
-class Mamba3DecodeSession:
+class Mamba3DecodeSession(DecodeSessionBase):
     """Token-by-token decoding on one Mamba3Block and one Mamba3State.
 
     Made by ``Mamba3Block.decode_session(state)``. Every output is byte for
@@ -34,25 +35,20 @@ class Mamba3DecodeSession:
     ...         y_t = session.step(x_t)
     """
 
+    _OP = _abi.OP_M3_FORWARD
+
     def __init__(self, block, state):
         from .._array import Array
-        from .mamba3 import _STATE_BUFFERS
-        self._names = _STATE_BUFFERS
-        self._block = block
-        self._lib = block._lib
-        self._blob = block._blob  # pinned: a later set_params is not seen
-        self._state = state
+        self._bind(block, state, 0)
         views, nb = self._validated()
         self._b = views["h"].shape[0]
-        self._d = block.d_model
         self._arrays = {n: Array(v.shape, zero=False) for n, v in views.items()}
         self._copy_in(views, nb)
         self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
         self._work = Array((max(1, self._lib.workspace_bytes(
             _abi.OP_M3_FORWARD, self._args) // 4),), zero=False)
         self._args[_SLOT_WORK] = self._work.address
-        state._held_by = self
-        self._open = True
+        self._activate()
 
     def _validated(self):
         """The state's views after the block's full checks (as step does)."""
@@ -60,12 +56,8 @@ class Mamba3DecodeSession:
         from .mamba3 import Mamba3State
         if not isinstance(st, Mamba3State):
             raise TypeError(f"state must be a Mamba3State, got {type(st).__name__}")
-        holder, st._held_by = st._held_by, None
-        try:
-            b = _intake.float32_view(st.h, "state.h").shape[0]
-            return self._block._state_views(st, b)
-        finally:
-            st._held_by = holder
+        return self._unheld_views(lambda: self._block._state_views(
+            st, _intake.float32_view(st.h, "state.h").shape[0]))
 
     def _copy_in(self, views, nb):
         for n, a in self._arrays.items():
@@ -73,50 +65,14 @@ class Mamba3DecodeSession:
         self._nb = nb
         self._pending = self._state.pending
 
-    @property
-    def state(self):
-        """The Mamba3State this session decodes from."""
-        return self._state
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    def _check_open(self):
-        if not self._open:
-            raise ValueError("the Mamba3DecodeSession is closed")
-
-    def step(self, x):
-        """Decode one token per row.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, 1, d_model)
-        """
-        from .._array import Array
-        from .mamba3 import _count_after
-        self._check_open()
-        y = Array((self._b, 1, self._d), zero=False)
-        args = self._args
-        args[_SLOT_Y] = y.address
+    def _before_step(self, args):
         args[_SLOT_N0] = self._nb
         args[_SLOT_PENDING] = 1 if self._pending else 0
-        # A plain C-contiguous float32 x is checked and run in one native
-        # call; anything else goes through the full intake (and its errors).
-        if not self._lib.run_step(_abi.OP_M3_FORWARD, args, x, self._b, self._d, _SLOT_X):
-            xv, b = self._block._step_x_view(x)
-            if b != self._b:
-                raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
-            _intake.check_finite(self._lib, xv)
-            args[_SLOT_X] = xv.address
-            self._lib.run(_abi.OP_M3_FORWARD, args)
+
+    def _after_step(self):
+        from .mamba3 import _count_after
         self._nb = _count_after(self._nb, 1)
         self._pending = False
-        return y
 
     def sync_state(self):
         """Copy the session's state into the Mamba3State; return it."""
@@ -139,17 +95,5 @@ class Mamba3DecodeSession:
         self._copy_in(views, nb)
         return self._state
 
-    def close(self):
-        """Copy the state back, release the buffers and close. Idempotent."""
-        if not self._open:
-            return
-        self.sync_state()
-        self._state._held_by = None
-        self._open = False
+    def _release(self):
         self._arrays = self._work = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -1,10 +1,11 @@
 """Mamba1DecodeSession: token-by-token decoding on one block and one state."""
 from __future__ import annotations
 
-from .. import _abi, _intake
+from .. import _abi
+from ._session_base import DecodeSessionBase
 
 
-class Mamba1DecodeSession:
+class Mamba1DecodeSession(DecodeSessionBase):
     """Token-by-token decoding on one Mamba1Block and one Mamba1State.
 
     Made by ``Mamba1Block.decode_session(state)``. Every output is byte for
@@ -26,16 +27,12 @@ class Mamba1DecodeSession:
 
     # FWD_FLAGS bits (mojo/mojolearn_kernels/mamba1.mojo)
     _NO_LOAD, _NO_SAVE, _NO_TOKENS = 1, 2, 4
+    _OP = _abi.OP_M1_FORWARD
 
     def __init__(self, block, state):
         from .._array import Array
         cw, h = block._state_views(state, None)
-        self._block = block
-        self._lib = block._lib
-        self._blob = block._blob  # pinned: later set_params is not seen
-        self._state = state
-        self._b = cw.shape[0]
-        self._d = block.d_model
+        self._bind(block, state, cw.shape[0])
         # The state lives in this private workspace, in the kernel's layout,
         # from open to close; steps neither load nor save it.
         args = [self._b, 1, self._d, 0, 0, self._blob.address, 0, 0, 0, 0, 0]
@@ -45,8 +42,7 @@ class Mamba1DecodeSession:
         self._args = args
         self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
         args[10] = self._NO_LOAD | self._NO_SAVE
-        state._held_by = self
-        self._open = True
+        self._activate()
 
     def _transfer(self, cw, h, flags):
         """Load (NO_SAVE) or save (NO_LOAD) the state through the kernel."""
@@ -54,54 +50,12 @@ class Mamba1DecodeSession:
         args[6], args[7], args[10] = cw.address, h.address, flags
         self._lib.run(_abi.OP_M1_FORWARD, args)
 
-    @property
-    def state(self):
-        """The Mamba1State this session decodes from."""
-        return self._state
-
-    @property
-    def is_open(self) -> bool:
-        """Whether the session is open."""
-        return self._open
-
-    def _check_open(self):
-        if not self._open:
-            raise ValueError("the Mamba1DecodeSession is closed")
-
-    def step(self, x):
-        """Decode one token per row.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, 1, d_model)
-        """
-        from .._array import Array
-        self._check_open()
-        y = Array((self._b, 1, self._d), zero=False)
-        args = self._args
-        args[4] = y.address
-        # A plain C-contiguous float32 x is checked and run in one native
-        # call; anything else goes through the full intake (and its errors).
-        if not self._lib.run_step(_abi.OP_M1_FORWARD, args, x, self._b, self._d, 3):
-            xv, b = self._block._step_x_view(x)
-            if b != self._b:
-                raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
-            _intake.check_finite(self._lib, xv)
-            args[3] = xv.address
-            self._lib.run(_abi.OP_M1_FORWARD, args)
+    def _after_step(self):
         self._state.absolute_position += 1
-        return y
 
     def _views(self):
-        holder, self._state._held_by = self._state._held_by, None
-        try:
-            return self._block._state_views(self._state, self._b, check_finite=False)
-        finally:
-            self._state._held_by = holder
+        return self._unheld_views(
+            lambda: self._block._state_views(self._state, self._b, check_finite=False))
 
     def sync_state(self):
         """Copy the session's state into the Mamba1State arrays; return it."""
@@ -113,33 +67,9 @@ class Mamba1DecodeSession:
     def load_state(self):
         """Reload the session from the Mamba1State arrays; return it."""
         self._check_open()
-        holder, self._state._held_by = self._state._held_by, None
-        try:
-            cw, h = self._block._state_views(self._state, self._b)
-        finally:
-            self._state._held_by = holder
+        cw, h = self._unheld_views(lambda: self._block._state_views(self._state, self._b))
         self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
         return self._state
 
-    def close(self):
-        """Copy the state back, release the buffers and close. Idempotent."""
-        if not self._open:
-            return
-        self.sync_state()
-        self._state._held_by = None
-        self._open = False
+    def _release(self):
         self._work = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            if self._open:
-                self._state._held_by = None
-        except AttributeError:
-            pass
