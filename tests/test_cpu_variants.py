@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import mojolearn
 from mojolearn import _loader
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,8 +51,11 @@ print(json.dumps(out))
 
 
 def _hashes(target, mode="plain"):
+    # the child imports the mojolearn this test runs against (installed or
+    # the source tree), and tests.reference from the checkout
+    pkg_parent = Path(mojolearn.__file__).resolve().parent.parent
     env = dict(os.environ, MOJOLEARN_CPU_TARGET=target, MOJOLEARN_NUM_THREADS="2",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT)]))
+               PYTHONPATH=os.pathsep.join([str(pkg_parent), str(ROOT)]))
     r = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
