@@ -13,7 +13,7 @@ reordered, so the bits do not depend on tile shapes or the thread split.
 """
 from std.collections import Array
 from .abi import F32Ptr, ceil_div
-from .linear import TileRange
+from .linear import TileRange, NR
 
 comptime GW = 16
 comptime GV = SIMD[DType.float32, GW]
@@ -117,3 +117,19 @@ def gemm_task(
     var j1 = min(ncols, j0 + G_COL_BLOCK)
     gemm_block(a, sai, sak, m, ldm, k, dst, ldo, accumulate, i0, i1, j0, j1)
     return TileRange(i0, i1, j0, j1)
+
+
+def pack_panels_t(w: F32Ptr, k: Int, m: Int, dst: F32Ptr, p: Int):
+    """Panel p of W^T, for row-major W (k, m), in linear.mojo's packed form of
+    the (m, k) matrix W^T: dst[p, kk, j] = W[kk, p * NR + j] (zero past m).
+    Then x @ W runs on linear.matmul_block: per element the same fma chain
+    over kk ascending from +0.0 as gemm_block's, at the forward's speed."""
+    var base = p * k * NR
+    var c0 = p * NR
+    var nc = min(NR, m - c0)
+    for kk in range(k):
+        for j in range(NR):
+            var v: Float32 = 0.0
+            if j < nc:
+                v = w[unsafe_offset=kk * m + c0 + j]
+            dst[unsafe_offset=base + kk * NR + j] = v

@@ -30,9 +30,9 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task, WF_F32
+from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
 from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task
+from .linear_grad import gemm_ntasks, gemm_task, pack_panels_t
 from .norms import rmsnorm_row, rms_scale
 from .numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
@@ -60,7 +60,14 @@ comptime BW_G_BB = 15
 comptime BW_G_CB = 16
 comptime BW_G_D = 17
 comptime BW_G_OUT = 18
-comptime BW_NARGS = 19
+comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_M3_BACKWARD_PREPARE)
+comptime BW_NARGS = 20
+
+# OP_M3_BACKWARD_PREPARE argument slots.
+comptime BP_D = 0
+comptime BP_W_IN = 1
+comptime BP_W_OUT = 2
+comptime BP_DST = 3
 
 comptime V16 = SIMD[DType.float32, 16]
 comptime ROWS_PER_TASK = 16
@@ -259,6 +266,46 @@ def _dphi_a(u: Float32) -> Float32:
     return 0.0
 
 
+# ------------------------------------------------------------ transposed panels
+
+
+struct BwPanels(ImplicitlyCopyable):
+    """Offsets (floats) of W_in^T (d, np) and W_out^T (di, d) in linear.mojo's
+    packed panels. Packed once per block (the Python layer keeps them), so the
+    activation products dxn = dproj @ W_in and do = g @ W_out run on the
+    forward's matmul kernel instead of a strided one: same fma chains."""
+    var o_in: Int
+    var o_out: Int
+    var floats: Int
+
+    def __init__(out self, dims: M3Dims):
+        self.o_in = 0
+        self.o_out = round_up(packed_floats(dims.d, dims.np), ALIGN_FLOATS)
+        self.floats = self.o_out + packed_floats(dims.di, dims.d)
+
+
+def m3_backward_prepare_plan(args: I64Ptr, phase: Int) -> Int:
+    var dims = M3Dims(arg_int(args, BP_D))
+    if phase == PLAN_WORKSPACE:
+        return BwPanels(dims).floats * 4
+    if phase == 0:
+        return ceil_div(dims.d, NR) + ceil_div(dims.di, NR)  # one task per panel
+    return PHASE_END
+
+
+def m3_backward_prepare_task(args: I64Ptr, phase: Int, task: Int):
+    var dims = M3Dims(arg_int(args, BP_D))
+    var pl = BwPanels(dims)
+    var dst = arg_f32(args, BP_DST)
+    var nin = ceil_div(dims.d, NR)
+    if task < nin:  # W_in (np, d): panels of its transpose (d, np)
+        pack_panels_t(arg_f32(args, BP_W_IN), dims.np, dims.d,
+                      dst.unsafe_offset(pl.o_in), task)
+    else:  # W_out (d, di): panels of (di, d)
+        pack_panels_t(arg_f32(args, BP_W_OUT), dims.d, dims.di,
+                      dst.unsafe_offset(pl.o_out), task - nin)
+
+
 # ------------------------------------------------------------ plan
 
 
@@ -278,11 +325,11 @@ def _counts(dims: M3Dims, wk: BW3, stage: Int, nr: Int, is_b: Bool) -> Int:
     if stage == S_FWD or stage == B_SCAN:
         return bh
     if stage == B_OUT:
-        return gemm_ntasks(rows, dims.di) + gemm_ntasks(dims.d, dims.di)
+        return matmul_ntasks(rows, dims.di) + gemm_ntasks(dims.d, dims.di)
     if stage == B_RED:
         return ceil_div(rows, ROWS_PER_TASK) + dims.nh
     if stage == B_INPROJ:
-        return gemm_ntasks(rows, dims.d) + gemm_ntasks(dims.np, dims.d) + 2 * NST // 16
+        return matmul_ntasks(rows, dims.d) + gemm_ntasks(dims.np, dims.d) + 2 * NST // 16
     return ceil_div(dims.d, 16)  # B_NORMW
 
 
@@ -628,10 +675,11 @@ def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
     var rows = wk.b * nc
     var d = dims.d
     var di = dims.di
-    var n1 = gemm_ntasks(rows, di)
+    var n1 = matmul_ntasks(rows, di)
     if task < n1:  # do[r, c] = sum_o g[r, o] W_out[o, c]
-        _ = gemm_task(task, work.unsafe_offset(wk.o_gch), d, 1, arg_f32(args, BW_W_OUT), di, d,
-                      work.unsafe_offset(wk.o_do), di, rows, di, False)
+        var wt = arg_f32(args, BW_PANELS).unsafe_offset(BwPanels(dims).o_out)
+        _ = matmul_task(task, work.unsafe_offset(wk.o_gch), d, rows, wt, d, di,
+                        work.unsafe_offset(wk.o_do), di)
     else:  # dW_out[o, c] += sum_r g[r, o] o[r, c]
         _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
                       work.unsafe_offset(wk.o_o), di, rows,
@@ -970,12 +1018,12 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
     var rows = wk.b * nc
     var d = dims.d
     var npj = dims.np
-    var n1 = gemm_ntasks(rows, d)
+    var n1 = matmul_ntasks(rows, d)
     var n2 = gemm_ntasks(npj, d)
     if task < n1:  # dxn[r, i] = sum_j dproj[r, j] W_in[j, i]
-        _ = gemm_task(task, work.unsafe_offset(wk.o_dproj), npj, 1,
-                      arg_f32(args, BW_W_IN), d, npj,
-                      work.unsafe_offset(wk.o_dxn), d, rows, d, False)
+        var wt = arg_f32(args, BW_PANELS).unsafe_offset(BwPanels(dims).o_in)
+        _ = matmul_task(task, work.unsafe_offset(wk.o_dproj), npj, rows, wt, npj, d,
+                        work.unsafe_offset(wk.o_dxn), d)
     elif task < n1 + n2:  # dW_in[j, i] += sum_r dproj[r, j] xn[r, i]
         _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dproj), 1, npj,
                       work.unsafe_offset(wk.o_xn), d, rows,

@@ -4,7 +4,7 @@ Mirrors mojo/mojolearn_kernels/abi.mojo and the slot constants at the top of
 each kernel module; keep them equal (ABI_VERSION guards a mismatch).
 """
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 VENDORS = {0: "cpu", 1: "cuda", 2: "hip", 3: "metal"}
 NUMERIC_MODES = {0: "identical", 1: "fast"}
@@ -20,6 +20,7 @@ OP_M2_BACKWARD = 22
 OP_M3_PREPARE = 30
 OP_M3_FORWARD = 31
 OP_M3_BACKWARD = 32
+OP_M3_BACKWARD_PREPARE = 33
 OP_LOWBIT_PACK = 40
 OP_LOWBIT_UNPACK = 41
 OP_PANELS_EXTRACT = 42
