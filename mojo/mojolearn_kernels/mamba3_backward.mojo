@@ -26,6 +26,7 @@ Threads only split independent outputs, so no bit depends on the thread
 count; a row's x gradient depends only on that row.
 """
 from std.collections import Array
+from std.sys import get_defined_int
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
@@ -71,6 +72,12 @@ comptime BP_DST = 3
 
 comptime V16 = SIMD[DType.float32, 16]
 comptime ROWS_PER_TASK = 16
+# Pass A keeps the norm / in_proj / B,C-norm rows of its last chunks, up to
+# this many bytes, so pass B reuses them instead of recomputing (same bits:
+# the same rows computed once). A constant, so the set of kept chunks is a
+# function of (B, L, d) only (-D ML_M3_KEEP_BYTES=0 builds a test variant
+# that keeps nothing).
+comptime KEEP_MAX_BYTES = get_defined_int["ML_M3_KEEP_BYTES", 32 * 1024 * 1024]()
 comptime QK = 2 * NST  # qr | kr (or dq | dk) per (row, head)
 comptime CSW = 2 * NANG  # cos | sin per (row, head)
 
@@ -79,7 +86,8 @@ comptime A_NORM = 0
 comptime A_INPROJ = 1
 comptime A_BCNORM = 2
 comptime A_SCAN = 3
-comptime NA = 4
+comptime A_KEEP = 4  # copy a kept chunk's rows (no tasks otherwise)
+comptime NA = 5
 # pass B stages
 comptime F_NORM = 0
 comptime F_INPROJ = 1
@@ -148,6 +156,9 @@ struct BW3(ImplicitlyCopyable):
     var o_pn: Int  # (rmax, d)
     var o_dxn: Int  # (rmax, d)
     var o_scr: Int  # (B, H, SCR)
+    var nkeep: Int  # pass-A chunks n-1-nkeep .. n-2 are kept
+    var keep_slot: Int  # floats per kept chunk: xn | proj | bcn, B * 64 rows each
+    var o_keep: Int
     var floats: Int
 
     def __init__(out self, dims: M3Dims, b: Int, l: Int):
@@ -209,10 +220,39 @@ struct BW3(ImplicitlyCopyable):
         o += round_up(r * d, ALIGN_FLOATS)
         self.o_scr = o
         o += bh * SCR
+        var kr = b * QC
+        self.keep_slot = (round_up(kr * d, ALIGN_FLOATS) + round_up(kr * dims.np, ALIGN_FLOATS)
+                          + round_up(kr * 2 * NST, ALIGN_FLOATS))
+        self.nkeep = min(self.nchunks - 1, KEEP_MAX_BYTES // (4 * self.keep_slot))
+        self.o_keep = o
+        o += self.nkeep * self.keep_slot
         self.floats = o
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(QC, self.l - c * QC)
+
+    def kept(self, c: Int) -> Bool:
+        """Pass A keeps chunk c's rows for pass B (never the last chunk,
+        which pass A does not see)."""
+        return c < self.nchunks - 1 and c >= self.nchunks - 1 - self.nkeep
+
+    def keep_xn(self, c: Int) -> Int:
+        return self.o_keep + (c - (self.nchunks - 1 - self.nkeep)) * self.keep_slot
+
+    def keep_proj(self, c: Int, d: Int) -> Int:
+        return self.keep_xn(c) + round_up(self.b * QC * d, ALIGN_FLOATS)
+
+    def keep_bcn(self, c: Int, d: Int, np: Int) -> Int:
+        return self.keep_proj(c, d) + round_up(self.b * QC * np, ALIGN_FLOATS)
+
+    def use_kept(mut self, c: Int, d: Int, np: Int):
+        """Pass B of a kept chunk reads xn, proj, bcn where pass A left them."""
+        var xn = self.keep_xn(c)
+        var pj = self.keep_proj(c, d)
+        var bc = self.keep_bcn(c, d, np)
+        self.o_xn = xn
+        self.o_proj = pj
+        self.o_bcn = bc
 
 
 # ------------------------------------------------------------ small helpers
@@ -309,15 +349,23 @@ def m3_backward_prepare_task(args: I64Ptr, phase: Int, task: Int):
 # ------------------------------------------------------------ plan
 
 
-def _counts(dims: M3Dims, wk: BW3, stage: Int, nr: Int, is_b: Bool) -> Int:
+def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> Int:
     var rows = wk.b * nr
     var bh = wk.b * dims.nh
     if not is_b:
         if stage == A_NORM or stage == A_BCNORM:
             return ceil_div(rows, ROWS_PER_TASK)
         if stage == A_INPROJ:
-            return matmul_ntasks(rows, dims.np)
+            if wk.kept(c):
+                return matmul_ntasks(rows, dims.np)
+            return matmul_ntasks(rows, dims.np - dims.di)  # z is not needed
+        if stage == A_KEEP:
+            if wk.kept(c):
+                return ceil_div(wk.b * QC, ROWS_PER_TASK)
+            return 0
         return bh
+    if (stage == F_INPROJ or stage == F_BCNORM) and wk.kept(c):
+        return 0  # pass A's rows are reused
     if stage == F_NORM or stage == F_BCNORM or stage == B_NORM:
         return ceil_div(rows, ROWS_PER_TASK)
     if stage == F_INPROJ:
@@ -347,11 +395,11 @@ def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
     var p = phase - 1
     if p < na:
         var c = p // NA
-        return _counts(dims, wk, p % NA, wk.chunk_tokens(c) + 1, False)
+        return _counts(dims, wk, c, p % NA, wk.chunk_tokens(c) + 1, False)
     p -= na
     if p < wk.nchunks * NB:
         var c = wk.nchunks - 1 - p // NB
-        return _counts(dims, wk, p % NB, wk.chunk_tokens(c), True)
+        return _counts(dims, wk, c, p % NB, wk.chunk_tokens(c), True)
     return PHASE_END
 
 
@@ -372,20 +420,28 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
         var stage = p % NA
         var nr = wk.chunk_tokens(c) + 1
         if stage == A_NORM:
-            _norm_rows(args, dims, wk, c, nr, task, False)
+            _norm_rows(args, dims, wk, c, nr, task, False, True)
         elif stage == A_INPROJ:
-            _inproj(args, dims, wk, nr, task)
+            if wk.kept(c):
+                _inproj(args, dims, wk, nr, task)
+            else:
+                _inproj_no_z(args, dims, wk, nr, task)
         elif stage == A_BCNORM:
             _bcnorm(args, dims, wk, nr, task)
-        else:
+        elif stage == A_SCAN:
             _scan_a(args, dims, wk, c, task // dims.nh, task % dims.nh)
+        else:
+            _keep_rows(args, dims, wk, c, task)
         return
     p -= na
     var c = wk.nchunks - 1 - p // NB
     var stage = p % NB
     var nc = wk.chunk_tokens(c)
+    var kept = wk.kept(c)
+    if kept:
+        wk.use_kept(c, dims.d, dims.np)
     if stage == F_NORM:
-        _norm_rows(args, dims, wk, c, nc, task, True)
+        _norm_rows(args, dims, wk, c, nc, task, True, not kept)
     elif stage == F_INPROJ:
         _inproj(args, dims, wk, nc, task)
     elif stage == F_BCNORM:
@@ -426,7 +482,7 @@ def _init(args: I64Ptr, dims: M3Dims, wk: BW3, task: Int):
 
 
 def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
-               copy_g: Bool):
+               copy_g: Bool, norm: Bool):
     var l = wk.l
     var d = dims.d
     var x = arg_f32(args, BW_X)
@@ -439,8 +495,9 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
     var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
     for r in range(r0, r1):
         var off = ((r // nr) * l + c * QC + r % nr) * d
-        rmsnorm_row(x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
-                    xn.unsafe_offset(r * d))
+        if norm:
+            rmsnorm_row(x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
+                        xn.unsafe_offset(r * d))
         if copy_g:
             for j in range(d):
                 gch[unsafe_offset=r * d + j] = g[unsafe_offset=off + j]
@@ -452,6 +509,48 @@ def _inproj(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
                     blob.unsafe_offset(dims.o_in), dims.d, dims.np,
                     work.unsafe_offset(wk.o_proj), dims.np)
+
+
+def _inproj_no_z(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
+    """in_proj without the z panels (the first di outputs): pass A's scan
+    never reads z, and pass B recomputes this chunk in full."""
+    var work = arg_f32(args, BW_WORK)
+    var blob = arg_f32(args, BW_BLOB)
+    var zp = dims.di // NR  # di is a multiple of 64: whole panels
+    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                    blob.unsafe_offset(dims.o_in + zp * dims.d * NR), dims.d,
+                    dims.np - dims.di, work.unsafe_offset(wk.o_proj + dims.di), dims.np)
+
+
+def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
+    """Copy pass A's rows of chunk c (B x 65 layout) to its keep slot, in
+    pass B's B x 64 layout."""
+    var work = arg_f32(args, BW_WORK)
+    var d = dims.d
+    var npj = dims.np
+    var r0 = task * ROWS_PER_TASK
+    var r1 = min(wk.b * QC, r0 + ROWS_PER_TASK)
+    var kx = wk.keep_xn(c)
+    var kp = wk.keep_proj(c, d)
+    var kb = wk.keep_bcn(c, d, npj)
+    for r in range(r0, r1):
+        var src = (r // QC) * (QC + 1) + r % QC
+        _copy_row(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)
+        _copy_row(work.unsafe_offset(wk.o_proj + src * npj),
+                  work.unsafe_offset(kp + r * npj), npj)
+        _copy_row(work.unsafe_offset(wk.o_bcn + src * 2 * NST),
+                  work.unsafe_offset(kb + r * 2 * NST), 2 * NST)
+
+
+@always_inline
+def _copy_row(src: F32Ptr, dst: F32Ptr, n: Int):
+    var j = 0
+    while j + 16 <= n:
+        dst.unsafe_store(j, src.unsafe_load[width=16](j))
+        j += 16
+    while j < n:
+        dst[unsafe_offset=j] = src[unsafe_offset=j]
+        j += 1
 
 
 def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
