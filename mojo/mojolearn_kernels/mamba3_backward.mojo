@@ -275,6 +275,39 @@ def _dot64(a: F32Ptr, b: F32Ptr) -> Float32:
     return _tree16(acc)
 
 
+comptime V4 = SIMD[DType.float32, 4]
+
+
+@always_inline
+def _dots128x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
+    """dot128(a + q sa, b + q sb) for q = 0..3 (a stride may be 0): four
+    chains in flight, as one alone is fma-latency bound. Each result is
+    dot128's own lane chains and _tree16, so the same bits."""
+    var acc = Array[V16, 4](fill=V16(0.0))
+    comptime for c in range(8):
+        comptime for q in range(4):
+            acc[q] = a.unsafe_load[width=16](q * sa + c * 16).fma(
+                b.unsafe_load[width=16](q * sb + c * 16), acc[q])
+    var r = V4(0.0)
+    comptime for q in range(4):
+        r[q] = _tree16(acc[q])
+    return r
+
+
+@always_inline
+def _dots64x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
+    """_dot64(a + q sa, b + q sb) for q = 0..3, four chains in flight."""
+    var acc = Array[V16, 4](fill=V16(0.0))
+    comptime for c in range(4):
+        comptime for q in range(4):
+            acc[q] = a.unsafe_load[width=16](q * sa + c * 16).fma(
+                b.unsafe_load[width=16](q * sb + c * 16), acc[q])
+    var r = V4(0.0)
+    comptime for q in range(4):
+        r[q] = _tree16(acc[q])
+    return r
+
+
 @always_inline
 def _phi_a(u: Float32) -> Float32:
     var ph: Float32
@@ -689,18 +722,21 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var h1 = work.unsafe_offset(wk.o_ckh + ((c + 1) * nbh + bh) * HP * NST)
     var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
+    # Two halves of 64 columns: 8 V16 accumulators would fill all 16 AVX2
+    # registers and spill; per element the chain is unchanged.
     for p in range(HP):
-        var acc = Array[V16, 8](fill=V16(0.0))
-        comptime for cc in range(8):
-            acc[cc] = V16(hdec) * h0.unsafe_load[width=16](p * NST + cc * 16)
-        for j in range(n):
-            var vj = proj[unsafe_offset=(bb * nr + j) * dims.np + dims.c_v + hh * HP + p]
-            var wv = V16(w[unsafe_offset=j] * vj)
-            var kr = qkr.unsafe_offset(((bb * nr + j) * nh + hh) * QK + NST)
-            comptime for cc in range(8):
-                acc[cc] = wv.fma(kr.unsafe_load[width=16](cc * 16), acc[cc])
-        comptime for cc in range(8):
-            h1.unsafe_store(p * NST + cc * 16, acc[cc])
+        comptime for hf in range(2):
+            var acc = Array[V16, 4](fill=V16(0.0))
+            comptime for cc in range(4):
+                acc[cc] = V16(hdec) * h0.unsafe_load[width=16](p * NST + (hf * 4 + cc) * 16)
+            for j in range(n):
+                var vj = proj[unsafe_offset=(bb * nr + j) * dims.np + dims.c_v + hh * HP + p]
+                var wv = V16(w[unsafe_offset=j] * vj)
+                var kr = qkr.unsafe_offset(((bb * nr + j) * nh + hh) * QK + NST)
+                comptime for cc in range(4):
+                    acc[cc] = wv.fma(kr.unsafe_load[width=16]((hf * 4 + cc) * 16), acc[cc])
+            comptime for cc in range(4):
+                h1.unsafe_store(p * NST + (hf * 4 + cc) * 16, acc[cc])
     var rl = bb * nr + n - 1
     var kv = work.unsafe_offset(wk.o_ckv + ((c + 1) * nbh + bh) * HP)
     var kk = work.unsafe_offset(wk.o_ckk + ((c + 1) * nbh + bh) * NST)
@@ -743,24 +779,39 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var hq = scr.unsafe_offset(M_HQ + i * HP)
         var e = _segs(scr, i, lrow)
         scr[unsafe_offset=V_E + i] = e
-        for j in range(i):
-            var gij = dot128(qrow, qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST))
-            grow[unsafe_offset=j] = gij
-            crow[unsafe_offset=j] = (lrow[unsafe_offset=j] * scr[unsafe_offset=V_SCALE + j]) * gij
-        for p in range(HP):
-            hq[unsafe_offset=p] = dot128(qrow, h.unsafe_offset(p * NST))
+        var j = 0
+        while j < i:
+            var g4: V4
+            if j + 4 <= i:
+                g4 = _dots128x4(qrow, 0, qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST), rs)
+            else:
+                g4 = V4(0.0)
+                for q in range(i - j):
+                    g4[q] = dot128(qrow, qkr.unsafe_offset((bb * n + j + q) * rs + hh * QK + NST))
+            for q in range(min(4, i - j)):
+                grow[unsafe_offset=j + q] = g4[q]
+                crow[unsafe_offset=j + q] = (lrow[unsafe_offset=j + q]
+                                             * scr[unsafe_offset=V_SCALE + j + q]) * g4[q]
+            j += 4
+        for p in range(0, HP, 4):
+            hq.unsafe_store(p, _dots128x4(qrow, 0, h.unsafe_offset(p * NST), NST))
         var diag = scr[unsafe_offset=V_QK + i] * (scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i])
         var pr = proj.unsafe_offset(r * dims.np)
         var vrow = pr.unsafe_offset(dims.c_v + hh * HP)
         var yrow = work.unsafe_offset(wk.o_y + r * dims.di + hh * HP)
         var orow = work.unsafe_offset(wk.o_o + r * dims.di + hh * HP)
+        # the four column blocks' chains side by side (one alone is latency bound)
+        var ys = Array[V16, 4](fill=V16(0.0))
         comptime for cc in range(4):
-            var y = V16(e) * hq.unsafe_load[width=16](cc * 16)
-            for j in range(i):
-                y = V16(crow[unsafe_offset=j]).fma(
-                    proj.unsafe_load[width=16]((bb * n + j) * dims.np + dims.c_v + hh * HP + cc * 16), y)
+            ys[cc] = V16(e) * hq.unsafe_load[width=16](cc * 16)
+        for jj in range(i):
+            var cj = V16(crow[unsafe_offset=jj])
+            var vj = proj.unsafe_offset((bb * n + jj) * dims.np + dims.c_v + hh * HP)
+            comptime for cc in range(4):
+                ys[cc] = cj.fma(vj.unsafe_load[width=16](cc * 16), ys[cc])
+        comptime for cc in range(4):
             var vi = vrow.unsafe_load[width=16](cc * 16)
-            y = V16(diag).fma(vi, y)
+            var y = V16(diag).fma(vi, ys[cc])
             y = V16(dsk).fma(vi, y)
             yrow.unsafe_store(cc * 16, y)
             orow.unsafe_store(cc * 16, y * silu_f32[16](pr.unsafe_load[width=16](hh * HP + cc * 16)))
@@ -847,15 +898,27 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         scr[unsafe_offset=V_DSCALE + i] = 0.0
     # 2.
     for i in range(n):
-        for j in range(i):
-            var dv_ = _dot64(dy.unsafe_offset(i * HP), proj.unsafe_offset((bb * n + j) * npj + vo))
-            var lij = scr[unsafe_offset=M_L + i * QC + j]
-            var dl = dv_ * lij
-            scr[unsafe_offset=V_DSCALE + j] = scr[unsafe_offset=V_DSCALE + j] + dl * scr[unsafe_offset=M_G + i * QC + j]
-            var x = dv_ * scr[unsafe_offset=M_C + i * QC + j]
-            scr[unsafe_offset=V_DCUM + i] = scr[unsafe_offset=V_DCUM + i] + x
-            scr[unsafe_offset=V_DCUM + j] = scr[unsafe_offset=V_DCUM + j] - x
-            scr[unsafe_offset=M_DG + i * QC + j] = dl * scr[unsafe_offset=V_SCALE + j]
+        var dyi = dy.unsafe_offset(i * HP)
+        var j0 = 0
+        while j0 < i:  # four dots at a time, then the updates in j order
+            var d4: V4
+            if j0 + 4 <= i:
+                d4 = _dots64x4(dyi, 0, proj.unsafe_offset((bb * n + j0) * npj + vo), npj)
+            else:
+                d4 = V4(0.0)
+                for q in range(i - j0):
+                    d4[q] = _dot64(dyi, proj.unsafe_offset((bb * n + j0 + q) * npj + vo))
+            for q in range(min(4, i - j0)):
+                var j = j0 + q
+                var dv_ = d4[q]
+                var lij = scr[unsafe_offset=M_L + i * QC + j]
+                var dl = dv_ * lij
+                scr[unsafe_offset=V_DSCALE + j] = scr[unsafe_offset=V_DSCALE + j] + dl * scr[unsafe_offset=M_G + i * QC + j]
+                var x = dv_ * scr[unsafe_offset=M_C + i * QC + j]
+                scr[unsafe_offset=V_DCUM + i] = scr[unsafe_offset=V_DCUM + i] + x
+                scr[unsafe_offset=V_DCUM + j] = scr[unsafe_offset=V_DCUM + j] - x
+                scr[unsafe_offset=M_DG + i * QC + j] = dl * scr[unsafe_offset=V_SCALE + j]
+            j0 += 4
     # 3.
     for i in range(n):
         var r = bb * n + i
@@ -866,29 +929,33 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var e = scr[unsafe_offset=V_E + i]
         var gam = scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]
         var dvv = scr[unsafe_offset=V_DVV + i]
-        var acc = Array[V16, 8](fill=V16(0.0))
-        for p in range(HP):
-            var ey = V16(e * dy[unsafe_offset=i * HP + p])
-            comptime for cc in range(8):
-                acc[cc] = ey.fma(h.unsafe_load[width=16](p * NST + cc * 16), acc[cc])
-        for j in range(i):
-            var dg = V16(scr[unsafe_offset=M_DG + i * QC + j])
-            var kj = qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST)
-            comptime for cc in range(8):
-                acc[cc] = dg.fma(kj.unsafe_load[width=16](cc * 16), acc[cc])
         var dd = V16(dvv * gam)
-        comptime for cc in range(8):
-            dq.unsafe_store(cc * 16, dd.fma(krow.unsafe_load[width=16](cc * 16), acc[cc]))
-        # dk_i
-        comptime for cc in range(8):
-            acc[cc] = V16(0.0)
-        for i2 in range(i + 1, n):
-            var dg = V16(scr[unsafe_offset=M_DG + i2 * QC + i])
-            var qi2 = qkr.unsafe_offset((bb * n + i2) * rs + hh * QK)
-            comptime for cc in range(8):
-                acc[cc] = dg.fma(qi2.unsafe_load[width=16](cc * 16), acc[cc])
-        comptime for cc in range(8):
-            dk.unsafe_store(cc * 16, dd.fma(qrow.unsafe_load[width=16](cc * 16), acc[cc]))
+        # 128 columns as two halves of 64 (8 V16 accumulators would fill all
+        # 16 AVX2 registers and spill); per element the chain is unchanged.
+        comptime for hf in range(2):
+            comptime o = hf * 64
+            var acc = Array[V16, 4](fill=V16(0.0))
+            for p in range(HP):
+                var ey = V16(e * dy[unsafe_offset=i * HP + p])
+                comptime for cc in range(4):
+                    acc[cc] = ey.fma(h.unsafe_load[width=16](p * NST + o + cc * 16), acc[cc])
+            for j in range(i):
+                var dg = V16(scr[unsafe_offset=M_DG + i * QC + j])
+                var kj = qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST)
+                comptime for cc in range(4):
+                    acc[cc] = dg.fma(kj.unsafe_load[width=16](o + cc * 16), acc[cc])
+            comptime for cc in range(4):
+                dq.unsafe_store(o + cc * 16, dd.fma(krow.unsafe_load[width=16](o + cc * 16), acc[cc]))
+            # dk_i
+            comptime for cc in range(4):
+                acc[cc] = V16(0.0)
+            for i2 in range(i + 1, n):
+                var dg = V16(scr[unsafe_offset=M_DG + i2 * QC + i])
+                var qi2 = qkr.unsafe_offset((bb * n + i2) * rs + hh * QK)
+                comptime for cc in range(4):
+                    acc[cc] = dg.fma(qi2.unsafe_load[width=16](o + cc * 16), acc[cc])
+            comptime for cc in range(4):
+                dk.unsafe_store(o + cc * 16, dd.fma(qrow.unsafe_load[width=16](o + cc * 16), acc[cc]))
         # dv_i
         var va = Array[V16, 4](fill=V16(0.0))
         for i2 in range(i + 1, n):
@@ -905,16 +972,18 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     # 4. fold
     var elast = scr[unsafe_offset=V_E + last]
     var hd: Float32 = 0.0
-    for p in range(HP):
-        hd = hd + dot128(dH.unsafe_offset(p * NST), h.unsafe_offset(p * NST))
+    for p in range(0, HP, 4):  # four dots at a time, summed in p order
+        var h4 = _dots128x4(dH.unsafe_offset(p * NST), NST, h.unsafe_offset(p * NST), NST)
+        comptime for q in range(4):
+            hd = hd + h4[q]
     scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + elast * hd
     var u = scr.unsafe_offset(V_TMP)
     for j in range(n):
         var r = bb * n + j
         var kj = qkr.unsafe_offset(r * rs + hh * QK + NST)
         var vj = proj.unsafe_offset(r * npj + vo)
-        for p in range(HP):
-            u[unsafe_offset=p] = dot128(dH.unsafe_offset(p * NST), kj)
+        for p in range(0, HP, 4):
+            u.unsafe_store(p, _dots128x4(dH.unsafe_offset(p * NST), NST, kj, 0))
         var vdk = _dot64(vj, u)
         var f: Float32 = 1.0
         if j < last:
@@ -930,32 +999,36 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         comptime for cc in range(4):
             dvrow.unsafe_store(cc * 16, V16(fs).fma(u.unsafe_load[width=16](cc * 16),
                                                     dvrow.unsafe_load[width=16](cc * 16)))
-        var acc = Array[V16, 8](fill=V16(0.0))
-        for p in range(HP):
-            var vp = V16(vj[unsafe_offset=p])
-            comptime for cc in range(8):
-                acc[cc] = vp.fma(dH.unsafe_load[width=16](p * NST + cc * 16), acc[cc])
         var dk = dqk.unsafe_offset(r * rs + hh * QK + NST)
-        comptime for cc in range(8):
-            dk.unsafe_store(cc * 16, V16(fs).fma(acc[cc], dk.unsafe_load[width=16](cc * 16)))
+        comptime for hf in range(2):  # halves, as in step 3
+            comptime o = hf * 64
+            var acc = Array[V16, 4](fill=V16(0.0))
+            for p in range(HP):
+                var vp = V16(vj[unsafe_offset=p])
+                comptime for cc in range(4):
+                    acc[cc] = vp.fma(dH.unsafe_load[width=16](p * NST + o + cc * 16), acc[cc])
+            comptime for cc in range(4):
+                dk.unsafe_store(o + cc * 16, V16(fs).fma(acc[cc], dk.unsafe_load[width=16](o + cc * 16)))
     # dh_in, in place over the carry
     for p in range(HP):
-        var acc = Array[V16, 8](fill=V16(0.0))
-        comptime for cc in range(8):
-            acc[cc] = V16(elast) * dH.unsafe_load[width=16](p * NST + cc * 16)
-        for i in range(n):
-            var ey = V16(scr[unsafe_offset=V_E + i] * dy[unsafe_offset=i * HP + p])
-            var qi = qkr.unsafe_offset((bb * n + i) * rs + hh * QK)
-            comptime for cc in range(8):
-                acc[cc] = ey.fma(qi.unsafe_load[width=16](cc * 16), acc[cc])
-        comptime for cc in range(8):
-            dH.unsafe_store(p * NST + cc * 16, acc[cc])
+        comptime for hf in range(2):  # halves, as in step 3
+            comptime o = hf * 64
+            var acc = Array[V16, 4](fill=V16(0.0))
+            comptime for cc in range(4):
+                acc[cc] = V16(elast) * dH.unsafe_load[width=16](p * NST + o + cc * 16)
+            for i in range(n):
+                var ey = V16(scr[unsafe_offset=V_E + i] * dy[unsafe_offset=i * HP + p])
+                var qi = qkr.unsafe_offset((bb * n + i) * rs + hh * QK)
+                comptime for cc in range(4):
+                    acc[cc] = ey.fma(qi.unsafe_load[width=16](o + cc * 16), acc[cc])
+            comptime for cc in range(4):
+                dH.unsafe_store(p * NST + o + cc * 16, acc[cc])
     var dbeta_prev: Float32 = 0.0
     if c > 0:
         var kp = work.unsafe_offset(wk.o_ckk + (c * nbh + bh) * NST)
         var vp = work.unsafe_offset(wk.o_ckv + (c * nbh + bh) * HP)
-        for p in range(HP):
-            u[unsafe_offset=p] = dot128(dH.unsafe_offset(p * NST), kp)
+        for p in range(0, HP, 4):
+            u.unsafe_store(p, _dots128x4(dH.unsafe_offset(p * NST), NST, kp, 0))
         dbeta_prev = _dot64(vp, u)
     # 5.
     var acc_c: Float32 = 0.0
