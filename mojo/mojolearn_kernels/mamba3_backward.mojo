@@ -147,9 +147,9 @@ struct BW3(ImplicitlyCopyable):
     var o_y: Int  # (rmax, di)
     var o_do: Int  # (rmax, di)
     var o_dproj: Int  # (rmax, np)
-    var o_qkr: Int  # (rmax, H, 256)
+    var o_qkr: Int  # (H, rmax, 256): head-major, see qk_row
     var o_cs: Int  # (rmax, H, 64)
-    var o_dqk: Int  # (rmax, H, 256)
+    var o_dqk: Int  # (H, rmax, 256)
     var o_dang: Int  # (rmax, H, 32)
     var o_dd: Int  # (rmax, H)
     var o_pbc: Int  # (rmax, 256) B_norm | C_norm weight terms
@@ -230,6 +230,12 @@ struct BW3(ImplicitlyCopyable):
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(QC, self.l - c * QC)
+
+    def qk_row(self, r: Int, hh: Int) -> Int:
+        """Offset of row r, head hh in qkr / dqk. Head-major: a (row, head)
+        task walks one head's rows 1 KiB apart; row-major rows were
+        H KiB apart, a multiple of 4 KiB, so all landed in one L1 set."""
+        return (hh * self.rmax + r) * QK
 
     def kept(self, c: Int) -> Bool:
         """Pass A keeps chunk c's rows for pass B (never the last chunk,
@@ -637,7 +643,7 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
             ku.unsafe_store(c * 16, bc.unsafe_load[width=16](c * 16)
                             + bbias.unsafe_load[width=16](c * 16))
         scr[unsafe_offset=V_QK + i] = dot128(qu, ku)
-        var qrow = work.unsafe_offset(wk.o_qkr + (r * nh + hh) * QK)
+        var qrow = work.unsafe_offset(wk.o_qkr + wk.qk_row(r, hh))
         var krow = qrow.unsafe_offset(NST)
         var csr = work.unsafe_offset(wk.o_cs + (r * nh + hh) * CSW)
         comptime for c in range(2):
@@ -732,7 +738,7 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             for j in range(n):
                 var vj = proj[unsafe_offset=(bb * nr + j) * dims.np + dims.c_v + hh * HP + p]
                 var wv = V16(w[unsafe_offset=j] * vj)
-                var kr = qkr.unsafe_offset(((bb * nr + j) * nh + hh) * QK + NST)
+                var kr = qkr.unsafe_offset(wk.qk_row(bb * nr + j, hh) + NST)
                 comptime for cc in range(4):
                     acc[cc] = wv.fma(kr.unsafe_load[width=16]((hf * 4 + cc) * 16), acc[cc])
             comptime for cc in range(4):
@@ -743,7 +749,7 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     for p in range(HP):
         kv[unsafe_offset=p] = proj[unsafe_offset=rl * dims.np + dims.c_v + hh * HP + p]
     for k in range(NST):
-        kk[unsafe_offset=k] = qkr[unsafe_offset=(rl * nh + hh) * QK + NST + k]
+        kk[unsafe_offset=k] = qkr[unsafe_offset=wk.qk_row(rl, hh) + NST + k]
 
 
 def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
@@ -769,10 +775,11 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
-    var rs = nh * QK
+    var rs = QK  # row stride inside one head's block
+    var hb = hh * wk.rmax
     for i in range(n):
         var r = bb * n + i
-        var qrow = qkr.unsafe_offset((r * nh + hh) * QK)
+        var qrow = qkr.unsafe_offset(wk.qk_row(r, hh))
         var lrow = scr.unsafe_offset(M_L + i * QC)
         var grow = scr.unsafe_offset(M_G + i * QC)
         var crow = scr.unsafe_offset(M_C + i * QC)
@@ -783,11 +790,11 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         while j < i:
             var g4: V4
             if j + 4 <= i:
-                g4 = _dots128x4(qrow, 0, qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST), rs)
+                g4 = _dots128x4(qrow, 0, qkr.unsafe_offset((bb * n + j) * rs + hb * QK + NST), rs)
             else:
                 g4 = V4(0.0)
                 for q in range(i - j):
-                    g4[q] = dot128(qrow, qkr.unsafe_offset((bb * n + j + q) * rs + hh * QK + NST))
+                    g4[q] = dot128(qrow, qkr.unsafe_offset((bb * n + j + q) * rs + hb * QK + NST))
             for q in range(min(4, i - j)):
                 grow[unsafe_offset=j + q] = g4[q]
                 crow[unsafe_offset=j + q] = (lrow[unsafe_offset=j + q]
@@ -871,7 +878,8 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var qkr = work.unsafe_offset(wk.o_qkr)
     var dqk = work.unsafe_offset(wk.o_dqk)
     var npj = dims.np
-    var rs = nh * QK
+    var rs = QK  # row stride inside one head's block of qkr / dqk
+    var hb = hh * wk.rmax
     var h = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
     var dH = work.unsafe_offset(wk.o_cdh + bh * HP * NST)
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
@@ -922,9 +930,9 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     # 3.
     for i in range(n):
         var r = bb * n + i
-        var qrow = qkr.unsafe_offset(r * rs + hh * QK)
+        var qrow = qkr.unsafe_offset(r * rs + hb * QK)
         var krow = qrow.unsafe_offset(NST)
-        var dq = dqk.unsafe_offset(r * rs + hh * QK)
+        var dq = dqk.unsafe_offset(r * rs + hb * QK)
         var dk = dq.unsafe_offset(NST)
         var e = scr[unsafe_offset=V_E + i]
         var gam = scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]
@@ -941,7 +949,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                     acc[cc] = ey.fma(h.unsafe_load[width=16](p * NST + o + cc * 16), acc[cc])
             for j in range(i):
                 var dg = V16(scr[unsafe_offset=M_DG + i * QC + j])
-                var kj = qkr.unsafe_offset((bb * n + j) * rs + hh * QK + NST)
+                var kj = qkr.unsafe_offset((bb * n + j) * rs + hb * QK + NST)
                 comptime for cc in range(4):
                     acc[cc] = dg.fma(kj.unsafe_load[width=16](o + cc * 16), acc[cc])
             comptime for cc in range(4):
@@ -951,7 +959,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                 acc[cc] = V16(0.0)
             for i2 in range(i + 1, n):
                 var dg = V16(scr[unsafe_offset=M_DG + i2 * QC + i])
-                var qi2 = qkr.unsafe_offset((bb * n + i2) * rs + hh * QK)
+                var qi2 = qkr.unsafe_offset((bb * n + i2) * rs + hb * QK)
                 comptime for cc in range(4):
                     acc[cc] = dg.fma(qi2.unsafe_load[width=16](o + cc * 16), acc[cc])
             comptime for cc in range(4):
@@ -980,7 +988,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var u = scr.unsafe_offset(V_TMP)
     for j in range(n):
         var r = bb * n + j
-        var kj = qkr.unsafe_offset(r * rs + hh * QK + NST)
+        var kj = qkr.unsafe_offset(r * rs + hb * QK + NST)
         var vj = proj.unsafe_offset(r * npj + vo)
         for p in range(0, HP, 4):
             u.unsafe_store(p, _dots128x4(dH.unsafe_offset(p * NST), NST, kj, 0))
@@ -999,7 +1007,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         comptime for cc in range(4):
             dvrow.unsafe_store(cc * 16, V16(fs).fma(u.unsafe_load[width=16](cc * 16),
                                                     dvrow.unsafe_load[width=16](cc * 16)))
-        var dk = dqk.unsafe_offset(r * rs + hh * QK + NST)
+        var dk = dqk.unsafe_offset(r * rs + hb * QK + NST)
         comptime for hf in range(2):  # halves, as in step 3
             comptime o = hf * 64
             var acc = Array[V16, 4](fill=V16(0.0))
@@ -1018,7 +1026,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                 acc[cc] = V16(elast) * dH.unsafe_load[width=16](p * NST + o + cc * 16)
             for i in range(n):
                 var ey = V16(scr[unsafe_offset=V_E + i] * dy[unsafe_offset=i * HP + p])
-                var qi = qkr.unsafe_offset((bb * n + i) * rs + hh * QK)
+                var qi = qkr.unsafe_offset((bb * n + i) * rs + hb * QK)
                 comptime for cc in range(4):
                     acc[cc] = ey.fma(qi.unsafe_load[width=16](o + cc * 16), acc[cc])
             comptime for cc in range(4):
@@ -1042,9 +1050,9 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var j = last
     while j >= 0:
         var r = bb * n + j
-        var qrow = qkr.unsafe_offset(r * rs + hh * QK)
+        var qrow = qkr.unsafe_offset(r * rs + hb * QK)
         var krow = qrow.unsafe_offset(NST)
-        var dq = dqk.unsafe_offset(r * rs + hh * QK)
+        var dq = dqk.unsafe_offset(r * rs + hb * QK)
         var dk = dq.unsafe_offset(NST)
         var csr = work.unsafe_offset(wk.o_cs + (r * nh + hh) * CSW)
         var pr = proj.unsafe_offset(r * npj)
@@ -1143,11 +1151,11 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
             var pbc = work.unsafe_offset(wk.o_pbc + r * 2 * NST)
             # head sums (h ascending) into the B | C columns of dproj as dBn | dCn
             for k in range(NST):
-                var sb: Float32 = dqk[unsafe_offset=(r * nh) * QK + NST + k]
-                var sc: Float32 = dqk[unsafe_offset=(r * nh) * QK + k]
+                var sb: Float32 = dqk[unsafe_offset=wk.qk_row(r, 0) + NST + k]
+                var sc: Float32 = dqk[unsafe_offset=wk.qk_row(r, 0) + k]
                 for hh in range(1, nh):
-                    sb = sb + dqk[unsafe_offset=(r * nh + hh) * QK + NST + k]
-                    sc = sc + dqk[unsafe_offset=(r * nh + hh) * QK + k]
+                    sb = sb + dqk[unsafe_offset=wk.qk_row(r, hh) + NST + k]
+                    sc = sc + dqk[unsafe_offset=wk.qk_row(r, hh) + k]
                 dpr[unsafe_offset=dims.c_b + k] = sb
                 dpr[unsafe_offset=dims.c_c + k] = sc
             for rr in range(NANG):
@@ -1170,8 +1178,8 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
         var ab = gbb.unsafe_load[width=16](cc * 16)
         var ac = gcb.unsafe_load[width=16](cc * 16)
         for r in range(rows):
-            ab = ab + dqk.unsafe_load[width=16]((r * nh + hh) * QK + NST + cc * 16)
-            ac = ac + dqk.unsafe_load[width=16]((r * nh + hh) * QK + cc * 16)
+            ab = ab + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + NST + cc * 16)
+            ac = ac + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + cc * 16)
         gbb.unsafe_store(cc * 16, ab)
         gcb.unsafe_store(cc * 16, ac)
     var gdtb = arg_f32(args, BW_G_DTB)
