@@ -12,14 +12,19 @@ Vectorized across 16 output columns only; the k axis is never split or
 reordered, so the bits do not depend on tile shapes or the thread split.
 """
 from std.collections import Array
+from std.sys.intrinsics import prefetch, PrefetchOptions
 from .abi import F32Ptr, ceil_div
-from .linear import TileRange, NR
+from .linear import TileRange, NR, WIDE
 
 comptime GW = 16
 comptime GV = SIMD[DType.float32, GW]
 comptime GMR = 6
 comptime G_ROW_BLOCK = 48
 comptime G_COL_BLOCK = 64
+# Panels per register tile: AVX2 has 16 vector registers (6 rows x 1 panel
+# = 12 ymm; two panels would spill), AVX-512 has 32 (6 x 2 = 12 zmm, the
+# forward's tile too). The tile never changes a chain, so never a bit.
+comptime GNP = 2 if WIDE else 1
 
 
 @always_inline
@@ -65,6 +70,14 @@ def _gpanels[NP: Int](
 ):
     var i = i0
     while i + GMR <= i1:
+        # The next tile's output rows: with a short k (64 rows of a chunk at
+        # B = 1) the accumulate loads are far from the tile's compute, and
+        # the weight gradient is too big for the caches.
+        var nx = dst.unsafe_offset((i + GMR) * ldo + j)
+        for r in range(min(GMR, i1 - i - GMR)):
+            comptime for q in range(NP):
+                prefetch[PrefetchOptions().for_write().high_locality()](
+                    nx.unsafe_offset(r * ldo + q * GW))
         _gtile[GMR, NP](a.unsafe_offset(i * sai), sai, sak, m.unsafe_offset(j), ldm, k,
                         dst.unsafe_offset(i * ldo + j), ldo, accumulate)
         i += GMR
@@ -89,9 +102,11 @@ def gemm_block(
     dst: F32Ptr, ldo: Int, accumulate: Bool, i0: Int, i1: Int, j0: Int, j1: Int,
 ):
     """Rows [i0, i1) x columns [j0, j1) of out (+)= a @ M."""
-    # One 16-column panel per tile: 6 x 16 accumulators fill 12 of the 16
-    # AVX2 registers (two panels would spill).
     var j = j0
+    comptime if GNP > 1:
+        while j + GNP * GW <= j1:
+            _gpanels[GNP](a, sai, sak, m, ldm, k, dst, ldo, accumulate, i0, i1, j)
+            j += GNP * GW
     while j + GW <= j1:
         _gpanels[1](a, sai, sak, m, ldm, k, dst, ldo, accumulate, i0, i1, j)
         j += GW
