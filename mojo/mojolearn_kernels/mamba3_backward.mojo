@@ -31,7 +31,7 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
+from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
 from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task, pack_panels_t
 from .norms import rmsnorm_row, rms_scale
@@ -72,6 +72,13 @@ comptime BP_DST = 3
 
 comptime V16 = SIMD[DType.float32, 16]
 comptime ROWS_PER_TASK = 16
+# Loops over 128 state columns run in NHF passes of HW V16 accumulators:
+# on AVX2 eight V16 (16 ymm) would fill the register file and spill, so two
+# passes of four; AVX-512 has 32 registers, one pass of eight. Per element
+# the chain is the same either way.
+comptime NHF = 1 if WIDE else 2
+comptime HW = 8 // NHF
+comptime HO = 128 // NHF
 # Pass A keeps the norm / in_proj / B,C-norm rows of its last chunks, up to
 # this many bytes, so pass B reuses them instead of recomputing (same bits:
 # the same rows computed once). A constant, so the set of kept chunks is a
@@ -728,21 +735,20 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var h1 = work.unsafe_offset(wk.o_ckh + ((c + 1) * nbh + bh) * HP * NST)
     var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
-    # Two halves of 64 columns: 8 V16 accumulators would fill all 16 AVX2
-    # registers and spill; per element the chain is unchanged.
+    # 128 columns in NHF passes (no register spills); chains unchanged.
     for p in range(HP):
-        comptime for hf in range(2):
-            var acc = Array[V16, 4](fill=V16(0.0))
-            comptime for cc in range(4):
-                acc[cc] = V16(hdec) * h0.unsafe_load[width=16](p * NST + (hf * 4 + cc) * 16)
+        comptime for hf in range(NHF):
+            var acc = Array[V16, HW](fill=V16(0.0))
+            comptime for cc in range(HW):
+                acc[cc] = V16(hdec) * h0.unsafe_load[width=16](p * NST + (hf * HW + cc) * 16)
             for j in range(n):
                 var vj = proj[unsafe_offset=(bb * nr + j) * dims.np + dims.c_v + hh * HP + p]
                 var wv = V16(w[unsafe_offset=j] * vj)
                 var kr = qkr.unsafe_offset(wk.qk_row(bb * nr + j, hh) + NST)
-                comptime for cc in range(4):
-                    acc[cc] = wv.fma(kr.unsafe_load[width=16]((hf * 4 + cc) * 16), acc[cc])
-            comptime for cc in range(4):
-                h1.unsafe_store(p * NST + (hf * 4 + cc) * 16, acc[cc])
+                comptime for cc in range(HW):
+                    acc[cc] = wv.fma(kr.unsafe_load[width=16]((hf * HW + cc) * 16), acc[cc])
+            comptime for cc in range(HW):
+                h1.unsafe_store(p * NST + (hf * HW + cc) * 16, acc[cc])
     var rl = bb * nr + n - 1
     var kv = work.unsafe_offset(wk.o_ckv + ((c + 1) * nbh + bh) * HP)
     var kk = work.unsafe_offset(wk.o_ckk + ((c + 1) * nbh + bh) * NST)
@@ -938,31 +944,30 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var gam = scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]
         var dvv = scr[unsafe_offset=V_DVV + i]
         var dd = V16(dvv * gam)
-        # 128 columns as two halves of 64 (8 V16 accumulators would fill all
-        # 16 AVX2 registers and spill); per element the chain is unchanged.
-        comptime for hf in range(2):
-            comptime o = hf * 64
-            var acc = Array[V16, 4](fill=V16(0.0))
+        # 128 columns in NHF passes (no register spills); chains unchanged.
+        comptime for hf in range(NHF):
+            comptime o = hf * HO
+            var acc = Array[V16, HW](fill=V16(0.0))
             for p in range(HP):
                 var ey = V16(e * dy[unsafe_offset=i * HP + p])
-                comptime for cc in range(4):
+                comptime for cc in range(HW):
                     acc[cc] = ey.fma(h.unsafe_load[width=16](p * NST + o + cc * 16), acc[cc])
             for j in range(i):
                 var dg = V16(scr[unsafe_offset=M_DG + i * QC + j])
                 var kj = qkr.unsafe_offset((bb * n + j) * rs + hb * QK + NST)
-                comptime for cc in range(4):
+                comptime for cc in range(HW):
                     acc[cc] = dg.fma(kj.unsafe_load[width=16](o + cc * 16), acc[cc])
-            comptime for cc in range(4):
+            comptime for cc in range(HW):
                 dq.unsafe_store(o + cc * 16, dd.fma(krow.unsafe_load[width=16](o + cc * 16), acc[cc]))
             # dk_i
-            comptime for cc in range(4):
+            comptime for cc in range(HW):
                 acc[cc] = V16(0.0)
             for i2 in range(i + 1, n):
                 var dg = V16(scr[unsafe_offset=M_DG + i2 * QC + i])
                 var qi2 = qkr.unsafe_offset((bb * n + i2) * rs + hb * QK)
-                comptime for cc in range(4):
+                comptime for cc in range(HW):
                     acc[cc] = dg.fma(qi2.unsafe_load[width=16](o + cc * 16), acc[cc])
-            comptime for cc in range(4):
+            comptime for cc in range(HW):
                 dk.unsafe_store(o + cc * 16, dd.fma(qrow.unsafe_load[width=16](o + cc * 16), acc[cc]))
         # dv_i
         var va = Array[V16, 4](fill=V16(0.0))
@@ -1008,28 +1013,28 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             dvrow.unsafe_store(cc * 16, V16(fs).fma(u.unsafe_load[width=16](cc * 16),
                                                     dvrow.unsafe_load[width=16](cc * 16)))
         var dk = dqk.unsafe_offset(r * rs + hb * QK + NST)
-        comptime for hf in range(2):  # halves, as in step 3
-            comptime o = hf * 64
-            var acc = Array[V16, 4](fill=V16(0.0))
+        comptime for hf in range(NHF):  # passes, as in step 3
+            comptime o = hf * HO
+            var acc = Array[V16, HW](fill=V16(0.0))
             for p in range(HP):
                 var vp = V16(vj[unsafe_offset=p])
-                comptime for cc in range(4):
+                comptime for cc in range(HW):
                     acc[cc] = vp.fma(dH.unsafe_load[width=16](p * NST + o + cc * 16), acc[cc])
-            comptime for cc in range(4):
+            comptime for cc in range(HW):
                 dk.unsafe_store(o + cc * 16, V16(fs).fma(acc[cc], dk.unsafe_load[width=16](o + cc * 16)))
     # dh_in, in place over the carry
     for p in range(HP):
-        comptime for hf in range(2):  # halves, as in step 3
-            comptime o = hf * 64
-            var acc = Array[V16, 4](fill=V16(0.0))
-            comptime for cc in range(4):
+        comptime for hf in range(NHF):  # passes, as in step 3
+            comptime o = hf * HO
+            var acc = Array[V16, HW](fill=V16(0.0))
+            comptime for cc in range(HW):
                 acc[cc] = V16(elast) * dH.unsafe_load[width=16](p * NST + o + cc * 16)
             for i in range(n):
                 var ey = V16(scr[unsafe_offset=V_E + i] * dy[unsafe_offset=i * HP + p])
                 var qi = qkr.unsafe_offset((bb * n + i) * rs + hb * QK)
-                comptime for cc in range(4):
+                comptime for cc in range(HW):
                     acc[cc] = ey.fma(qi.unsafe_load[width=16](o + cc * 16), acc[cc])
-            comptime for cc in range(4):
+            comptime for cc in range(HW):
                 dH.unsafe_store(p * NST + o + cc * 16, acc[cc])
     var dbeta_prev: Float32 = 0.0
     if c > 0:
