@@ -79,6 +79,10 @@ comptime ROWS_PER_TASK = 16
 comptime NHF = 1 if WIDE else 2
 comptime HW = 8 // NHF
 comptime HO = 128 // NHF
+# Rows (tokens, state rows or fold columns) per register block of the scan
+# VJP's matrix loops: with 32 AVX-512 registers two rows share each loaded
+# vector (halving the L1/L2 traffic the per-(row, head) working set causes).
+comptime TB = 2 if WIDE else 1
 # Pass A keeps the norm / in_proj / B,C-norm rows of its last chunks, up to
 # this many bytes, so pass B reuses them instead of recomputing (same bits:
 # the same rows computed once). A constant, so the set of kept chunks is a
@@ -852,6 +856,154 @@ def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
 # ------------------------------------------------------------ scan VJP
 
 
+@always_inline
+def _dqdk[T: Int](scr: F32Ptr, dy: F32Ptr, h: F32Ptr, qk: F32Ptr, dqk: F32Ptr,
+                  n: Int, i0: Int):
+    """Step 3's dq and dk of tokens i0 .. i0+T-1 (qk, dqk: this (row, head)'s
+    token 0, rows QK apart). The T tokens share every loaded h row, k_j and
+    q_i2; each token's chains are step 3's: dq over p, then j < i, then the
+    diagonal; dk over i2 > i ascending, then the diagonal."""
+    comptime for hf in range(NHF):
+        comptime o = hf * HO
+        var acc = Array[V16, T * HW](fill=V16(0.0))
+        for p in range(HP):
+            var ey = Array[V16, T](fill=V16(0.0))
+            comptime for t in range(T):
+                ey[t] = V16(scr[unsafe_offset=V_E + i0 + t] * dy[unsafe_offset=(i0 + t) * HP + p])
+            comptime for cc in range(HW):
+                var hv = h.unsafe_load[width=16](p * NST + o + cc * 16)
+                comptime for t in range(T):
+                    acc[t * HW + cc] = ey[t].fma(hv, acc[t * HW + cc])
+        for j in range(i0):  # j < i0: every token of the block
+            var kj = qk.unsafe_offset(j * QK + NST)
+            var dg = Array[V16, T](fill=V16(0.0))
+            comptime for t in range(T):
+                dg[t] = V16(scr[unsafe_offset=M_DG + (i0 + t) * QC + j])
+            comptime for cc in range(HW):
+                var kv = kj.unsafe_load[width=16](o + cc * 16)
+                comptime for t in range(T):
+                    acc[t * HW + cc] = dg[t].fma(kv, acc[t * HW + cc])
+        comptime for t in range(1, T):  # i0 <= j < i0 + t: token t only
+            for j in range(i0, i0 + t):
+                var dg = V16(scr[unsafe_offset=M_DG + (i0 + t) * QC + j])
+                var kj = qk.unsafe_offset(j * QK + NST)
+                comptime for cc in range(HW):
+                    acc[t * HW + cc] = dg.fma(kj.unsafe_load[width=16](o + cc * 16), acc[t * HW + cc])
+        var dd = Array[V16, T](fill=V16(0.0))
+        comptime for t in range(T):
+            var i = i0 + t
+            dd[t] = V16(scr[unsafe_offset=V_DVV + i]
+                        * (scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]))
+            var krow = qk.unsafe_offset(i * QK + NST)
+            var dq = dqk.unsafe_offset(i * QK)
+            comptime for cc in range(HW):
+                dq.unsafe_store(o + cc * 16, dd[t].fma(krow.unsafe_load[width=16](o + cc * 16),
+                                                      acc[t * HW + cc]))
+                acc[t * HW + cc] = V16(0.0)
+        comptime for t in range(T - 1):  # i0 + t < i2 < i0 + T: token t only
+            for i2 in range(i0 + t + 1, min(i0 + T, n)):
+                var dg = V16(scr[unsafe_offset=M_DG + i2 * QC + i0 + t])
+                var qi2 = qk.unsafe_offset(i2 * QK)
+                comptime for cc in range(HW):
+                    acc[t * HW + cc] = dg.fma(qi2.unsafe_load[width=16](o + cc * 16), acc[t * HW + cc])
+        for i2 in range(i0 + T, n):  # every token of the block
+            var qi2 = qk.unsafe_offset(i2 * QK)
+            var dg = Array[V16, T](fill=V16(0.0))
+            comptime for t in range(T):
+                dg[t] = V16(scr[unsafe_offset=M_DG + i2 * QC + i0 + t])
+            comptime for cc in range(HW):
+                var qv = qi2.unsafe_load[width=16](o + cc * 16)
+                comptime for t in range(T):
+                    acc[t * HW + cc] = dg[t].fma(qv, acc[t * HW + cc])
+        comptime for t in range(T):
+            var qrow = qk.unsafe_offset((i0 + t) * QK)
+            var dk = dqk.unsafe_offset((i0 + t) * QK + NST)
+            comptime for cc in range(HW):
+                dk.unsafe_store(o + cc * 16, dd[t].fma(qrow.unsafe_load[width=16](o + cc * 16),
+                                                      acc[t * HW + cc]))
+
+
+@always_inline
+def _fold[T: Int](scr: F32Ptr, v: F32Ptr, ldv: Int, qk: F32Ptr, dqk: F32Ptr,
+                  dv: F32Ptr, dH: F32Ptr, last: Int, j0: Int):
+    """Step 4's fold for columns j0 .. j0+T-1 (v, dv: token 0's v row and
+    its dproj row, ldv apart). The T columns share each loaded dH row;
+    scalar updates run in j order; every chain is step 4's."""
+    var u = scr.unsafe_offset(V_TMP)  # u_t at V_TMP + 64 t
+    for p in range(0, HP, 4):  # dot128(dH[p+q], k_{j0+t}): 4 T chains in flight
+        var acc = Array[V16, 4 * T](fill=V16(0.0))
+        comptime for c in range(8):
+            comptime for q in range(4):
+                var hv = dH.unsafe_load[width=16]((p + q) * NST + c * 16)
+                comptime for t in range(T):
+                    acc[q * T + t] = hv.fma(
+                        qk.unsafe_load[width=16]((j0 + t) * QK + NST + c * 16), acc[q * T + t])
+        comptime for t in range(T):
+            comptime for q in range(4):
+                u[unsafe_offset=t * 64 + p + q] = _tree16(acc[q * T + t])
+    var fs = Array[Float32, T](fill=0.0)
+    comptime for t in range(T):
+        var j = j0 + t
+        var vj = v.unsafe_offset(j * ldv)
+        var ut = u.unsafe_offset(t * 64)
+        var vdk = _dot64(vj, ut)
+        var f: Float32 = 1.0
+        if j < last:
+            f = scr[unsafe_offset=M_L + last * QC + j]
+        var sc = scr[unsafe_offset=V_SCALE + j]
+        scr[unsafe_offset=V_DSCALE + j] = scr[unsafe_offset=V_DSCALE + j] + f * vdk
+        fs[t] = f * sc
+        if j < last:
+            var x = fs[t] * vdk
+            scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + x
+            scr[unsafe_offset=V_DCUM + j] = scr[unsafe_offset=V_DCUM + j] - x
+        var dvrow = dv.unsafe_offset(j * ldv)
+        comptime for cc in range(4):
+            dvrow.unsafe_store(cc * 16, V16(fs[t]).fma(ut.unsafe_load[width=16](cc * 16),
+                                                       dvrow.unsafe_load[width=16](cc * 16)))
+    comptime for hf in range(NHF):  # dk_j += (F scale_j) dH^T v_j
+        comptime o = hf * HO
+        var acc = Array[V16, T * HW](fill=V16(0.0))
+        for p in range(HP):
+            var vp = Array[V16, T](fill=V16(0.0))
+            comptime for t in range(T):
+                vp[t] = V16(v[unsafe_offset=(j0 + t) * ldv + p])
+            comptime for cc in range(HW):
+                var hv = dH.unsafe_load[width=16](p * NST + o + cc * 16)
+                comptime for t in range(T):
+                    acc[t * HW + cc] = vp[t].fma(hv, acc[t * HW + cc])
+        comptime for t in range(T):
+            var dk = dqk.unsafe_offset((j0 + t) * QK + NST)
+            comptime for cc in range(HW):
+                dk.unsafe_store(o + cc * 16, V16(fs[t]).fma(acc[t * HW + cc],
+                                                            dk.unsafe_load[width=16](o + cc * 16)))
+
+
+@always_inline
+def _dh_in[T: Int](scr: F32Ptr, dy: F32Ptr, qk: F32Ptr, dH: F32Ptr, n: Int,
+                   elast: Float32, p0: Int):
+    """State rows p0 .. p0+T-1 of dh_in = e_last dH + sum_i (e_i dy_i[p]) q_i
+    (i ascending), in place; the rows share each loaded q_i."""
+    comptime for hf in range(NHF):
+        comptime o = hf * HO
+        var acc = Array[V16, T * HW](fill=V16(0.0))
+        comptime for t in range(T):
+            comptime for cc in range(HW):
+                acc[t * HW + cc] = V16(elast) * dH.unsafe_load[width=16]((p0 + t) * NST + o + cc * 16)
+        for i in range(n):
+            var ey = Array[V16, T](fill=V16(0.0))
+            comptime for t in range(T):
+                ey[t] = V16(scr[unsafe_offset=V_E + i] * dy[unsafe_offset=i * HP + p0 + t])
+            var qi = qk.unsafe_offset(i * QK)
+            comptime for cc in range(HW):
+                var qv = qi.unsafe_load[width=16](o + cc * 16)
+                comptime for t in range(T):
+                    acc[t * HW + cc] = ey[t].fma(qv, acc[t * HW + cc])
+        comptime for t in range(T):
+            comptime for cc in range(HW):
+                dH.unsafe_store((p0 + t) * NST + o + cc * 16, acc[t * HW + cc])
+
+
 def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     """VJP of chunk c for (bb, hh). Order (each sum in the loop order written):
     1. per token i: dy = do * silu(z); dz = (do * y) * silu'(z); dvv_i = dy_i . v_i.
@@ -933,42 +1085,22 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                 scr[unsafe_offset=V_DCUM + j] = scr[unsafe_offset=V_DCUM + j] - x
                 scr[unsafe_offset=M_DG + i * QC + j] = dl * scr[unsafe_offset=V_SCALE + j]
             j0 += 4
-    # 3.
+    # 3. dq, dk of TB tokens at a time (_dqdk), then dv, dcum, dgam per token
+    var qk0 = qkr.unsafe_offset((bb * n) * rs + hb * QK)  # token 0, rows QK apart
+    var dqk0 = dqk.unsafe_offset((bb * n) * rs + hb * QK)
+    var i0 = 0
+    while i0 < n:
+        if TB == 2 and i0 + 1 < n:
+            _dqdk[TB](scr, dy, h, qk0, dqk0, n, i0)
+            i0 += TB
+        else:
+            _dqdk[1](scr, dy, h, qk0, dqk0, n, i0)
+            i0 += 1
     for i in range(n):
         var r = bb * n + i
-        var qrow = qkr.unsafe_offset(r * rs + hb * QK)
-        var krow = qrow.unsafe_offset(NST)
-        var dq = dqk.unsafe_offset(r * rs + hb * QK)
-        var dk = dq.unsafe_offset(NST)
         var e = scr[unsafe_offset=V_E + i]
         var gam = scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]
         var dvv = scr[unsafe_offset=V_DVV + i]
-        var dd = V16(dvv * gam)
-        # 128 columns in NHF passes (no register spills); chains unchanged.
-        comptime for hf in range(NHF):
-            comptime o = hf * HO
-            var acc = Array[V16, HW](fill=V16(0.0))
-            for p in range(HP):
-                var ey = V16(e * dy[unsafe_offset=i * HP + p])
-                comptime for cc in range(HW):
-                    acc[cc] = ey.fma(h.unsafe_load[width=16](p * NST + o + cc * 16), acc[cc])
-            for j in range(i):
-                var dg = V16(scr[unsafe_offset=M_DG + i * QC + j])
-                var kj = qkr.unsafe_offset((bb * n + j) * rs + hb * QK + NST)
-                comptime for cc in range(HW):
-                    acc[cc] = dg.fma(kj.unsafe_load[width=16](o + cc * 16), acc[cc])
-            comptime for cc in range(HW):
-                dq.unsafe_store(o + cc * 16, dd.fma(krow.unsafe_load[width=16](o + cc * 16), acc[cc]))
-            # dk_i
-            comptime for cc in range(HW):
-                acc[cc] = V16(0.0)
-            for i2 in range(i + 1, n):
-                var dg = V16(scr[unsafe_offset=M_DG + i2 * QC + i])
-                var qi2 = qkr.unsafe_offset((bb * n + i2) * rs + hb * QK)
-                comptime for cc in range(HW):
-                    acc[cc] = dg.fma(qi2.unsafe_load[width=16](o + cc * 16), acc[cc])
-            comptime for cc in range(HW):
-                dk.unsafe_store(o + cc * 16, dd.fma(qrow.unsafe_load[width=16](o + cc * 16), acc[cc]))
         # dv_i
         var va = Array[V16, 4](fill=V16(0.0))
         for i2 in range(i + 1, n):
@@ -991,51 +1123,19 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             hd = hd + h4[q]
     scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + elast * hd
     var u = scr.unsafe_offset(V_TMP)
-    for j in range(n):
-        var r = bb * n + j
-        var kj = qkr.unsafe_offset(r * rs + hb * QK + NST)
-        var vj = proj.unsafe_offset(r * npj + vo)
-        for p in range(0, HP, 4):
-            u.unsafe_store(p, _dots128x4(dH.unsafe_offset(p * NST), NST, kj, 0))
-        var vdk = _dot64(vj, u)
-        var f: Float32 = 1.0
-        if j < last:
-            f = scr[unsafe_offset=M_L + last * QC + j]
-        var sc = scr[unsafe_offset=V_SCALE + j]
-        scr[unsafe_offset=V_DSCALE + j] = scr[unsafe_offset=V_DSCALE + j] + f * vdk
-        var fs = f * sc
-        if j < last:
-            var x = fs * vdk
-            scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + x
-            scr[unsafe_offset=V_DCUM + j] = scr[unsafe_offset=V_DCUM + j] - x
-        var dvrow = dproj.unsafe_offset(r * npj + vo)
-        comptime for cc in range(4):
-            dvrow.unsafe_store(cc * 16, V16(fs).fma(u.unsafe_load[width=16](cc * 16),
-                                                    dvrow.unsafe_load[width=16](cc * 16)))
-        var dk = dqk.unsafe_offset(r * rs + hb * QK + NST)
-        comptime for hf in range(NHF):  # passes, as in step 3
-            comptime o = hf * HO
-            var acc = Array[V16, HW](fill=V16(0.0))
-            for p in range(HP):
-                var vp = V16(vj[unsafe_offset=p])
-                comptime for cc in range(HW):
-                    acc[cc] = vp.fma(dH.unsafe_load[width=16](p * NST + o + cc * 16), acc[cc])
-            comptime for cc in range(HW):
-                dk.unsafe_store(o + cc * 16, V16(fs).fma(acc[cc], dk.unsafe_load[width=16](o + cc * 16)))
-    # dh_in, in place over the carry
-    for p in range(HP):
-        comptime for hf in range(NHF):  # passes, as in step 3
-            comptime o = hf * HO
-            var acc = Array[V16, HW](fill=V16(0.0))
-            comptime for cc in range(HW):
-                acc[cc] = V16(elast) * dH.unsafe_load[width=16](p * NST + o + cc * 16)
-            for i in range(n):
-                var ey = V16(scr[unsafe_offset=V_E + i] * dy[unsafe_offset=i * HP + p])
-                var qi = qkr.unsafe_offset((bb * n + i) * rs + hb * QK)
-                comptime for cc in range(HW):
-                    acc[cc] = ey.fma(qi.unsafe_load[width=16](o + cc * 16), acc[cc])
-            comptime for cc in range(HW):
-                dH.unsafe_store(p * NST + o + cc * 16, acc[cc])
+    var j0 = 0
+    while j0 < n:
+        if TB == 2 and j0 + 1 < n:
+            _fold[TB](scr, proj.unsafe_offset((bb * n) * npj + vo), npj, qk0, dqk0,
+                      dproj.unsafe_offset((bb * n) * npj + vo), dH, last, j0)
+            j0 += TB
+        else:
+            _fold[1](scr, proj.unsafe_offset((bb * n) * npj + vo), npj, qk0, dqk0,
+                     dproj.unsafe_offset((bb * n) * npj + vo), dH, last, j0)
+            j0 += 1
+    # dh_in, in place over the carry, TB state rows at a time
+    for p in range(0, HP, TB):
+        _dh_in[TB](scr, dy, qk0, dH, n, elast, p)
     var dbeta_prev: Float32 = 0.0
     if c > 0:
         var kp = work.unsafe_offset(wk.o_ckk + (c * nbh + bh) * NST)
