@@ -312,6 +312,25 @@ def _dots128x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
 
 
 @always_inline
+def _dots128_block[T: Int](a: F32Ptr, sa: Int, b: F32Ptr, sb: Int, dst: F32Ptr, so: Int):
+    """dst[t so + q] = dot128(a + t sa, b + q sb), t < T, q < 4: 4 T chains in
+    flight, each loaded vector used T or 4 times; each result is dot128's own
+    lane chains and _tree16."""
+    var acc = Array[V16, 4 * T](fill=V16(0.0))
+    comptime for c in range(8):
+        var av = Array[V16, T](fill=V16(0.0))
+        comptime for t in range(T):
+            av[t] = a.unsafe_load[width=16](t * sa + c * 16)
+        comptime for q in range(4):
+            var bv = b.unsafe_load[width=16](q * sb + c * 16)
+            comptime for t in range(T):
+                acc[q * T + t] = av[t].fma(bv, acc[q * T + t])
+    comptime for t in range(T):
+        comptime for q in range(4):
+            dst[unsafe_offset=t * so + q] = _tree16(acc[q * T + t])
+
+
+@always_inline
 def _dots64x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
     """_dot64(a + q sa, b + q sb) for q = 0..3, four chains in flight."""
     var acc = Array[V16, 4](fill=V16(0.0))
@@ -740,19 +759,26 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
     # 128 columns in NHF passes (no register spills); chains unchanged.
-    for p in range(HP):
+    for p0 in range(0, HP, TB):  # TB state rows share each loaded k row
         comptime for hf in range(NHF):
-            var acc = Array[V16, HW](fill=V16(0.0))
-            comptime for cc in range(HW):
-                acc[cc] = V16(hdec) * h0.unsafe_load[width=16](p * NST + (hf * HW + cc) * 16)
+            var acc = Array[V16, TB * HW](fill=V16(0.0))
+            comptime for t in range(TB):
+                comptime for cc in range(HW):
+                    acc[t * HW + cc] = V16(hdec) * h0.unsafe_load[width=16](
+                        (p0 + t) * NST + (hf * HW + cc) * 16)
             for j in range(n):
-                var vj = proj[unsafe_offset=(bb * nr + j) * dims.np + dims.c_v + hh * HP + p]
-                var wv = V16(w[unsafe_offset=j] * vj)
+                var vrow = proj.unsafe_offset((bb * nr + j) * dims.np + dims.c_v + hh * HP + p0)
+                var wv = Array[V16, TB](fill=V16(0.0))
+                comptime for t in range(TB):
+                    wv[t] = V16(w[unsafe_offset=j] * vrow[unsafe_offset=t])
                 var kr = qkr.unsafe_offset(wk.qk_row(bb * nr + j, hh) + NST)
                 comptime for cc in range(HW):
-                    acc[cc] = wv.fma(kr.unsafe_load[width=16]((hf * HW + cc) * 16), acc[cc])
-            comptime for cc in range(HW):
-                h1.unsafe_store(p * NST + (hf * HW + cc) * 16, acc[cc])
+                    var kv = kr.unsafe_load[width=16]((hf * HW + cc) * 16)
+                    comptime for t in range(TB):
+                        acc[t * HW + cc] = wv[t].fma(kv, acc[t * HW + cc])
+            comptime for t in range(TB):
+                comptime for cc in range(HW):
+                    h1.unsafe_store((p0 + t) * NST + (hf * HW + cc) * 16, acc[t * HW + cc])
     var rl = bb * nr + n - 1
     var kv = work.unsafe_offset(wk.o_ckv + ((c + 1) * nbh + bh) * HP)
     var kk = work.unsafe_offset(wk.o_ckk + ((c + 1) * nbh + bh) * NST)
@@ -787,13 +813,12 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var rs = QK  # row stride inside one head's block
     var hb = hh * wk.rmax
-    for i in range(n):
+    for i in range(n):  # per token: L row, e_i, G and C rows
         var r = bb * n + i
         var qrow = qkr.unsafe_offset(wk.qk_row(r, hh))
         var lrow = scr.unsafe_offset(M_L + i * QC)
         var grow = scr.unsafe_offset(M_G + i * QC)
         var crow = scr.unsafe_offset(M_C + i * QC)
-        var hq = scr.unsafe_offset(M_HQ + i * HP)
         var e = _segs(scr, i, lrow)
         scr[unsafe_offset=V_E + i] = e
         var j = 0
@@ -810,8 +835,25 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                 crow[unsafe_offset=j + q] = (lrow[unsafe_offset=j + q]
                                              * scr[unsafe_offset=V_SCALE + j + q]) * g4[q]
             j += 4
-        for p in range(0, HP, 4):
-            hq.unsafe_store(p, _dots128x4(qrow, 0, h.unsafe_offset(p * NST), NST))
+    # hq_i = h q_i, TB tokens at a time (they share each loaded h row)
+    var i0 = 0
+    while i0 < n:
+        var q0 = qkr.unsafe_offset(wk.qk_row(bb * n + i0, hh))
+        if TB == 2 and i0 + 1 < n:
+            for p in range(0, HP, 4):
+                _dots128_block[TB](q0, QK, h.unsafe_offset(p * NST), NST,
+                                   scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
+            i0 += TB
+        else:
+            for p in range(0, HP, 4):
+                _dots128_block[1](q0, QK, h.unsafe_offset(p * NST), NST,
+                                  scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
+            i0 += 1
+    for i in range(n):  # y and o
+        var r = bb * n + i
+        var e = scr[unsafe_offset=V_E + i]
+        var crow = scr.unsafe_offset(M_C + i * QC)
+        var hq = scr.unsafe_offset(M_HQ + i * HP)
         var diag = scr[unsafe_offset=V_QK + i] * (scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i])
         var pr = proj.unsafe_offset(r * dims.np)
         var vrow = pr.unsafe_offset(dims.c_v + hh * HP)
