@@ -1297,19 +1297,20 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
             var dpr = dproj.unsafe_offset(r * npj)
             var pbc = work.unsafe_offset(wk.o_pbc + r * 2 * NST)
             # head sums (h ascending) into the B | C columns of dproj as dBn | dCn
-            for k in range(NST):
-                var sb: Float32 = dqk[unsafe_offset=wk.qk_row(r, 0) + NST + k]
-                var sc: Float32 = dqk[unsafe_offset=wk.qk_row(r, 0) + k]
+            # (16 lanes = 16 independent sums, each the same + chain over heads)
+            comptime for kc in range(0, NST, 16):
+                var sb = dqk.unsafe_load[width=16](wk.qk_row(r, 0) + NST + kc)
+                var sc = dqk.unsafe_load[width=16](wk.qk_row(r, 0) + kc)
                 for hh in range(1, nh):
-                    sb = sb + dqk[unsafe_offset=wk.qk_row(r, hh) + NST + k]
-                    sc = sc + dqk[unsafe_offset=wk.qk_row(r, hh) + k]
-                dpr[unsafe_offset=dims.c_b + k] = sb
-                dpr[unsafe_offset=dims.c_c + k] = sc
-            for rr in range(NANG):
-                var s: Float32 = work[unsafe_offset=wk.o_dang + (r * nh) * NANG + rr]
+                    sb = sb + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + NST + kc)
+                    sc = sc + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + kc)
+                dpr.unsafe_store(dims.c_b + kc, sb)
+                dpr.unsafe_store(dims.c_c + kc, sc)
+            comptime for rc in range(0, NANG, 16):
+                var sa = work.unsafe_load[width=16](wk.o_dang + (r * nh) * NANG + rc)
                 for hh in range(1, nh):
-                    s = s + work[unsafe_offset=wk.o_dang + (r * nh + hh) * NANG + rr]
-                dpr[unsafe_offset=dims.c_ang + rr] = s
+                    sa = sa + work.unsafe_load[width=16](wk.o_dang + (r * nh + hh) * NANG + rc)
+                dpr.unsafe_store(dims.c_ang + rc, sa)
             var pr = proj.unsafe_offset(r * npj)
             # in place: each dBn_j is read before dBp_j is written
             _norm_vjp(pr.unsafe_offset(dims.c_b), NST, blob.unsafe_offset(dims.o_bnw),
