@@ -52,7 +52,10 @@ comptime BW_WORK = 6
 comptime BW_DX = 7
 comptime BW_W_IN = 8  # row-major in_proj.weight (np, d)
 comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
-comptime BW_G_NORM = 10  # gradient outputs, zero on entry, constructor layouts
+comptime BW_G_NORM = 10  # gradient outputs, constructor layouts; zero on entry
+# except BW_G_IN and BW_G_OUT: the first chunk of pass B (the last chunk)
+# writes their chains' first terms (fma from +0.0, as accumulating onto
+# zeros would), so the caller skips zeroing 4 (np + 2 d) d bytes.
 comptime BW_G_IN = 11
 comptime BW_G_DTB = 12
 comptime BW_G_BNW = 13
@@ -518,13 +521,13 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == S_FWD:
         _scan_fwd(args, dims, wk, c, task // dims.nh, task % dims.nh)
     elif stage == B_OUT:
-        _out_backward(args, dims, wk, nc, task)
+        _out_backward(args, dims, wk, c, nc, task)
     elif stage == B_SCAN:
         _scan_bwd(args, dims, wk, c, task // dims.nh, task % dims.nh)
     elif stage == B_RED:
         _reduce(args, dims, wk, nc, task)
     elif stage == B_INPROJ:
-        _inproj_backward(args, dims, wk, nc, task)
+        _inproj_backward(args, dims, wk, c, nc, task)
     elif stage == B_NORM:
         _norm_backward(args, dims, wk, c, nc, task)
     else:
@@ -879,7 +882,7 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
 # ------------------------------------------------------------ out_proj VJP
 
 
-def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
+def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     var work = arg_f32(args, BW_WORK)
     var rows = wk.b * nc
     var d = dims.d
@@ -892,7 +895,7 @@ def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
     else:  # dW_out[o, c] += sum_r g[r, o] o[r, c]
         _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
                       work.unsafe_offset(wk.o_o), di, rows,
-                      arg_f32(args, BW_G_OUT), di, d, di, True)
+                      arg_f32(args, BW_G_OUT), di, d, di, c < wk.nchunks - 1)
 
 
 # ------------------------------------------------------------ scan VJP
@@ -1341,7 +1344,7 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
     gd[unsafe_offset=hh] = sd
 
 
-def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
+def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     var work = arg_f32(args, BW_WORK)
     var rows = wk.b * nc
     var d = dims.d
@@ -1355,7 +1358,7 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
     elif task < n1 + n2:  # dW_in[j, i] += sum_r dproj[r, j] xn[r, i]
         _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dproj), 1, npj,
                       work.unsafe_offset(wk.o_xn), d, rows,
-                      arg_f32(args, BW_G_IN), d, npj, d, True)
+                      arg_f32(args, BW_G_IN), d, npj, d, c < wk.nchunks - 1)
     else:  # B_norm.weight | C_norm.weight += pbc rows, r ascending
         var q = task - n1 - n2
         var pbc = work.unsafe_offset(wk.o_pbc)

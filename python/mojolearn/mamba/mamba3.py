@@ -19,6 +19,8 @@ CHUNK = 64         # Q
 
 _WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "dt_bias", "B_norm.weight",
                  "C_norm.weight", "B_bias", "C_bias", "D", "out_proj.weight")
+# backward gradients the kernel writes in full (no zeroing needed)
+_WRITTEN_GRADS = ("in_proj.weight", "out_proj.weight")
 _STATE_BUFFERS = ("theta", "h", "buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt",
                   "buffer_sig", "buffer_adt", "pending_k", "pending_v")
 _N_SLOTS = 25
@@ -494,7 +496,8 @@ class Mamba3Block(_MambaBase):
         w, blob = self._backward_weights()
         grads = {"x": Array((b, l, d), zero=False)}
         for name in _WEIGHT_ORDER:
-            grads[name] = Array(w[name].shape, zero=True)
+            # the kernel writes the projections' gradients in full (no memset)
+            grads[name] = Array(w[name].shape, zero=name not in _WRITTEN_GRADS)
         args = ([b, l, d, xv.address, gv.address, blob.address, 0,
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]
