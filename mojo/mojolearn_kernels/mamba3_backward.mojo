@@ -162,7 +162,7 @@ struct BW3(ImplicitlyCopyable):
     var o_do: Int  # (rmax, di)
     var o_dproj: Int  # (rmax, np)
     var o_qkr: Int  # (H, rmax, 256): head-major, see qk_row
-    var o_cs: Int  # (rmax, H, 64)
+    var o_cs: Int  # (H, rmax, 64) cos | sin, head-major like qkr
     var o_dqk: Int  # (H, rmax, 256)
     var o_dang: Int  # (rmax, H, 32)
     var o_dd: Int  # (rmax, H)
@@ -678,7 +678,7 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
         scr[unsafe_offset=V_QK + i] = dot128(qu, ku)
         var qrow = work.unsafe_offset(wk.o_qkr + wk.qk_row(r, hh))
         var krow = qrow.unsafe_offset(NST)
-        var csr = work.unsafe_offset(wk.o_cs + (r * nh + hh) * CSW)
+        var csr = work.unsafe_offset(wk.o_cs + (hh * wk.rmax + r) * CSW)
         comptime for c in range(2):
             var ang = tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + c * 16)) * V16(PI_F32)
             var th = mod2pi_f32[16](ang.fma(V16(dt), theta.unsafe_load[width=16](c * 16)))
@@ -1204,7 +1204,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var krow = qrow.unsafe_offset(NST)
         var dq = dqk.unsafe_offset(r * rs + hb * QK)
         var dk = dq.unsafe_offset(NST)
-        var csr = work.unsafe_offset(wk.o_cs + (r * nh + hh) * CSW)
+        var csr = work.unsafe_offset(wk.o_cs + (hh * wk.rmax + r) * CSW)
         var pr = proj.unsafe_offset(r * npj)
         var dap = work.unsafe_offset(wk.o_dang + (r * nh + hh) * NANG)
         var dt = scr[unsafe_offset=V_DT + j]
