@@ -1209,30 +1209,34 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var dap = work.unsafe_offset(wk.o_dang + (r * nh + hh) * NANG)
         var dt = scr[unsafe_offset=V_DT + j]
         var ddt_th: Float32 = 0.0
-        var tnh = scr.unsafe_offset(V_TMP + 128)
-        comptime for cc in range(2):
-            tnh.unsafe_store(cc * 16, tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + cc * 16)))
-        for rr in range(NANG):
-            var q0 = qrow[unsafe_offset=2 * rr]
-            var q1 = qrow[unsafe_offset=2 * rr + 1]
-            var k0 = krow[unsafe_offset=2 * rr]
-            var k1 = krow[unsafe_offset=2 * rr + 1]
-            var g0 = dq[unsafe_offset=2 * rr]
-            var g1 = dq[unsafe_offset=2 * rr + 1]
-            var f0 = dk[unsafe_offset=2 * rr]
-            var f1 = dk[unsafe_offset=2 * rr + 1]
+        var tt = scr.unsafe_offset(V_TMP + 160)  # t * tanh per angle
+        # 16 angles at a time (pairs split into even | odd lanes); every
+        # lane is the scalar formula's own operations.
+        comptime for hc in range(2):
+            var th = tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + hc * 16))
+            var q = qrow.unsafe_load[width=32](hc * 32).deinterleave()
+            var k = krow.unsafe_load[width=32](hc * 32).deinterleave()
+            var g = dq.unsafe_load[width=32](hc * 32).deinterleave()
+            var f = dk.unsafe_load[width=32](hc * 32).deinterleave()
+            var q0 = q[0]
+            var q1 = q[1]
+            var k0 = k[0]
+            var k1 = k[1]
+            var g0 = g[0]
+            var g1 = g[1]
+            var f0 = f[0]
+            var f1 = f[1]
             var dth = ((g1 * q0 - g0 * q1) + f1 * k0) - f0 * k1
-            var t = tcar[unsafe_offset=rr] + dth
-            tcar[unsafe_offset=rr] = t
-            var cc = csr[unsafe_offset=rr]
-            var ss = csr[unsafe_offset=NANG + rr]
-            dq[unsafe_offset=2 * rr] = g0 * cc + g1 * ss
-            dq[unsafe_offset=2 * rr + 1] = g1 * cc - g0 * ss
-            dk[unsafe_offset=2 * rr] = f0 * cc + f1 * ss
-            dk[unsafe_offset=2 * rr + 1] = f1 * cc - f0 * ss
-            var th = tnh[unsafe_offset=rr]
-            ddt_th = (t * th).fma(PI_F32, ddt_th)
-            dap[unsafe_offset=rr] = ((t * PI_F32) * dt) * (Float32(1.0) - th * th)
+            var t = tcar.unsafe_load[width=16](hc * 16) + dth
+            tcar.unsafe_store(hc * 16, t)
+            var cs = csr.unsafe_load[width=16](hc * 16)
+            var sn = csr.unsafe_load[width=16](NANG + hc * 16)
+            dq.unsafe_store(hc * 32, (g0 * cs + g1 * sn).interleave(g1 * cs - g0 * sn))
+            dk.unsafe_store(hc * 32, (f0 * cs + f1 * sn).interleave(f1 * cs - f0 * sn))
+            tt.unsafe_store(hc * 16, t * th)
+            dap.unsafe_store(hc * 16, ((t * V16(PI_F32)) * V16(dt)) * (V16(1.0) - th * th))
+        for rr in range(NANG):  # one fma chain over the angles, ascending
+            ddt_th = tt[unsafe_offset=rr].fma(PI_F32, ddt_th)
         scr[unsafe_offset=V_DDT + j] = ddt_th
         j -= 1
     # 7. scalars
