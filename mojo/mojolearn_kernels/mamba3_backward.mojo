@@ -92,6 +92,14 @@ comptime TB = 2 if WIDE else 1
 # function of (B, L, d) only (-D ML_M3_KEEP_BYTES=0 builds a test variant
 # that keeps nothing).
 comptime KEEP_MAX_BYTES = get_defined_int["ML_M3_KEEP_BYTES", 32 * 1024 * 1024]()
+# When the whole call's dproj, xn, g and o rows fit in this many bytes, pass
+# B keeps them all (in processing order: chunks last to first, rows b then t
+# ascending, the canonical chain order) and the weight-gradient products run
+# once over all B L rows at the end, instead of once per chunk over 64 B:
+# the same chains, but each dW element is loaded and stored once, not once
+# per chunk (at B = 1 that traffic bounds the product). -D
+# ML_M3_DEFER_BYTES=0 builds a test variant that never defers.
+comptime DEFER_MAX_BYTES = get_defined_int["ML_M3_DEFER_BYTES", 32 * 1024 * 1024]()
 comptime QK = 2 * NST  # qr | kr (or dq | dk) per (row, head)
 comptime CSW = 2 * NANG  # cos | sin per (row, head)
 
@@ -173,6 +181,11 @@ struct BW3(ImplicitlyCopyable):
     var nkeep: Int  # pass-A chunks n-1-nkeep .. n-2 are kept
     var keep_slot: Int  # floats per kept chunk: xn | proj | bcn, B * 64 rows each
     var o_keep: Int
+    var defer: Bool  # weight gradients once at the end (DEFER_MAX_BYTES)
+    var o_sdp: Int  # (B L, np) dproj rows, processing order (defer only)
+    var o_sxn: Int  # (B L, d) xn rows
+    var o_sgc: Int  # (B L, d) grad_output rows
+    var o_so: Int  # (B L, di) o rows
     var floats: Int
 
     def __init__(out self, dims: M3Dims, b: Int, l: Int):
@@ -240,6 +253,19 @@ struct BW3(ImplicitlyCopyable):
         self.nkeep = min(self.nchunks - 1, KEEP_MAX_BYTES // (4 * self.keep_slot))
         self.o_keep = o
         o += self.nkeep * self.keep_slot
+        var tot = b * l
+        var sfl = (round_up(tot * dims.np, ALIGN_FLOATS) + 2 * round_up(tot * d, ALIGN_FLOATS)
+                   + round_up(tot * di, ALIGN_FLOATS))
+        self.defer = sfl * 4 <= DEFER_MAX_BYTES
+        self.o_sdp = o
+        self.o_sxn = o
+        self.o_sgc = o
+        self.o_so = o
+        if self.defer:
+            self.o_sxn = self.o_sdp + round_up(tot * dims.np, ALIGN_FLOATS)
+            self.o_sgc = self.o_sxn + round_up(tot * d, ALIGN_FLOATS)
+            self.o_so = self.o_sgc + round_up(tot * d, ALIGN_FLOATS)
+            o += sfl
         self.floats = o
 
     def chunk_tokens(self, c: Int) -> Int:
@@ -256,18 +282,42 @@ struct BW3(ImplicitlyCopyable):
         which pass A does not see)."""
         return c < self.nchunks - 1 and c >= self.nchunks - 1 - self.nkeep
 
-    def keep_xn(self, c: Int) -> Int:
+    def keep_base(self, c: Int) -> Int:
         return self.o_keep + (c - (self.nchunks - 1 - self.nkeep)) * self.keep_slot
 
+    def keep_xn(self, c: Int, d: Int) -> Int:
+        """Where a kept chunk's xn rows go: its keep slot, or, when deferring,
+        straight into the all-rows store that the weight gradient reads."""
+        if self.defer:
+            return self.o_sxn + self.srow(c) * d
+        return self.keep_base(c)
+
     def keep_proj(self, c: Int, d: Int) -> Int:
-        return self.keep_xn(c) + round_up(self.b * QC * d, ALIGN_FLOATS)
+        return self.keep_base(c) + round_up(self.b * QC * d, ALIGN_FLOATS)
 
     def keep_bcn(self, c: Int, d: Int, np: Int) -> Int:
         return self.keep_proj(c, d) + round_up(self.b * QC * np, ALIGN_FLOATS)
 
+    def srow(self, c: Int) -> Int:
+        """Store rows before chunk c: B x the tokens of the chunks after it
+        (pass B runs chunks last to first)."""
+        return self.b * max(0, self.l - (c + 1) * QC)
+
+    def dw_now(self, c: Int) -> Bool:
+        """Does chunk c's pass B run the weight-gradient products?"""
+        return not self.defer or c == 0
+
+    def use_store(mut self, c: Int, d: Int, np: Int, di: Int):
+        """Deferring: pass B of chunk c writes dproj, xn, g, o into the store."""
+        var r = self.srow(c)
+        self.o_dproj = self.o_sdp + r * np
+        self.o_xn = self.o_sxn + r * d
+        self.o_gch = self.o_sgc + r * d
+        self.o_o = self.o_so + r * di
+
     def use_kept(mut self, c: Int, d: Int, np: Int):
         """Pass B of a kept chunk reads xn, proj, bcn where pass A left them."""
-        var xn = self.keep_xn(c)
+        var xn = self.keep_xn(c, d)
         var pj = self.keep_proj(c, d)
         var bc = self.keep_bcn(c, d, np)
         self.o_xn = xn
@@ -445,11 +495,14 @@ def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> I
     if stage == S_FWD or stage == B_SCAN:
         return bh
     if stage == B_OUT:
+        if not wk.dw_now(c):
+            return matmul_ntasks(rows, dims.di)
         return matmul_ntasks(rows, dims.di) + gemm_ntasks(dims.d, dims.di)
     if stage == B_RED:
         return ceil_div(rows, ROWS_PER_TASK) + dims.nh
     if stage == B_INPROJ:
-        return matmul_ntasks(rows, dims.d) + gemm_ntasks(dims.np, dims.d) + 2 * NST // 16
+        var ndw = gemm_ntasks(dims.np, dims.d) if wk.dw_now(c) else 0
+        return matmul_ntasks(rows, dims.d) + ndw + 2 * NST // 16
     return ceil_div(dims.d, 16)  # B_NORMW
 
 
@@ -510,6 +563,8 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     var stage = p % NB
     var nc = wk.chunk_tokens(c)
     var kept = wk.kept(c)
+    if wk.defer:
+        wk.use_store(c, dims.d, dims.np, dims.di)
     if kept:
         wk.use_kept(c, dims.d, dims.np)
     if stage == F_NORM:
@@ -602,7 +657,7 @@ def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
     var npj = dims.np
     var r0 = task * ROWS_PER_TASK
     var r1 = min(wk.b * QC, r0 + ROWS_PER_TASK)
-    var kx = wk.keep_xn(c)
+    var kx = wk.keep_xn(c, d)
     var kp = wk.keep_proj(c, d)
     var kb = wk.keep_bcn(c, d, npj)
     for r in range(r0, r1):
@@ -653,7 +708,6 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
     var blob = arg_f32(args, BW_BLOB)
     var proj = work.unsafe_offset(wk.o_proj)
     var bcn = work.unsafe_offset(wk.o_bcn)
-    var nh = dims.nh
     var dtb = blob[unsafe_offset=dims.o_dtb + hh]
     var bbias = blob.unsafe_offset(dims.o_bb + hh * NST)
     var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
@@ -892,6 +946,10 @@ def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: In
         var wt = arg_f32(args, BW_PANELS).unsafe_offset(BwPanels(dims).o_out)
         _ = matmul_task(task, work.unsafe_offset(wk.o_gch), d, rows, wt, d, di,
                         work.unsafe_offset(wk.o_do), di)
+    elif wk.defer:  # all B L rows at once (chunk 0, the last processed)
+        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_sgc), 1, d,
+                      work.unsafe_offset(wk.o_so), di, wk.b * wk.l,
+                      arg_f32(args, BW_G_OUT), di, d, di, False)
     else:  # dW_out[o, c] += sum_r g[r, o] o[r, c]
         _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
                       work.unsafe_offset(wk.o_o), di, rows,
@@ -1354,11 +1412,15 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
     var d = dims.d
     var npj = dims.np
     var n1 = matmul_ntasks(rows, d)
-    var n2 = gemm_ntasks(npj, d)
+    var n2 = gemm_ntasks(npj, d) if wk.dw_now(c) else 0
     if task < n1:  # dxn[r, i] = sum_j dproj[r, j] W_in[j, i]
         var wt = arg_f32(args, BW_PANELS).unsafe_offset(BwPanels(dims).o_in)
         _ = matmul_task(task, work.unsafe_offset(wk.o_dproj), npj, rows, wt, npj, d,
                         work.unsafe_offset(wk.o_dxn), d)
+    elif task < n1 + n2 and wk.defer:  # all B L rows at once (chunk 0)
+        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_sdp), 1, npj,
+                      work.unsafe_offset(wk.o_sxn), d, wk.b * wk.l,
+                      arg_f32(args, BW_G_IN), d, npj, d, False)
     elif task < n1 + n2:  # dW_in[j, i] += sum_r dproj[r, j] xn[r, i]
         _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dproj), 1, npj,
                       work.unsafe_offset(wk.o_xn), d, rows,
