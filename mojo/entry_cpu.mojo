@@ -12,7 +12,7 @@ from mojolearn_kernels.abi import (
     OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
     OP_M2_PREPARE, OP_M2_FORWARD, OP_M3_PREPARE, OP_M3_FORWARD,
     OP_M1_BACKWARD, OP_M2_BACKWARD, OP_M3_BACKWARD, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK,
-    OP_PANELS_EXTRACT, OP_M3_BACKWARD_PREPARE,
+    OP_PANELS_EXTRACT, OP_PACK_TRANSPOSED,
 )
 from mojolearn_kernels.checks import first_nonfinite_task, first_nonfinite
 from mojolearn_kernels.math_eval import math_eval
@@ -24,9 +24,8 @@ from mojolearn_kernels.mamba2 import (
 )
 from mojolearn_kernels.mamba1_backward import m1_backward_plan, m1_backward_task
 from mojolearn_kernels.mamba2_backward import m2_backward_plan, m2_backward_task
-from mojolearn_kernels.mamba3_backward import (
-    m3_backward_plan, m3_backward_task, m3_backward_prepare_plan, m3_backward_prepare_task,
-)
+from mojolearn_kernels.mamba3_backward import m3_backward_plan, m3_backward_task
+from mojolearn_kernels.linear_grad import pack_transposed_plan, pack_transposed_task
 from mojolearn_kernels.lowbit import (
     lowbit_pack_plan, lowbit_pack_task, lowbit_unpack_plan, lowbit_unpack_task,
 )
@@ -102,8 +101,8 @@ def ml_plan(op: Int64, args: I64Ptr, phase: Int64) abi("C") -> Int64:
         return Int64(m2_backward_plan(args, p))
     if op == OP_M3_BACKWARD:
         return Int64(m3_backward_plan(args, p))
-    if op == OP_M3_BACKWARD_PREPARE:
-        return Int64(m3_backward_prepare_plan(args, p))
+    if op == OP_PACK_TRANSPOSED:
+        return Int64(pack_transposed_plan(args, p))
     if op == OP_LOWBIT_PACK:
         return Int64(lowbit_pack_plan(args, p))
     if op == OP_LOWBIT_UNPACK:
@@ -139,8 +138,8 @@ def ml_task(op: Int64, args: I64Ptr, phase: Int64, task: Int64) abi("C") -> Int6
         m2_backward_task(args, p, t)
     elif op == OP_M3_BACKWARD:
         m3_backward_task(args, p, t)
-    elif op == OP_M3_BACKWARD_PREPARE:
-        m3_backward_prepare_task(args, p, t)
+    elif op == OP_PACK_TRANSPOSED:
+        pack_transposed_task(args, p, t)
     elif op == OP_LOWBIT_PACK:
         lowbit_pack_task(args, p, t)
     elif op == OP_LOWBIT_UNPACK:

@@ -16,7 +16,7 @@ comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 
 # Bumped whenever an op id, an argument slot or a layout changes.
 # 2: blobs start with a weight-format header; PREP_WFMT slots.
-# 3: OP_M3_BACKWARD_PREPARE and Mamba-3 backward's BW_PANELS slot.
+# 3: OP_PACK_TRANSPOSED; the Mamba-2/3 backwards' BW_PANELS slot.
 comptime ABI_VERSION = 3
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
@@ -36,7 +36,7 @@ comptime OP_M2_BACKWARD = 22
 comptime OP_M3_PREPARE = 30
 comptime OP_M3_FORWARD = 31
 comptime OP_M3_BACKWARD = 32
-comptime OP_M3_BACKWARD_PREPARE = 33
+comptime OP_PACK_TRANSPOSED = 33  # weight transposes for backward (linear_grad)
 comptime OP_LOWBIT_PACK = 40
 comptime OP_LOWBIT_UNPACK = 41
 comptime OP_PANELS_EXTRACT = 42  # packed codes back out of a prepared blob

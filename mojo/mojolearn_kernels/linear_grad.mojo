@@ -13,8 +13,11 @@ reordered, so the bits do not depend on tile shapes or the thread split.
 """
 from std.collections import Array
 from std.sys.intrinsics import prefetch, PrefetchOptions
-from .abi import F32Ptr, ceil_div
-from .linear import TileRange, NR, WIDE
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div,
+    round_up,
+)
+from .linear import TileRange, NR, WIDE, packed_floats
 
 comptime GW = 16
 comptime GV = SIMD[DType.float32, GW]
@@ -148,3 +151,51 @@ def pack_panels_t(w: F32Ptr, k: Int, m: Int, dst: F32Ptr, p: Int):
             if j < nc:
                 v = w[unsafe_offset=kk * m + c0 + j]
             dst[unsafe_offset=base + kk * NR + j] = v
+
+
+# OP_PACK_TRANSPOSED: the transposes of two row-major matrices W1 (k1, m1)
+# and W2 (k2, m2) in linear.mojo's panels, for a backward's activation
+# products x @ W (Mamba-2/3: W1 = in_proj.weight, W2 = out_proj.weight).
+comptime PT_K1 = 0
+comptime PT_M1 = 1
+comptime PT_W1 = 2
+comptime PT_K2 = 3
+comptime PT_M2 = 4
+comptime PT_W2 = 5
+comptime PT_DST = 6
+
+
+struct TPanels(ImplicitlyCopyable):
+    """Offsets (floats) of W1^T (m1, k1) and W2^T (m2, k2) panels."""
+    var o1: Int
+    var o2: Int
+    var floats: Int
+
+    def __init__(out self, k1: Int, m1: Int, k2: Int, m2: Int):
+        self.o1 = 0
+        self.o2 = round_up(packed_floats(m1, k1), ALIGN_FLOATS)
+        self.floats = self.o2 + packed_floats(m2, k2)
+
+
+def pack_transposed_plan(args: I64Ptr, phase: Int) -> Int:
+    var m1 = arg_int(args, PT_M1)
+    var m2 = arg_int(args, PT_M2)
+    if phase == PLAN_WORKSPACE:
+        return TPanels(arg_int(args, PT_K1), m1, arg_int(args, PT_K2), m2).floats * 4
+    if phase == 0:
+        return ceil_div(m1, NR) + ceil_div(m2, NR)  # one task per panel
+    return PHASE_END
+
+
+def pack_transposed_task(args: I64Ptr, phase: Int, task: Int):
+    var k1 = arg_int(args, PT_K1)
+    var m1 = arg_int(args, PT_M1)
+    var k2 = arg_int(args, PT_K2)
+    var m2 = arg_int(args, PT_M2)
+    var pl = TPanels(k1, m1, k2, m2)
+    var dst = arg_f32(args, PT_DST)
+    var n1 = ceil_div(m1, NR)
+    if task < n1:
+        pack_panels_t(arg_f32(args, PT_W1), k1, m1, dst.unsafe_offset(pl.o1), task)
+    else:
+        pack_panels_t(arg_f32(args, PT_W2), k2, m2, dst.unsafe_offset(pl.o2), task - n1)

@@ -33,10 +33,10 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import WF_F32
+from .linear import WF_F32, matmul_ntasks, matmul_task
 from .linear_split import split_matmul_ntasks, split_matmul_task, split_ld
 from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task
+from .linear_grad import gemm_ntasks, gemm_task, TPanels
 from .norms import rmsnorm_row, rms_scale
 from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
 from .mamba2_layout import P, N, Q, KCONV, M2Dims
@@ -62,7 +62,8 @@ comptime BW_G_ALOG = 15
 comptime BW_G_D = 16
 comptime BW_G_GNORM = 17
 comptime BW_G_OUT = 18
-comptime BW_NARGS = 19
+comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_PACK_TRANSPOSED)
+comptime BW_NARGS = 20
 
 comptime LANES = 16
 comptime LV = SIMD[DType.float32, LANES]
@@ -258,7 +259,7 @@ def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
     if stage == S_GNORM or stage == S_GATE or stage == S_NORMB:
         return ceil_div(rows, ROWS_PER_TASK)
     if stage == S_OUT:
-        return gemm_ntasks(rows, dims.di) + gemm_ntasks(dims.d, dims.di)
+        return matmul_ntasks(rows, dims.di) + gemm_ntasks(dims.d, dims.di)
     if stage == S_SSD1:
         return b * dims.nh + b * nrb
     if stage == S_SSD3:
@@ -266,7 +267,7 @@ def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
     if stage == S_CONVB:
         return dims.cd // CH_PER_TASK
     if stage == S_INB:
-        return gemm_ntasks(rows, dims.d) + gemm_ntasks(dims.npj, dims.d)
+        return matmul_ntasks(rows, dims.d) + gemm_ntasks(dims.npj, dims.d)
     # S_COLS
     return ceil_div(dims.d, LANES) + ceil_div(dims.di, LANES) + dims.nh
 
@@ -376,11 +377,14 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
             rmsnorm_row(work.unsafe_offset(bw.o_yg + r * di), di,
                         blob.unsafe_offset(dims.o_gnorm), work.unsafe_offset(bw.o_g + r * di))
     elif stage == S_OUT:
-        var n1 = gemm_ntasks(rows, di)
+        var n1 = matmul_ntasks(rows, di)
         if task < n1:  # dg[r, k] = sum_o gout[r, o] W_out[o, k]
-            _ = gemm_task(task, work.unsafe_offset(bw.o_gch), d, 1,
-                          arg_f32(args, BW_W_OUT), di, d,
-                          work.unsafe_offset(bw.o_dg), di, rows, di, False)
+            # on W_out^T's panels (made once per block): the same fma chain
+            # as a strided product, on the forward's matmul kernel
+            var wt = arg_f32(args, BW_PANELS).unsafe_offset(
+                TPanels(dims.npj, d, d, di).o2)
+            _ = matmul_task(task, work.unsafe_offset(bw.o_gch), d, rows, wt, d, di,
+                            work.unsafe_offset(bw.o_dg), di)
         else:  # dW_out[o, k] += sum_r gout[r, o] g[r, k]
             _ = gemm_task(task - n1, work.unsafe_offset(bw.o_gch), 1, d,
                           work.unsafe_offset(bw.o_g), di, rows,
@@ -399,11 +403,12 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     elif stage == S_CONVB:
         _conv_backward(args, bw, work, blob, c, task)
     elif stage == S_INB:
-        var n1 = gemm_ntasks(rows, d)
-        if task < n1:  # dxn[r, i] = sum_j dzx[r, j] W_in[j, i]
-            _ = gemm_task(task, work.unsafe_offset(bw.o_dzx), npj, 1,
-                          arg_f32(args, BW_W_IN), d, npj,
-                          work.unsafe_offset(bw.o_dxn), d, rows, d, False)
+        var n1 = matmul_ntasks(rows, d)
+        if task < n1:  # dxn[r, i] = sum_j dzx[r, j] W_in[j, i], on W_in^T's panels
+            var wt = arg_f32(args, BW_PANELS).unsafe_offset(
+                TPanels(npj, d, d, di).o1)
+            _ = matmul_task(task, work.unsafe_offset(bw.o_dzx), npj, rows, wt, npj, d,
+                            work.unsafe_offset(bw.o_dxn), d)
         else:  # dW_in[j, i] += sum_r dzx[r, j] xn[r, i]
             _ = gemm_task(task - n1, work.unsafe_offset(bw.o_dzx), 1, npj,
                           work.unsafe_offset(bw.o_xn), d, rows,

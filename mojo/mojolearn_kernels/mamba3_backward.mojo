@@ -33,7 +33,7 @@ from .abi import (
 )
 from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
 from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task, pack_panels_t
+from .linear_grad import gemm_ntasks, gemm_task, TPanels
 from .norms import rmsnorm_row, rms_scale
 from .numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
@@ -64,14 +64,9 @@ comptime BW_G_BB = 15
 comptime BW_G_CB = 16
 comptime BW_G_D = 17
 comptime BW_G_OUT = 18
-comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_M3_BACKWARD_PREPARE)
+comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_PACK_TRANSPOSED)
 comptime BW_NARGS = 20
 
-# OP_M3_BACKWARD_PREPARE argument slots.
-comptime BP_D = 0
-comptime BP_W_IN = 1
-comptime BP_W_OUT = 2
-comptime BP_DST = 3
 
 comptime V16 = SIMD[DType.float32, 16]
 comptime ROWS_PER_TASK = 16
@@ -431,41 +426,13 @@ def _dphi_a(u: Float32) -> Float32:
 # ------------------------------------------------------------ transposed panels
 
 
-struct BwPanels(ImplicitlyCopyable):
-    """Offsets (floats) of W_in^T (d, np) and W_out^T (di, d) in linear.mojo's
-    packed panels. Packed once per block (the Python layer keeps them), so the
-    activation products dxn = dproj @ W_in and do = g @ W_out run on the
-    forward's matmul kernel instead of a strided one: same fma chains."""
-    var o_in: Int
-    var o_out: Int
-    var floats: Int
-
-    def __init__(out self, dims: M3Dims):
-        self.o_in = 0
-        self.o_out = round_up(packed_floats(dims.d, dims.np), ALIGN_FLOATS)
-        self.floats = self.o_out + packed_floats(dims.di, dims.d)
-
-
-def m3_backward_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    var dims = M3Dims(arg_int(args, BP_D))
-    if phase == PLAN_WORKSPACE:
-        return BwPanels(dims).floats * 4
-    if phase == 0:
-        return ceil_div(dims.d, NR) + ceil_div(dims.di, NR)  # one task per panel
-    return PHASE_END
-
-
-def m3_backward_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var dims = M3Dims(arg_int(args, BP_D))
-    var pl = BwPanels(dims)
-    var dst = arg_f32(args, BP_DST)
-    var nin = ceil_div(dims.d, NR)
-    if task < nin:  # W_in (np, d): panels of its transpose (d, np)
-        pack_panels_t(arg_f32(args, BP_W_IN), dims.np, dims.d,
-                      dst.unsafe_offset(pl.o_in), task)
-    else:  # W_out (d, di): panels of (di, d)
-        pack_panels_t(arg_f32(args, BP_W_OUT), dims.d, dims.di,
-                      dst.unsafe_offset(pl.o_out), task - nin)
+@always_inline
+def _panels(dims: M3Dims) -> TPanels:
+    """W_in^T (d, np) and W_out^T (di, d) in linear.mojo's panels, packed once
+    per block by OP_PACK_TRANSPOSED (the Python layer keeps them), so dxn =
+    dproj @ W_in and do = g @ W_out run on the forward's matmul kernel
+    instead of a strided one: the same fma chains."""
+    return TPanels(dims.np, dims.d, dims.d, dims.di)
 
 
 # ------------------------------------------------------------ plan
@@ -943,7 +910,7 @@ def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: In
     var di = dims.di
     var n1 = matmul_ntasks(rows, di)
     if task < n1:  # do[r, c] = sum_o g[r, o] W_out[o, c]
-        var wt = arg_f32(args, BW_PANELS).unsafe_offset(BwPanels(dims).o_out)
+        var wt = arg_f32(args, BW_PANELS).unsafe_offset(_panels(dims).o2)
         _ = matmul_task(task, work.unsafe_offset(wk.o_gch), d, rows, wt, d, di,
                         work.unsafe_offset(wk.o_do), di)
     elif wk.defer:  # all B L rows at once (chunk 0, the last processed)
@@ -1414,7 +1381,7 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
     var n1 = matmul_ntasks(rows, d)
     var n2 = gemm_ntasks(npj, d) if wk.dw_now(c) else 0
     if task < n1:  # dxn[r, i] = sum_j dproj[r, j] W_in[j, i]
-        var wt = arg_f32(args, BW_PANELS).unsafe_offset(BwPanels(dims).o_in)
+        var wt = arg_f32(args, BW_PANELS).unsafe_offset(_panels(dims).o1)
         _ = matmul_task(task, work.unsafe_offset(wk.o_dproj), npj, rows, wt, npj, d,
                         work.unsafe_offset(wk.o_dxn), d)
     elif task < n1 + n2 and wk.defer:  # all B L rows at once (chunk 0)

@@ -93,6 +93,7 @@ class _MambaBase:
         self._lib = library(self.numeric_mode)
         self._work_lock = threading.Lock()
         self._work = None
+        self._bwd_panels = None  # W_in^T | W_out^T panels, from the first backward
 
     # -- weights ------------------------------------------------------------
     # Packed projection weights (mojolearn.lowbit) stay packed: the prepare op
@@ -166,8 +167,33 @@ class _MambaBase:
         return w, self._make_blob(w)
 
     def _held_bytes(self) -> int:
-        """Bytes of the weight copies and the prepared blob the block holds."""
-        return self._blob.nbytes + sum(v.nbytes for v in self._weights.values())
+        """Bytes of the weight copies and the prepared blob the block holds
+        (and the transposed panels, once a backward has made them)."""
+        p = self._bwd_panels
+        return (self._blob.nbytes + sum(v.nbytes for v in self._weights.values())
+                + (0 if p is None else p.nbytes))
+
+    def _backward_panels(self, w):
+        """in_proj.weight^T and out_proj.weight^T of the float32 weights w in
+        the matmul kernel's panels (the two weights' size), for the Mamba-2/3
+        backwards' activation products. A float32 block packs them on its
+        first backward and keeps them (weights never change after
+        construction); a block on packed weights packs them per call, so it
+        keeps holding only its packed bytes. Hold the result until the op
+        returns."""
+        p = self._bwd_panels
+        if p is None:
+            from .._array import Array
+            wi, wo = w["in_proj.weight"], w["out_proj.weight"]
+            (k1, m1), (k2, m2) = wi.shape, wo.shape
+            args = [k1, m1, wi.address, k2, m2, wo.address, 0]
+            p = Array((self._lib.workspace_bytes(_abi.OP_PACK_TRANSPOSED, args) // 4,),
+                      zero=False)
+            args[-1] = p.address
+            self._lib.run(_abi.OP_PACK_TRANSPOSED, args)
+            if not self._packed_shapes:
+                self._bwd_panels = p  # a racing first call packs its own copy: same bytes
+        return p
 
     # -- estimator API ------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict:

@@ -436,6 +436,8 @@ class Mamba2Block(_MambaBase):
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]
                 + [grads[n].address for n in _BACKWARD_GRAD_NAMES])
+        panels = self._backward_panels(w)  # held until the op returns
+        args.append(panels.address)
         work, lock = self._workspace(_abi.OP_M2_BACKWARD, args)
         try:
             args[6] = work.address

@@ -244,7 +244,6 @@ class Mamba3Block(_MambaBase):
         self.nheads = dm["nheads"]
         self.d_in_proj = dm["d_in_proj"]
         self._blob = self._make_blob(prep)
-        self._bwd_panels = None  # W_in^T | W_out^T panels, packed by the first backward
         self._report = None
         self._session = None
 
@@ -506,29 +505,6 @@ class Mamba3Block(_MambaBase):
         args.append(panels.address)
         self._run_op(_abi.OP_M3_BACKWARD, args, 6)
         return grads
-
-    def _backward_panels(self, w):
-        """W_in^T and W_out^T (from the float32 weights w) packed for the
-        matmul kernel, the size of the two weights. A float32 block packs
-        them on its first backward and keeps them (the weights never change
-        after construction); a block on packed weights packs them per call,
-        so it keeps holding only its packed bytes."""
-        p = self._bwd_panels
-        if p is None:
-            from .._array import Array
-            args = [self.d_model, w["in_proj.weight"].address,
-                    w["out_proj.weight"].address, 0]
-            nbytes = self._lib.workspace_bytes(_abi.OP_M3_BACKWARD_PREPARE, args)
-            p = Array((nbytes // 4,), zero=False)
-            args[-1] = p.address
-            self._lib.run(_abi.OP_M3_BACKWARD_PREPARE, args)
-            if not self._packed_shapes:
-                self._bwd_panels = p  # a racing first call packs its own copy: same bytes
-        return p
-
-    def _held_bytes(self) -> int:
-        p = self._bwd_panels
-        return super()._held_bytes() + (0 if p is None else p.nbytes)
 
 
 class Mamba3BlockInference(Mamba3Block):
