@@ -54,6 +54,8 @@ comptime BW_DX = 7
 comptime BW_W_IN = 8  # row-major in_proj.weight (npj, d)
 comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
 comptime BW_G_NORM = 10  # gradient outputs, zero on entry, natural layouts
+# (except BW_G_IN and BW_G_OUT: pass B's first chunk, the last one, writes
+# their chains' first terms, fma from +0.0, so the caller skips zeroing them)
 comptime BW_G_IN = 11
 comptime BW_G_CONVW = 12  # (cd, 4)
 comptime BW_G_CONVB = 13
@@ -388,7 +390,7 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
         else:  # dW_out[o, k] += sum_r gout[r, o] g[r, k]
             _ = gemm_task(task - n1, work.unsafe_offset(bw.o_gch), 1, d,
                           work.unsafe_offset(bw.o_g), di, rows,
-                          arg_f32(args, BW_G_OUT), di, d, di, True)
+                          arg_f32(args, BW_G_OUT), di, d, di, c < bw.nch - 1)
     elif stage == S_GATE:
         _gate_backward(bw, work, blob, c, task)
     elif stage == S_SSD1:
@@ -412,7 +414,7 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
         else:  # dW_in[j, i] += sum_r dzx[r, j] xn[r, i]
             _ = gemm_task(task - n1, work.unsafe_offset(bw.o_dzx), 1, npj,
                           work.unsafe_offset(bw.o_xn), d, rows,
-                          arg_f32(args, BW_G_IN), d, npj, d, True)
+                          arg_f32(args, BW_G_IN), d, npj, d, c < bw.nch - 1)
     elif stage == S_NORMB:
         _norm_backward(args, bw, work, blob, c, task)
     else:

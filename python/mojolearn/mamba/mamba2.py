@@ -431,7 +431,9 @@ class Mamba2Block(_MambaBase):
         w, blob = self._backward_weights()
         grads = {"x": Array((b, l, d), zero=False)}
         for name in _BACKWARD_GRAD_NAMES:
-            grads[name] = Array(w[name].shape, zero=True)
+            # the kernel writes the projections' gradients in full (no memset)
+            grads[name] = Array(w[name].shape,
+                                zero=name not in ("in_proj.weight", "out_proj.weight"))
         args = ([b, l, d, xv.address, gv.address, blob.address, 0,
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]
