@@ -205,6 +205,22 @@ def test_x_gradient_of_a_row_equals_the_row_alone():
     assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
 
 
+def test_row_alone_across_the_memory_budgets():
+    """B = 8, L = 2000 is past both 32 MiB budgets of docs/backward.md (pass A
+    keeps only its last chunks' rows, the others skip z; the weight
+    gradients run chunk by chunk), the row alone is within both (every chunk
+    kept, weight gradients over all rows at the end): the x gradients still
+    agree bit for bit."""
+    B, L = 8, 2000
+    x, g = random_input(B, L, D, seed=48), random_input(B, L, D, seed=49)
+    full = _arrays(block().backward(x, g))
+    for i in (0, 5):
+        alone = _arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
+                                         np.ascontiguousarray(g[i:i + 1])))
+        assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
+    assert_bits_differ(full["x"][0], full["x"][5], "two different rows")
+
+
 def test_zero_grad_output_gives_exact_zeros():
     x = random_input(2, 70, D, seed=47)
     got = _arrays(block().backward(x, np.zeros_like(x)))
