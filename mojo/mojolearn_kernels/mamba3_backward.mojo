@@ -393,13 +393,11 @@ def _dots64x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
 
 
 @always_inline
-def _phi_a(u: Float32) -> Float32:
-    var ph: Float32
-    if u >= 0.0:
-        ph = Float32(1.0) + u
-    else:
-        ph = Float32(1.0) / (Float32(1.0) - u)
-    return min(-ph, -A_FLOOR)
+def _phi_a_v(u: V16) -> V16:
+    """A = min(-phi(u), -1e-4) (mamba3.mojo's _phi_a) on 16 lanes: both
+    branches computed, one chosen per lane, so the same bits."""
+    var ph = u.ge(V16(0.0)).select(V16(1.0) + u, V16(1.0) / (V16(1.0) - u))
+    return min(-ph, V16(-A_FLOOR))
 
 
 @always_inline
@@ -680,16 +678,26 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
     var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
     var qu = scr.unsafe_offset(V_TMP)
     var ku = scr.unsafe_offset(V_TMP + NST)
+    # dt, sg, A of 16 tokens at a time (gathered into their vectors; the
+    # functions give the same bits at any width); lanes past n are unused
+    for i in range(n):
+        var pr = proj.unsafe_offset((bb * nr + i) * dims.np)
+        scr[unsafe_offset=V_DT + i] = pr[unsafe_offset=dims.c_dt + hh]
+        scr[unsafe_offset=V_SG + i] = pr[unsafe_offset=dims.c_tr + hh]
+        scr[unsafe_offset=V_A + i] = pr[unsafe_offset=dims.c_a + hh]
+    var i0 = 0
+    while i0 < n:
+        var dtv = softplus_f32[16](scr.unsafe_load[width=16](V_DT + i0) + V16(dtb))
+        var av = _phi_a_v(scr.unsafe_load[width=16](V_A + i0))
+        scr.unsafe_store(V_DT + i0, dtv)
+        scr.unsafe_store(V_SG + i0, sigmoid_f32[16](scr.unsafe_load[width=16](V_SG + i0)))
+        scr.unsafe_store(V_ADT + i0, av * dtv)
+        scr.unsafe_store(V_A + i0, av)
+        i0 += 16
     for i in range(n):
         var r = bb * nr + i
         var pr = proj.unsafe_offset(r * dims.np)
-        var dt = softplus_f32[1](pr[unsafe_offset=dims.c_dt + hh] + dtb)
-        var a = _phi_a(pr[unsafe_offset=dims.c_a + hh])
-        var sg = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + hh])
-        scr[unsafe_offset=V_DT + i] = dt
-        scr[unsafe_offset=V_SG + i] = sg
-        scr[unsafe_offset=V_ADT + i] = a * dt
-        scr[unsafe_offset=V_A + i] = a
+        var dt = scr[unsafe_offset=V_DT + i]
         var bc = bcn.unsafe_offset(r * 2 * NST)
         comptime for c in range(8):
             qu.unsafe_store(c * 16, bc.unsafe_load[width=16](NST + c * 16)
@@ -708,18 +716,11 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
             var sn = sin_f32[16](th)
             csr.unsafe_store(c * 16, cs)
             csr.unsafe_store(NANG + c * 16, sn)
-            comptime for l2 in range(16):
-                var rr = c * 16 + l2
-                var q0 = qu[unsafe_offset=2 * rr]
-                var q1 = qu[unsafe_offset=2 * rr + 1]
-                var k0 = ku[unsafe_offset=2 * rr]
-                var k1 = ku[unsafe_offset=2 * rr + 1]
-                var cc = cs[l2]
-                var ss = sn[l2]
-                qrow[unsafe_offset=2 * rr] = q0 * cc - q1 * ss
-                qrow[unsafe_offset=2 * rr + 1] = q0 * ss + q1 * cc
-                krow[unsafe_offset=2 * rr] = k0 * cc - k1 * ss
-                krow[unsafe_offset=2 * rr + 1] = k0 * ss + k1 * cc
+            # rotate 16 pairs at once (split even | odd, same per-lane ops)
+            var q = qu.unsafe_load[width=32](c * 32).deinterleave()
+            var k = ku.unsafe_load[width=32](c * 32).deinterleave()
+            qrow.unsafe_store(c * 32, (q[0] * cs - q[1] * sn).interleave(q[0] * sn + q[1] * cs))
+            krow.unsafe_store(c * 32, (k[0] * cs - k[1] * sn).interleave(k[0] * sn + k[1] * cs))
         comptime for c in range(4, 8):
             qrow.unsafe_store(c * 16, qu.unsafe_load[width=16](c * 16))
             krow.unsafe_store(c * 16, ku.unsafe_load[width=16](c * 16))
