@@ -1,0 +1,296 @@
+"""Mamba-3 backward: argument slots, stage ids and the workspace layout
+(BW3). The algorithm is described in mamba3_backward.mojo."""
+from std.collections import Array
+from std.sys import get_defined_int
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
+    arg_int, arg_f32, round_up, ceil_div,
+)
+from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
+from .weight_panels import blob_format
+from .linear_grad import gemm_ntasks, gemm_task, TPanels
+from .norms import rmsnorm_row, rms_scale
+from .numerics import (
+    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
+    mod2pi_f32,
+)
+from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, dot128
+
+# OP_M3_BACKWARD argument slots.
+
+comptime BW_B = 0
+comptime BW_L = 1
+comptime BW_D = 2
+comptime BW_X = 3
+comptime BW_G = 4  # grad_output (B, L, d)
+comptime BW_BLOB = 5  # prepared forward blob (M3Dims layout)
+comptime BW_WORK = 6
+comptime BW_DX = 7
+comptime BW_W_IN = 8  # row-major in_proj.weight (np, d)
+comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
+comptime BW_G_NORM = 10  # gradient outputs, constructor layouts; zero on entry
+# except BW_G_IN and BW_G_OUT: the first chunk of pass B (the last chunk)
+# writes their chains' first terms (fma from +0.0, as accumulating onto
+# zeros would), so the caller skips zeroing 4 (np + 2 d) d bytes.
+comptime BW_G_IN = 11
+comptime BW_G_DTB = 12
+comptime BW_G_BNW = 13
+comptime BW_G_CNW = 14
+comptime BW_G_BB = 15
+comptime BW_G_CB = 16
+comptime BW_G_D = 17
+comptime BW_G_OUT = 18
+comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_PACK_TRANSPOSED)
+comptime BW_NARGS = 20
+
+
+comptime V16 = SIMD[DType.float32, 16]
+comptime ROWS_PER_TASK = 16
+# Loops over 128 state columns run in NHF passes of HW V16 accumulators:
+# on AVX2 eight V16 (16 ymm) would fill the register file and spill, so two
+# passes of four; AVX-512 has 32 registers, one pass of eight. Per element
+# the chain is the same either way.
+comptime NHF = 1 if WIDE else 2
+comptime HW = 8 // NHF
+comptime HO = 128 // NHF
+# Rows (tokens, state rows or fold columns) per register block of the scan
+# VJP's matrix loops: with 32 AVX-512 registers two rows share each loaded
+# vector (halving the L1/L2 traffic the per-(row, head) working set causes).
+comptime TB = 2 if WIDE else 1
+# Pass A keeps the norm / in_proj / B,C-norm rows of its last chunks, up to
+# this many bytes, so pass B reuses them instead of recomputing (same bits:
+# the same rows computed once). A constant, so the set of kept chunks is a
+# function of (B, L, d) only (-D ML_M3_KEEP_BYTES=0 builds a test variant
+# that keeps nothing).
+comptime KEEP_MAX_BYTES = get_defined_int["ML_M3_KEEP_BYTES", 32 * 1024 * 1024]()
+# When the whole call's dproj, xn, g and o rows fit in this many bytes, pass
+# B keeps them all (in processing order: chunks last to first, rows b then t
+# ascending, the canonical chain order) and the weight-gradient products run
+# once over all B L rows at the end, instead of once per chunk over 64 B:
+# the same chains, but each dW element is loaded and stored once, not once
+# per chunk (at B = 1 that traffic bounds the product). -D
+# ML_M3_DEFER_BYTES=0 builds a test variant that never defers.
+comptime DEFER_MAX_BYTES = get_defined_int["ML_M3_DEFER_BYTES", 32 * 1024 * 1024]()
+comptime QK = 2 * NST  # qr | kr (or dq | dk) per (row, head)
+comptime CSW = 2 * NANG  # cos | sin per (row, head)
+
+# pass A stages
+comptime A_NORM = 0
+comptime A_INPROJ = 1
+comptime A_BCNORM = 2
+comptime A_SCAN = 3
+comptime A_KEEP = 4  # copy a kept chunk's rows (no tasks otherwise)
+comptime NA = 5
+# pass B stages
+comptime F_NORM = 0
+comptime F_INPROJ = 1
+comptime F_BCNORM = 2
+comptime S_FWD = 3
+comptime B_OUT = 4
+comptime B_SCAN = 5
+comptime B_RED = 6
+comptime B_INPROJ = 7
+comptime B_NORM = 8
+comptime B_NORMW = 9
+comptime NB = 10
+
+# per (row, head) scratch: matrices (64 x 64) and vectors (64)
+comptime M_G = 0  # G[i, j] = qr_i . kr_j (j < i)
+comptime M_L = 4096  # L[i, j] = exp(seg(i, j)) (j < i)
+comptime M_C = 8192  # C[i, j] = (L scale_j) G
+comptime M_HQ = 12288  # hq[i, p] = qr_i . h[p]
+comptime M_DY = 16384  # dy[i, p]
+comptime M_DG = 20480  # dG[i, j]
+comptime V0 = 24576
+comptime V_DT = V0
+comptime V_SG = V0 + 64
+comptime V_ADT = V0 + 128
+comptime V_A = V0 + 192
+comptime V_SCALE = V0 + 256
+comptime V_E = V0 + 320
+comptime V_QK = V0 + 384
+comptime V_DCUM = V0 + 448
+comptime V_DSCALE = V0 + 512
+comptime V_DGAM = V0 + 576
+comptime V_DVV = V0 + 640
+comptime V_DDT = V0 + 704
+comptime V_TMP = V0 + 768  # 256 floats
+comptime SCR = V0 + 1024
+
+
+struct BW3(ImplicitlyCopyable):
+    """Workspace layout of one backward call (floats)."""
+    var b: Int
+    var l: Int
+    var nh: Int
+    var nchunks: Int
+    var rmax: Int
+    var o_ckh: Int  # (nchunks, B, H, P, N) h entering each chunk
+    var o_ckt: Int  # (nchunks, B, H, 32) theta entering each chunk
+    var o_ckv: Int  # (nchunks, B, H, 64) v of the previous chunk's last token
+    var o_ckk: Int  # (nchunks, B, H, 128) rotated k of that token
+    var o_cdh: Int  # (B, H, P, N) dh carried to the previous chunk
+    var o_cdt: Int  # (B, H, 32) angle cotangent carried
+    var o_cbeta: Int  # (B, H) beta of the later chunk's first token
+    var o_xn: Int  # (rmax, d)
+    var o_gch: Int  # (rmax, d)
+    var o_proj: Int  # (rmax, np)
+    var o_bcn: Int  # (rmax, 256) Bn | Cn
+    var o_o: Int  # (rmax, di)
+    var o_y: Int  # (rmax, di)
+    var o_do: Int  # (rmax, di)
+    var o_dproj: Int  # (rmax, np)
+    var o_qkr: Int  # (H, rmax, 256): head-major, see qk_row
+    var o_cs: Int  # (H, rmax, 64) cos | sin, head-major like qkr
+    var o_dqk: Int  # (H, rmax, 256)
+    var o_dang: Int  # (rmax, H, 32)
+    var o_dd: Int  # (rmax, H)
+    var o_pbc: Int  # (rmax, 256) B_norm | C_norm weight terms
+    var o_pn: Int  # (rmax, d)
+    var o_dxn: Int  # (rmax, d)
+    var o_scr: Int  # (B, H, SCR)
+    var nkeep: Int  # pass-A chunks n-1-nkeep .. n-2 are kept
+    var keep_slot: Int  # floats per kept chunk: xn | proj | bcn, B * 64 rows each
+    var o_keep: Int
+    var defer: Bool  # weight gradients once at the end (DEFER_MAX_BYTES)
+    var o_sdp: Int  # (B L, np) dproj rows, processing order (defer only)
+    var o_sxn: Int  # (B L, d) xn rows
+    var o_sgc: Int  # (B L, d) grad_output rows
+    var o_so: Int  # (B L, di) o rows
+    var floats: Int
+
+    def __init__(out self, dims: M3Dims, b: Int, l: Int):
+        self.b = b
+        self.l = l
+        self.nh = dims.nh
+        self.nchunks = ceil_div(l, QC)
+        self.rmax = b * (QC + 1)
+        var bh = b * dims.nh
+        var r = self.rmax
+        var d = dims.d
+        var di = dims.di
+        var o = 0
+        self.o_ckh = o
+        o += round_up(self.nchunks * bh * HP * NST, ALIGN_FLOATS)
+        self.o_ckt = o
+        o += round_up(self.nchunks * bh * NANG, ALIGN_FLOATS)
+        self.o_ckv = o
+        o += round_up(self.nchunks * bh * HP, ALIGN_FLOATS)
+        self.o_ckk = o
+        o += round_up(self.nchunks * bh * NST, ALIGN_FLOATS)
+        self.o_cdh = o
+        o += round_up(bh * HP * NST, ALIGN_FLOATS)
+        self.o_cdt = o
+        o += round_up(bh * NANG, ALIGN_FLOATS)
+        self.o_cbeta = o
+        o += round_up(bh, ALIGN_FLOATS)
+        self.o_xn = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_gch = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_proj = o
+        o += round_up(r * dims.np, ALIGN_FLOATS)
+        self.o_bcn = o
+        o += round_up(r * 2 * NST, ALIGN_FLOATS)
+        self.o_o = o
+        o += round_up(r * di, ALIGN_FLOATS)
+        self.o_y = o
+        o += round_up(r * di, ALIGN_FLOATS)
+        self.o_do = o
+        o += round_up(r * di, ALIGN_FLOATS)
+        self.o_dproj = o
+        o += round_up(r * dims.np, ALIGN_FLOATS)
+        self.o_qkr = o
+        o += round_up(r * dims.nh * QK, ALIGN_FLOATS)
+        self.o_cs = o
+        o += round_up(r * dims.nh * CSW, ALIGN_FLOATS)
+        self.o_dqk = o
+        o += round_up(r * dims.nh * QK, ALIGN_FLOATS)
+        self.o_dang = o
+        o += round_up(r * dims.nh * NANG, ALIGN_FLOATS)
+        self.o_dd = o
+        o += round_up(r * dims.nh, ALIGN_FLOATS)
+        self.o_pbc = o
+        o += round_up(r * 2 * NST, ALIGN_FLOATS)
+        self.o_pn = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_dxn = o
+        o += round_up(r * d, ALIGN_FLOATS)
+        self.o_scr = o
+        o += bh * SCR
+        var kr = b * QC
+        self.keep_slot = (round_up(kr * d, ALIGN_FLOATS) + round_up(kr * dims.np, ALIGN_FLOATS)
+                          + round_up(kr * 2 * NST, ALIGN_FLOATS))
+        self.nkeep = min(self.nchunks - 1, KEEP_MAX_BYTES // (4 * self.keep_slot))
+        self.o_keep = o
+        o += self.nkeep * self.keep_slot
+        var tot = b * l
+        var sfl = (round_up(tot * dims.np, ALIGN_FLOATS) + 2 * round_up(tot * d, ALIGN_FLOATS)
+                   + round_up(tot * di, ALIGN_FLOATS))
+        self.defer = sfl * 4 <= DEFER_MAX_BYTES
+        self.o_sdp = o
+        self.o_sxn = o
+        self.o_sgc = o
+        self.o_so = o
+        if self.defer:
+            self.o_sxn = self.o_sdp + round_up(tot * dims.np, ALIGN_FLOATS)
+            self.o_sgc = self.o_sxn + round_up(tot * d, ALIGN_FLOATS)
+            self.o_so = self.o_sgc + round_up(tot * d, ALIGN_FLOATS)
+            o += sfl
+        self.floats = o
+
+    def chunk_tokens(self, c: Int) -> Int:
+        return min(QC, self.l - c * QC)
+
+    def qk_row(self, r: Int, hh: Int) -> Int:
+        """Offset of row r, head hh in qkr / dqk. Head-major: a (row, head)
+        task walks one head's rows 1 KiB apart; row-major rows were
+        H KiB apart, a multiple of 4 KiB, so all landed in one L1 set."""
+        return (hh * self.rmax + r) * QK
+
+    def kept(self, c: Int) -> Bool:
+        """Pass A keeps chunk c's rows for pass B (never the last chunk,
+        which pass A does not see)."""
+        return c < self.nchunks - 1 and c >= self.nchunks - 1 - self.nkeep
+
+    def keep_base(self, c: Int) -> Int:
+        return self.o_keep + (c - (self.nchunks - 1 - self.nkeep)) * self.keep_slot
+
+    def keep_xn(self, c: Int, d: Int) -> Int:
+        """Where a kept chunk's xn rows go: its keep slot, or, when deferring,
+        straight into the all-rows store that the weight gradient reads."""
+        if self.defer:
+            return self.o_sxn + self.srow(c) * d
+        return self.keep_base(c)
+
+    def keep_proj(self, c: Int, d: Int) -> Int:
+        return self.keep_base(c) + round_up(self.b * QC * d, ALIGN_FLOATS)
+
+    def keep_bcn(self, c: Int, d: Int, np: Int) -> Int:
+        return self.keep_proj(c, d) + round_up(self.b * QC * np, ALIGN_FLOATS)
+
+    def srow(self, c: Int) -> Int:
+        """Store rows before chunk c: B x the tokens of the chunks after it
+        (pass B runs chunks last to first)."""
+        return self.b * max(0, self.l - (c + 1) * QC)
+
+    def dw_now(self, c: Int) -> Bool:
+        """Does chunk c's pass B run the weight-gradient products?"""
+        return not self.defer or c == 0
+
+    def use_store(mut self, c: Int, d: Int, np: Int, di: Int):
+        """Deferring: pass B of chunk c writes dproj, xn, g, o into the store."""
+        var r = self.srow(c)
+        self.o_dproj = self.o_sdp + r * np
+        self.o_xn = self.o_sxn + r * d
+        self.o_gch = self.o_sgc + r * d
+        self.o_o = self.o_so + r * di
+
+    def use_kept(mut self, c: Int, d: Int, np: Int):
+        """Pass B of a kept chunk reads xn, proj, bcn where pass A left them."""
+        var xn = self.keep_xn(c, d)
+        var pj = self.keep_proj(c, d)
+        var bc = self.keep_bcn(c, d, np)
+        self.o_xn = xn
+        self.o_proj = pj
+        self.o_bcn = bc
