@@ -41,7 +41,6 @@ from .numerics import (
 )
 from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, dot128
 
-# OP_M3_BACKWARD argument slots.
 from .mamba3_backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN,
     BW_G_DTB, BW_G_BNW, BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, V16,

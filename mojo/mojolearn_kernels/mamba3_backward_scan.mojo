@@ -17,7 +17,6 @@ from .numerics import (
 )
 from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, dot128
 
-# OP_M3_BACKWARD argument slots.
 from .mamba3_backward_layout import (
     BW_BLOB, BW_WORK, V16, NHF, HW, HO, TB, QK, CSW, M_G, M_L, M_C, M_HQ, M_DY, M_DG,
     V_DT, V_SG, V_A, V_SCALE, V_E, V_QK, V_DCUM, V_DSCALE, V_DGAM, V_DVV, V_DDT, V_TMP,
