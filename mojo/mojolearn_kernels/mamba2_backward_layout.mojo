@@ -1,0 +1,194 @@
+"""Mamba-2 backward: argument slots, stage ids and the workspace layout
+(BW2). The algorithm is described in mamba2_backward.mojo."""
+from std.collections import Array
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
+    arg_int, arg_f32, round_up, ceil_div,
+)
+from .linear import WF_F32, matmul_ntasks, matmul_task
+from .linear_split import split_matmul_ntasks, split_matmul_task, split_ld
+from .weight_panels import blob_format
+from .linear_grad import gemm_ntasks, gemm_task, TPanels
+from .norms import rmsnorm_row, rms_scale
+from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from .mamba2_layout import P, N, Q, KCONV, M2Dims
+from .mamba2_ssd import seg_row
+
+# OP_M2_BACKWARD argument slots.
+comptime BW_B = 0
+comptime BW_L = 1
+comptime BW_D = 2
+comptime BW_X = 3
+comptime BW_G = 4  # grad_output (B, L, d)
+comptime BW_BLOB = 5  # prepared forward blob (M2Dims layout)
+comptime BW_WORK = 6
+comptime BW_DX = 7
+comptime BW_W_IN = 8  # row-major in_proj.weight (npj, d)
+comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
+comptime BW_G_NORM = 10  # gradient outputs, zero on entry, natural layouts
+# (except BW_G_IN and BW_G_OUT: pass B's first chunk, the last one, writes
+# their chains' first terms, fma from +0.0, so the caller skips zeroing them)
+comptime BW_G_IN = 11
+comptime BW_G_CONVW = 12  # (cd, 4)
+comptime BW_G_CONVB = 13
+comptime BW_G_DTB = 14
+comptime BW_G_ALOG = 15
+comptime BW_G_D = 16
+comptime BW_G_GNORM = 17
+comptime BW_G_OUT = 18
+comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_PACK_TRANSPOSED)
+comptime BW_NARGS = 20
+
+comptime LANES = 16
+comptime LV = SIMD[DType.float32, LANES]
+comptime ROWS_PER_TASK = 16
+comptime CH_PER_TASK = 64
+comptime SCR = Q * P + 2 * P * N + 8 * Q  # per (row, head) task
+
+# Stages. Pass A: S_NORM, S_INPROJ, S_CONV, A_FOLD; pass B: all but A_FOLD.
+comptime S_NORM = 0
+comptime S_INPROJ = 1
+comptime S_CONV = 2  # conv + SiLU (keeps the pre-activation); dt, dA rows
+comptime S_CB = 3
+comptime S_SSD = 4  # y (before the gate) and yg
+comptime S_GNORM = 5
+comptime S_OUT = 6  # dg = grad_out @ W_out; d out_proj
+comptime S_GATE = 7  # gated norm VJP, dy, dz
+comptime S_SSD1 = 8  # per (row, head): dx, d dt, d(dA), dh carry | dCB rows
+comptime S_SSD3 = 9  # dB, dC
+comptime S_CONVB = 10  # conv VJP; d conv weight, bias
+comptime S_INB = 11  # dxn = dzx @ W_in; d in_proj
+comptime S_NORMB = 12  # dx; block norm weight terms
+comptime S_COLS = 13  # column sums: norm weights, dt_bias, A, D
+comptime NBS = 14
+comptime NAS = 4
+
+
+struct BW2(ImplicitlyCopyable):
+    """Sizes and workspace layout (floats) of one backward call."""
+    var dims: M2Dims
+    var b: Int
+    var l: Int
+    var nch: Int
+    var o_ckh: Int  # (nch, B, H, P, N) h at each chunk start
+    var o_dh: Int  # (2, B, H, P, N) dh at a chunk end, by chunk parity
+    var o_dpc: Int  # (B, 3, cd) first 3 dpre rows of the following chunk
+    var o_xn: Int  # (rows, d)
+    var o_xnp: Int  # (B 3, d) the 3 tokens before the chunk
+    var o_gch: Int  # (rows, d) grad_output rows of the chunk
+    var o_zx: Int  # (rows, npj)
+    var o_zxp: Int  # (B 3, npj)
+    var o_pre: Int  # (rows, cd) conv output before SiLU
+    var o_cx: Int  # (rows, cd) after SiLU
+    var o_dt: Int  # (B, H, Q)
+    var o_da: Int
+    var o_sg: Int  # d dt / d(dtraw + dt_bias) (clamp mask times softplus')
+    var o_eoff: Int  # exp(S_i(-1))
+    var o_elast: Int  # exp(S_last(j)) dt_j
+    var o_pdtb: Int  # per (row, head, token) terms of d dt_bias, d A, d D
+    var o_pa: Int
+    var o_pd: Int
+    var o_cb: Int  # (B, Q, Q)
+    var o_dcb: Int  # (B, Q, Q)
+    var o_y: Int  # (rows, di)
+    var o_yg: Int
+    var o_g: Int
+    var o_dg: Int
+    var o_dy: Int
+    var o_pgn: Int  # gated norm weight terms
+    var o_dzx: Int  # (rows, npj)
+    var o_dcx: Int  # (rows, cd) d post-SiLU xBC, then d pre-activation
+    var o_dxn: Int  # (rows, d)
+    var o_pn: Int  # (rows, d)
+    var o_scr: Int  # (B H, SCR)
+    var o_scr2: Int  # (B ceil(Q/16), Q)
+    var floats: Int
+
+    def __init__(out self, args: I64Ptr):
+        self.dims = M2Dims(arg_int(args, BW_D))
+        self.b = arg_int(args, BW_B)
+        self.l = arg_int(args, BW_L)
+        self.nch = ceil_div(self.l, Q)
+        var b = self.b
+        var d = self.dims.d
+        var di = self.dims.di
+        var cd = self.dims.cd
+        var npj = self.dims.npj
+        var nh = self.dims.nh
+        var rows = b * min(Q, self.l)
+        var hs = b * nh * P * N
+        var o = 0
+        self.o_ckh = o
+        o += round_up(self.nch * hs, ALIGN_FLOATS)
+        self.o_dh = o
+        o += round_up(2 * hs, ALIGN_FLOATS)
+        self.o_dpc = o
+        o += round_up(b * 3 * cd, ALIGN_FLOATS)
+        self.o_xn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_xnp = o
+        o += round_up(b * 3 * d, ALIGN_FLOATS)
+        self.o_gch = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_zx = o
+        o += round_up(rows * npj, ALIGN_FLOATS)
+        self.o_zxp = o
+        o += round_up(b * 3 * npj, ALIGN_FLOATS)
+        self.o_pre = o
+        o += round_up(rows * cd, ALIGN_FLOATS)
+        self.o_cx = o
+        o += round_up(rows * cd, ALIGN_FLOATS)
+        var hq = round_up(b * nh * Q, ALIGN_FLOATS)
+        self.o_dt = o
+        o += hq
+        self.o_da = o
+        o += hq
+        self.o_sg = o
+        o += hq
+        self.o_eoff = o
+        o += hq
+        self.o_elast = o
+        o += hq
+        self.o_pdtb = o
+        o += hq
+        self.o_pa = o
+        o += hq
+        self.o_pd = o
+        o += hq
+        self.o_cb = o
+        o += round_up(b * Q * Q, ALIGN_FLOATS)
+        self.o_dcb = o
+        o += round_up(b * Q * Q, ALIGN_FLOATS)
+        var rdi = round_up(rows * di, ALIGN_FLOATS)
+        self.o_y = o
+        o += rdi
+        self.o_yg = o
+        o += rdi
+        self.o_g = o
+        o += rdi
+        self.o_dg = o
+        o += rdi
+        self.o_dy = o
+        o += rdi
+        self.o_pgn = o
+        o += rdi
+        self.o_dzx = o
+        o += round_up(rows * npj, ALIGN_FLOATS)
+        self.o_dcx = o
+        o += round_up(rows * cd, ALIGN_FLOATS)
+        self.o_dxn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_pn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_scr = o
+        o += round_up(b * nh * SCR, ALIGN_FLOATS)
+        self.o_scr2 = o
+        o += round_up(b * ceil_div(Q, ROWS_PER_TASK) * Q, ALIGN_FLOATS)
+        self.floats = o
+
+    def nc(self, c: Int) -> Int:
+        return min(Q, self.l - c * Q)
+
+    def hq(self, bb: Int, hh: Int) -> Int:
+        """Offset of row bb, head hh in a (B, H, Q) array."""
+        return (bb * self.dims.nh + hh) * Q
