@@ -53,15 +53,20 @@ struct Job {
   int64_t ntasks;
 };
 
-// Persistent workers. A job's tasks are claimed through one 64-bit ticket,
-// (epoch << 32) | next task, so a worker that wakes late can never claim a
-// task of a newer job with an older job's fields. The caller waits for the
-// tasks to be done, not for the workers to wake: on a loaded machine a
-// descheduled worker just does nothing while the caller runs the tasks.
+// Persistent workers. A job's tasks are split into one contiguous range per
+// thread; each range is claimed through its own 64-bit ticket, (epoch << 32)
+// | next task, so a worker that wakes late can never claim a task of a newer
+// job with an older job's fields. A thread takes its own range first, then
+// helps with the others: repeated calls (decode steps) give each thread the
+// same tasks, so each core keeps the same weight panels in its own cache.
+// The caller waits for the tasks to be done, not for the workers to wake: on
+// a loaded machine a descheduled worker just does nothing while the others
+// run its range. Which thread runs a task never changes a bit.
 class Pool {
  public:
-  explicit Pool(int nthreads) : nthreads_(nthreads < 1 ? 1 : nthreads) {
-    for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this] { loop(); });
+  explicit Pool(int nthreads)
+      : nthreads_(nthreads < 1 ? 1 : nthreads), tickets_(new Ticket[nthreads_]) {
+    for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this, i] { loop(i); });
   }
   ~Pool() {
     stop_.store(true);
@@ -79,15 +84,18 @@ class Pool {
     status_.store(0, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     uint64_t e = epoch_.load(std::memory_order_relaxed) + 1;
-    ticket_.store(e << 32, std::memory_order_release);
+    for (int r = 0; r < nthreads_; ++r)
+      tickets_[r].v.store((e << 32) | static_cast<uint64_t>(lo(r, job.ntasks)),
+                          std::memory_order_release);
     epoch_.store(e, std::memory_order_release);
     epoch_.notify_all();
-    work(e);
+    work(e, 0);
     while (done_.load(std::memory_order_acquire) != job.ntasks) _mm_pause();
-    // Close the ticket before the next job's fields are written: a worker
+    // Close the tickets before the next job's fields are written: a worker
     // still holding this job's last ticket value would otherwise compare it
-    // with the next job's task count and claim one of its tasks.
-    ticket_.store(((e & 0xffffffffu) << 32) | kClosed, std::memory_order_release);
+    // with the next job's ranges and claim one of its tasks.
+    for (int r = 0; r < nthreads_; ++r)
+      tickets_[r].v.store(((e & 0xffffffffu) << 32) | kClosed, std::memory_order_release);
     return status_.load(std::memory_order_relaxed);
   }
 
@@ -100,23 +108,38 @@ class Pool {
   }
 
  private:
-  void work(uint64_t e) {
-    for (;;) {
-      uint64_t t = ticket_.load(std::memory_order_acquire);
+  struct alignas(64) Ticket {  // one cache line each: no false sharing
+    std::atomic<uint64_t> v{0};
+  };
+
+  int64_t lo(int r, int64_t n) const { return n * r / nthreads_; }
+
+  void work(uint64_t e, int self) {
+    for (int k = 0; k < nthreads_; ++k) {
+      int r = (self + k) % nthreads_;
+      std::atomic<uint64_t> &ticket = tickets_[r].v;
       for (;;) {
-        if ((t >> 32) != (e & 0xffffffffu)) return;  // that job is over
-        if ((t & 0xffffffffu) == kClosed) return;     // all done, ticket closed
-        if (static_cast<int64_t>(t & 0xffffffffu) >= job_.ntasks) return;
-        if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) break;
+        uint64_t t = ticket.load(std::memory_order_acquire);
+        bool claimed = false;
+        for (;;) {
+          if ((t >> 32) != (e & 0xffffffffu)) return;  // that job is over
+          if ((t & 0xffffffffu) == kClosed) return;     // all done, tickets closed
+          if (static_cast<int64_t>(t & 0xffffffffu) >= lo(r + 1, job_.ntasks)) break;
+          if (ticket.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
+            claimed = true;
+            break;
+          }
+        }
+        if (!claimed) break;  // this range is taken: help with the next one
+        // The claimed task keeps its job alive: the caller cannot start the
+        // next job before this task is counted done.
+        int64_t s = job_.task(job_.op, job_.args, job_.phase, static_cast<int64_t>(t & 0xffffffffu));
+        if (s != 0) status_.store(s, std::memory_order_relaxed);
+        done_.fetch_add(1, std::memory_order_acq_rel);
       }
-      // The claimed task keeps its job alive: the caller cannot start the
-      // next job before this task is counted done.
-      int64_t s = job_.task(job_.op, job_.args, job_.phase, static_cast<int64_t>(t & 0xffffffffu));
-      if (s != 0) status_.store(s, std::memory_order_relaxed);
-      done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
-  void loop() {
+  void loop(int self) {
     uint64_t seen = 0;
     for (;;) {
       uint64_t e;
@@ -132,17 +155,17 @@ class Pool {
       }
       seen = e;
       if (stop_.load()) return;
-      work(e);
+      work(e, self);
     }
   }
 
   static constexpr int kSpinMicros = 50;
   static constexpr uint64_t kClosed = 0xffffffffu;  // task index of a closed ticket
   int nthreads_;
+  std::unique_ptr<Ticket[]> tickets_;
   std::vector<std::thread> workers_;
   Job job_{};
   std::atomic<uint64_t> epoch_{0};
-  std::atomic<uint64_t> ticket_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int64_t> status_{0};
   std::atomic<bool> stop_{false};
