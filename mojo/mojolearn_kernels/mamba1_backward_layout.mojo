@@ -1,0 +1,221 @@
+"""Mamba-1 backward: argument slots, the workspace layout (BWork) and small
+vector helpers. The algorithm is described in mamba1_backward.mojo."""
+from std.collections import Array
+from .abi import (
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
+    arg_int, arg_f32, round_up, ceil_div,
+)
+from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
+from .weight_panels import blob_format
+from .linear_grad import gemm_ntasks, gemm_task
+from .norms import rmsnorm_row, rms_scale
+from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from .mamba1 import M1Dims, NSTATE, KCONV
+
+# OP_M1_BACKWARD argument slots.
+comptime BW_B = 0
+comptime BW_L = 1
+comptime BW_D = 2
+comptime BW_X = 3
+comptime BW_G = 4  # grad_output (B, L, d)
+comptime BW_BLOB = 5  # prepared forward blob (M1Dims layout)
+comptime BW_WORK = 6
+comptime BW_DX = 7
+comptime BW_W_IN = 8  # row-major in_proj.weight (2di, d)
+comptime BW_W_X = 9  # row-major x_proj.weight (nx, di)
+comptime BW_W_DT = 10  # row-major dt_proj.weight (di, R)
+comptime BW_W_OUT = 11  # row-major out_proj.weight (d, di)
+comptime BW_G_NORM = 12  # gradient outputs, zero on entry, natural layouts
+comptime BW_G_IN = 13
+comptime BW_G_CONVW = 14  # (di, 4)
+comptime BW_G_CONVB = 15
+comptime BW_G_X = 16
+comptime BW_G_DT = 17
+comptime BW_G_DTB = 18
+comptime BW_G_ALOG = 19  # (di, 16)
+comptime BW_G_D = 20
+comptime BW_G_OUT = 21
+comptime BW_NARGS = 22
+
+comptime TC = 32  # tokens per chunk (fixed: the chunking is part of the order)
+comptime LANES = 16
+comptime LV = SIMD[DType.float32, LANES]
+comptime ROWS_PER_TASK = 16
+comptime CH_PER_TASK = 64
+
+# Forward stages (pass A and B) and backward stages (pass B).
+comptime F_NORM = 0
+comptime F_INPROJ = 1
+comptime F_CONV = 2
+comptime F_XPROJ = 3
+comptime F_DTPROJ = 4
+comptime F_SCAN = 5
+comptime NF = 6
+comptime B_OUT = 6  # dyg = g @ W_out; dW_out
+comptime B_SCAN = 7  # selective scan VJP
+comptime B_RED = 8  # dB/dC partials -> ddbc; ddtr; dW_dt; d dt_bias, dD, dA
+comptime B_XPROJ = 9  # du += ddbc @ W_x, dpre; dW_x
+comptime B_CONV = 10  # dhid; dconv weight and bias
+comptime B_INPROJ = 11  # dxn = dhg @ W_in; dW_in
+comptime B_NORM = 12  # dx; norm weight contributions
+comptime B_NORMW = 13  # d norm.weight
+comptime NB = 14
+
+
+struct BWork(ImplicitlyCopyable):
+    """Workspace layout of one backward call (floats)."""
+    var b: Int
+    var l: Int
+    var tc: Int
+    var nchunks: Int
+    var nblk: Int  # channel blocks of 16
+    var o_ckh: Int  # (nchunks, B, 16, di) h at each chunk start
+    var o_ckw: Int  # (nchunks, B, 4, di) conv window at each chunk start
+    var o_dh: Int  # (B, 16, di) dh carried to the previous chunk
+    var o_dpc: Int  # (B, 3, di) first 3 dpre rows of the following chunk
+    var o_xn: Int  # (rows, d)
+    var o_gch: Int  # (rows, d) grad_output rows of the chunk
+    var o_hg: Int  # (rows, 2di)
+    var o_pre: Int  # (rows, di) conv output before SiLU
+    var o_u: Int
+    var o_dbc: Int  # (rows, nx)
+    var o_v: Int  # (rows, di) softplus input
+    var o_dl: Int
+    var o_y: Int
+    var o_yg: Int
+    var o_hs: Int  # (B, nblk, tc, 16, 16) h after each token; then dA terms
+    var o_dyg: Int
+    var o_du: Int
+    var o_dv: Int
+    var o_ddc: Int  # (rows, di) dD terms
+    var o_part: Int  # (rows, nblk, 32) dB | dC block partials
+    var o_ddbc: Int  # (rows, nx)
+    var o_dpre: Int
+    var o_dhg: Int  # (rows, 2di)
+    var o_dxn: Int  # (rows, d)
+    var o_pn: Int  # (rows, d) norm weight terms
+    var o_tin: Int  # W_in^T, W_out^T, W_x^T, W_dt^T in linear.mojo's panels
+    var o_tout: Int
+    var o_tx: Int
+    var o_tdt: Int
+    var floats: Int
+
+    def __init__(out self, dims: M1Dims, b: Int, l: Int):
+        self.b = b
+        self.l = l
+        self.tc = min(TC, l)
+        self.nchunks = ceil_div(l, self.tc)
+        self.nblk = ceil_div(dims.di, LANES)
+        var rows = b * self.tc
+        var d = dims.d
+        var di = dims.di
+        var o = 0
+        self.o_ckh = o
+        o += round_up(self.nchunks * b * NSTATE * di, ALIGN_FLOATS)
+        self.o_ckw = o
+        o += round_up(self.nchunks * b * KCONV * di, ALIGN_FLOATS)
+        self.o_dh = o
+        o += round_up(b * NSTATE * di, ALIGN_FLOATS)
+        self.o_dpc = o
+        o += round_up(b * 3 * di, ALIGN_FLOATS)
+        self.o_xn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_gch = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_hg = o
+        o += round_up(rows * 2 * di, ALIGN_FLOATS)
+        self.o_pre = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_u = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_dbc = o
+        o += round_up(rows * dims.nx, ALIGN_FLOATS)
+        self.o_v = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_dl = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_y = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_yg = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_hs = o
+        o += b * self.nblk * self.tc * NSTATE * LANES
+        self.o_dyg = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_du = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_dv = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_ddc = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_part = o
+        o += round_up(rows * self.nblk * 2 * NSTATE, ALIGN_FLOATS)
+        self.o_ddbc = o
+        o += round_up(rows * dims.nx, ALIGN_FLOATS)
+        self.o_dpre = o
+        o += round_up(rows * di, ALIGN_FLOATS)
+        self.o_dhg = o
+        o += round_up(rows * 2 * di, ALIGN_FLOATS)
+        self.o_dxn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_pn = o
+        o += round_up(rows * d, ALIGN_FLOATS)
+        self.o_tin = o
+        o += packed_floats(d, 2 * di)
+        self.o_tout = o
+        o += packed_floats(di, d)
+        self.o_tx = o
+        o += packed_floats(di, dims.nx)
+        self.o_tdt = o
+        o += packed_floats(dims.r, di)
+        self.floats = o
+
+    def chunk_tokens(self, c: Int) -> Int:
+        return min(self.tc, self.l - c * self.tc)
+
+
+# ------------------------------------------------------------ small helpers
+
+
+@always_inline
+def _ld(p: F32Ptr, off: Int, nv: Int) -> LV:
+    """16 lanes from p[off:], lanes >= nv read as +0.0."""
+    if nv == LANES:
+        return p.unsafe_load[width=LANES](off)
+    var v = LV(0.0)
+    for j in range(nv):
+        v[j] = p[unsafe_offset=off + j]
+    return v
+
+
+@always_inline
+def _st(p: F32Ptr, off: Int, v: LV, nv: Int):
+    if nv == LANES:
+        p.unsafe_store(off, v)
+        return
+    for j in range(nv):
+        p[unsafe_offset=off + j] = v[j]
+
+
+@always_inline
+def _tree16(v: LV) -> Float32:
+    """Pairwise sum of 16 lanes: j + (j+8), then +4, +2, +1."""
+    var s8 = v.slice[8, offset=0]() + v.slice[8, offset=8]()
+    var s4 = s8.slice[4, offset=0]() + s8.slice[4, offset=4]()
+    var s2 = s4.slice[2, offset=0]() + s4.slice[2, offset=2]()
+    return s2[0] + s2[1]
+
+
+@always_inline
+def _silu_grad[W: Int](z: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
+    """d silu / dz = s * (1 + z (1 - s)), s = sigmoid(z): s * fma(z, 1 - s, 1)."""
+    comptime V = SIMD[DType.float32, W]
+    var s = sigmoid_f32[W](z)
+    return s * z.fma(V(1.0) - s, V(1.0))
+
+
+@always_inline
+def _softplus_grad[W: Int](v: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
+    """1 where softplus is the identity (v > 20), else sigmoid(v)."""
+    comptime V = SIMD[DType.float32, W]
+    return v.gt(V(20.0)).select(V(1.0), sigmoid_f32[W](v))
