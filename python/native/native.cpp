@@ -18,6 +18,8 @@
 #include <dlfcn.h>
 #include <immintrin.h>
 
+#include "device.h"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -42,6 +44,7 @@ using NonFiniteFn = int64_t (*)(float *, int64_t);
 
 constexpr int64_t kPhaseEnd = -1;
 constexpr int64_t kPlanWorkspace = -1;
+constexpr int64_t kOpFirstNonFinite = 1;  // an input check: always on the host
 
 // ------------------------------------------------------------------ pool
 
@@ -194,6 +197,12 @@ struct Library {
   NonFiniteFn nonfinite = nullptr;
   int64_t abi_version = 0, vendor = -1, numeric_mode = -1;
   std::string description;
+  // Device binaries (vendor != cpu) export these; the CPU binary exports
+  // ml_buffers only (for emulate_device).
+  mlstage::BuffersFn buffers = nullptr;
+  mlstage::GpuRunFn gpu_run = nullptr;
+  IntFn device_count_fn = nullptr;
+  bool emulate_device = false;  // stage buffers on the host like a device (tests)
 
   explicit Library(const std::string &p) : path(p) {
     handle = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -217,7 +226,17 @@ struct Library {
       describe(buf.data(), n);
     }
     description.assign(reinterpret_cast<char *>(buf.data()), static_cast<size_t>(n));
+    buffers = reinterpret_cast<mlstage::BuffersFn>(dlsym(handle, "ml_buffers"));
+    gpu_run = reinterpret_cast<mlstage::GpuRunFn>(dlsym(handle, "ml_gpu_run"));
+    device_count_fn = reinterpret_cast<IntFn>(dlsym(handle, "ml_device_count"));
+    const char *emu = std::getenv("MOJOLEARN_EMULATE_DEVICE");
+    emulate_device = emu != nullptr && std::strcmp(emu, "1") == 0;
+    if (vendor != 0 && (!buffers || !gpu_run || !device_count_fn))
+      throw std::runtime_error(p + " is a device binary without ml_buffers/ml_gpu_run/ml_device_count");
   }
+
+  // Devices the binary can use (0 for the CPU binary; never raises).
+  int64_t device_count() const { return device_count_fn ? device_count_fn() : 0; }
   // The handle is never closed: kernels may be running on pool threads of
   // other libraries' users, and unloading a Mojo binary is not supported.
 
@@ -270,6 +289,31 @@ struct Library {
   }
 
   void run(int64_t op, std::vector<int64_t> &args) const {
+    if (op != kOpFirstNonFinite && (gpu_run || emulate_device)) {
+      run_staged(op, args);
+      return;
+    }
+    run_host(op, args, args);
+  }
+
+  // Stages the op's buffers (device_h): on the device for a GPU binary, in
+  // host copies for emulate_device.
+  void run_staged(int64_t op, std::vector<int64_t> &args) const {
+    if (!buffers) throw std::runtime_error(path + " does not export ml_buffers");
+    auto bufs = mlstage::table(buffers, op, args);
+    if (gpu_run) {
+      nb::gil_scoped_release release;
+      mlstage::run_gpu(gpu_run, op, args, bufs);
+      return;
+    }
+    std::vector<int64_t> dargs(args);
+    mlstage::HostStage stage(bufs, dargs);
+    run_host(op, args, dargs);
+    stage.finish(op, bufs);
+  }
+
+  // Phases planned on `args`, tasks run on `targs` (the same, or staged copies).
+  void run_host(int64_t op, std::vector<int64_t> &args, std::vector<int64_t> &targs) const {
     int64_t status = 0;
     {
       nb::gil_scoped_release release;
@@ -286,7 +330,7 @@ struct Library {
           status = n;
           break;
         }
-        Job job{task, op, args.data(), phase, n};
+        Job job{task, op, targs.data(), phase, n};
         status = pool ? pool->run(job) : Pool::run_inline(job);
         if (status != 0) break;
       }
@@ -407,6 +451,9 @@ NB_MODULE(_native, m) {
       .def_ro("vendor", &Library::vendor)
       .def_ro("numeric_mode", &Library::numeric_mode)
       .def_ro("description", &Library::description)
+      .def_rw("emulate_device", &Library::emulate_device,
+              "Stage every op's buffers in host copies, as a device binary does (tests).")
+      .def_prop_ro("device_count", &Library::device_count)
       .def("symbol", &Library::symbol, nb::arg("name"))
       .def("first_nonfinite", &Library::first_nonfinite, nb::arg("address"), nb::arg("n"))
       .def(

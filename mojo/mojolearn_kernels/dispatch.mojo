@@ -1,0 +1,97 @@
+"""Op dispatch shared by every entry (CPU binary, GPU binaries): plan and
+task by op id. The GPU kernel calls `op_task` per thread, so the formula code
+a GPU runs is the very code the CPU runs; only the scheduling differs."""
+from .abi import (
+    F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE,
+    OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
+    OP_M2_PREPARE, OP_M2_FORWARD, OP_M3_PREPARE, OP_M3_FORWARD,
+    OP_M1_BACKWARD, OP_M2_BACKWARD, OP_M3_BACKWARD, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK,
+    OP_PANELS_EXTRACT, OP_PACK_TRANSPOSED,
+)
+from .checks import first_nonfinite_task
+from .math_eval import math_eval
+from .mamba1 import m1_prepare_plan, m1_prepare_task, m1_forward_plan, m1_forward_task
+from .mamba2 import m2_prepare_plan, m2_prepare_task, m2_forward_plan, m2_forward_task
+from .mamba3 import m3_prepare_plan, m3_prepare_task, m3_forward_plan, m3_forward_task
+from .mamba1_backward import m1_backward_plan, m1_backward_task
+from .mamba2_backward import m2_backward_plan, m2_backward_task
+from .mamba3_backward import m3_backward_plan, m3_backward_task
+from .lowbit import lowbit_pack_plan, lowbit_pack_task, lowbit_unpack_plan, lowbit_unpack_task
+from .weight_panels import panels_extract_plan, panels_extract_task
+from .linear_grad import pack_transposed_plan, pack_transposed_task
+
+
+def op_plan(op: Int, args: I64Ptr, p: Int) -> Int:
+    """Tasks in phase p of op (PHASE_END past the last; workspace bytes for
+    PLAN_WORKSPACE; -2 for an unknown op)."""
+    if op == OP_M1_FORWARD:
+        return m1_forward_plan(args, p)
+    if op == OP_M1_PREPARE:
+        return m1_prepare_plan(args, p)
+    if op == OP_M2_FORWARD:
+        return m2_forward_plan(args, p)
+    if op == OP_M2_PREPARE:
+        return m2_prepare_plan(args, p)
+    if op == OP_M3_FORWARD:
+        return m3_forward_plan(args, p)
+    if op == OP_M3_PREPARE:
+        return m3_prepare_plan(args, p)
+    if op == OP_M1_BACKWARD:
+        return m1_backward_plan(args, p)
+    if op == OP_M2_BACKWARD:
+        return m2_backward_plan(args, p)
+    if op == OP_M3_BACKWARD:
+        return m3_backward_plan(args, p)
+    if op == OP_LOWBIT_PACK:
+        return lowbit_pack_plan(args, p)
+    if op == OP_LOWBIT_UNPACK:
+        return lowbit_unpack_plan(args, p)
+    if op == OP_PANELS_EXTRACT:
+        return panels_extract_plan(args, p)
+    if op == OP_PACK_TRANSPOSED:
+        return pack_transposed_plan(args, p)
+    if op == OP_FIRST_NONFINITE or op == OP_MATH_EVAL:
+        if p == PLAN_WORKSPACE:
+            return 0
+        return 1 if p == 0 else PHASE_END
+    return -2
+
+
+def op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
+    """Runs task t of phase p of op; 0, or -2 for an unknown op."""
+    if op == OP_M1_FORWARD:
+        m1_forward_task(args, p, t)
+    elif op == OP_M1_PREPARE:
+        m1_prepare_task(args, p, t)
+    elif op == OP_M2_FORWARD:
+        m2_forward_task(args, p, t)
+    elif op == OP_M2_PREPARE:
+        m2_prepare_task(args, p, t)
+    elif op == OP_M3_FORWARD:
+        m3_forward_task(args, p, t)
+    elif op == OP_M3_PREPARE:
+        m3_prepare_task(args, p, t)
+    elif op == OP_M1_BACKWARD:
+        m1_backward_task(args, p, t)
+    elif op == OP_M2_BACKWARD:
+        m2_backward_task(args, p, t)
+    elif op == OP_M3_BACKWARD:
+        m3_backward_task(args, p, t)
+    elif op == OP_LOWBIT_PACK:
+        lowbit_pack_task(args, p, t)
+    elif op == OP_LOWBIT_UNPACK:
+        lowbit_unpack_task(args, p, t)
+    elif op == OP_PANELS_EXTRACT:
+        panels_extract_task(args, p, t)
+    elif op == OP_PACK_TRANSPOSED:
+        pack_transposed_task(args, p, t)
+    elif op == OP_FIRST_NONFINITE:
+        first_nonfinite_task(args)
+    elif op == OP_MATH_EVAL:
+        math_eval(Int(args[unsafe_offset=0]),
+                  F32Ptr(unsafe_from_address=Int(args[unsafe_offset=1])),
+                  F32Ptr(unsafe_from_address=Int(args[unsafe_offset=2])),
+                  Int(args[unsafe_offset=3]), Int(args[unsafe_offset=4]))
+    else:
+        return -2
+    return 0
