@@ -8,12 +8,12 @@ loader reads it back instead of trusting file names.
 from std.memory import Pointer
 from std.sys import get_defined_string
 from mojolearn_kernels.abi import F32Ptr, I64Ptr, ABI_VERSION
-from mojolearn_kernels.dispatch import op_plan, op_task
+from mojolearn_kernels.dispatch import op_plan, op_task, is_host_op
 from mojolearn_kernels.buffers import op_buffers
 from mojolearn_kernels.checks import first_nonfinite
 from mojolearn_kernels.math_eval import math_eval
+from mojolearn_kernels.describe import U8Ptr, put_str
 
-comptime U8Ptr = Pointer[UInt8, MutUntrackedOrigin]
 comptime ARCH = get_defined_string["ML_ARCH", "x86-64-v3"]()
 comptime FEATURES = get_defined_string["ML_FEATURES", "avx2,fma,bmi2,f16c"]()
 comptime VENDOR_CPU = 0
@@ -35,25 +35,16 @@ def ml_numeric_mode() abi("C") -> Int64:
     return MODE_IDENTICAL
 
 
-def _put(buf: U8Ptr, cap: Int, pos: Int, s: StaticString) -> Int:
-    """Copies s into buf at pos (as far as cap allows); returns the new pos."""
-    var bytes = s.as_bytes()
-    for i in range(len(bytes)):
-        if pos + i < cap:
-            buf[unsafe_offset=pos + i] = bytes[i]
-    return pos + len(bytes)
-
-
 @export("ml_describe")
 def ml_describe(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
     """Writes 'key=value;...' (vendor, arch, features, mode) into buf and
     returns its full length. No heap use: the binary needs no Mojo runtime."""
     var c = Int(cap)
-    var n = _put(buf, c, 0, "vendor=cpu;arch=")
-    n = _put(buf, c, n, ARCH)
-    n = _put(buf, c, n, ";features=")
-    n = _put(buf, c, n, FEATURES)
-    n = _put(buf, c, n, ";mode=identical")
+    var n = put_str(buf, c, 0, "vendor=cpu;arch=")
+    n = put_str(buf, c, n, ARCH)
+    n = put_str(buf, c, n, ";features=")
+    n = put_str(buf, c, n, FEATURES)
+    n = put_str(buf, c, n, ";mode=identical")
     return Int64(n)
 
 
@@ -67,6 +58,12 @@ def ml_plan(op: Int64, args: I64Ptr, phase: Int64) abi("C") -> Int64:
 @export("ml_task")
 def ml_task(op: Int64, args: I64Ptr, phase: Int64, task: Int64) abi("C") -> Int64:
     return Int64(op_task(Int(op), args, Int(phase), Int(task)))
+
+
+@export("ml_host_op")
+def ml_host_op(op: Int64) abi("C") -> Int64:
+    """1 if a device binary runs op on the host (dispatch.is_host_op)."""
+    return 1 if is_host_op(Int(op)) else 0
 
 
 @export("ml_buffers")

@@ -13,12 +13,10 @@ op_buffers(op, args, table, cap) writes rows (slot, bytes, flags) for the
 non-null pointer slots of `op` (at most `cap` rows) and returns the count.
 """
 from .abi import (
-    I64Ptr, arg_int, OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
+    I64Ptr, arg_int, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
     OP_M1_BACKWARD, OP_M2_PREPARE, OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_PREPARE,
-    OP_M3_FORWARD, OP_M3_BACKWARD, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK, PLAN_WORKSPACE,
+    OP_M3_FORWARD, OP_M3_BACKWARD, PLAN_WORKSPACE,
 )
-from . import checks as nf
-from . import lowbit as lb
 from . import mamba1 as m1
 from . import mamba1_backward as m1b
 from . import mamba2_layout as m2
@@ -34,7 +32,7 @@ comptime BUF_OUT = 2
 comptime BUF_INOUT = 3
 comptime BUF_ROW = 3  # Int64s per table row
 comptime F4 = 4  # bytes per float32
-comptime I8 = 8  # bytes per int64
+comptime I8 = 8  # bytes per int64 (lengths)
 
 
 struct BufTable:
@@ -62,7 +60,8 @@ struct BufTable:
 
 
 def op_buffers(op: Int, args: I64Ptr, rows: I64Ptr, cap: Int) -> Int:
-    """Rows (slot, bytes, flags) of op's buffers; -2 for an unknown op."""
+    """Rows (slot, bytes, flags) of op's buffers; -2 for an unknown op or
+    one that runs on the host (dispatch.is_host_op)."""
     var t = BufTable(rows, cap, args)
     if op == OP_M1_PREPARE or op == OP_M1_FORWARD or op == OP_M1_BACKWARD:
         _mamba1(op, args, t)
@@ -70,13 +69,6 @@ def op_buffers(op: Int, args: I64Ptr, rows: I64Ptr, cap: Int) -> Int:
         _mamba2(op, args, t)
     elif op == OP_M3_PREPARE or op == OP_M3_FORWARD or op == OP_M3_BACKWARD:
         _mamba3(op, args, t)
-    elif op == OP_LOWBIT_PACK or op == OP_LOWBIT_UNPACK:
-        _lowbit(op, args, t)
-    elif op == OP_FIRST_NONFINITE:
-        var b = arg_int(args, nf.NF_B)
-        t.add(nf.NF_PTR, b * arg_int(args, nf.NF_L) * arg_int(args, nf.NF_INNER) * F4, BUF_IN)
-        t.add(nf.NF_LENGTHS, b * I8, BUF_IN)
-        t.add(nf.NF_OUT, I8, BUF_OUT)
     elif op == OP_MATH_EVAL:
         var n = arg_int(args, 3)  # slots: fn, src, dst, n, width
         t.add(1, n * F4, BUF_IN)
@@ -264,20 +256,3 @@ def _mamba3(op: Int, args: I64Ptr, mut t: BufTable):
     t.add(m3b.BW_G_CB, dm.nh * m3.NST * F4, BUF_INOUT)
     t.add(m3b.BW_G_D, dm.nh * F4, BUF_INOUT)
     t.add(m3b.BW_G_OUT, d * dm.di * F4, BUF_INOUT)
-
-
-def _lowbit(op: Int, args: I64Ptr, mut t: BufTable):
-    if op == OP_LOWBIT_PACK:
-        var rows = arg_int(args, lb.PK_ROWS)
-        var n = rows * arg_int(args, lb.PK_COLS)
-        var esize = 2 if arg_int(args, lb.PK_FMT) == lb.FMT_BF16 else 1
-        t.add(lb.PK_SRC, n * F4, BUF_IN)
-        t.add(lb.PK_DST, n * esize, BUF_OUT)
-        t.add(lb.PK_AUX, rows * 4, BUF_OUT)
-        return
-    var rows = arg_int(args, lb.UP_ROWS)
-    var n = rows * arg_int(args, lb.UP_COLS)
-    var esize = 2 if arg_int(args, lb.UP_FMT) == lb.FMT_BF16 else 1
-    t.add(lb.UP_SRC, n * esize, BUF_IN)
-    t.add(lb.UP_AUX, rows * 4, BUF_IN)
-    t.add(lb.UP_DST, n * F4, BUF_OUT)

@@ -57,8 +57,38 @@ def op_plan(op: Int, args: I64Ptr, p: Int) -> Int:
     return -2
 
 
+def is_host_op(op: Int) -> Bool:
+    """Ops a GPU binary runs on the host: the input check (its answer is an
+    index, and staging the array would cost more than the scan) and the
+    lowbit weight conversions (exact float64 products, which Metal lacks) and
+    the extraction of packed codes from a blob (get_params, backward)."""
+    return (op == OP_FIRST_NONFINITE or op == OP_LOWBIT_PACK or op == OP_LOWBIT_UNPACK
+            or op == OP_PANELS_EXTRACT or op == OP_PACK_TRANSPOSED)
+
+
 def op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
     """Runs task t of phase p of op; 0, or -2 for an unknown op."""
+    if is_host_op(op):
+        return _host_op_task(op, args, p, t)
+    return device_op_task(op, args, p, t)
+
+
+def _host_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
+    if op == OP_LOWBIT_PACK:
+        lowbit_pack_task(args, p, t)
+    elif op == OP_LOWBIT_UNPACK:
+        lowbit_unpack_task(args, p, t)
+    elif op == OP_PANELS_EXTRACT:
+        panels_extract_task(args, p, t)
+    elif op == OP_PACK_TRANSPOSED:
+        pack_transposed_task(args, p, t)
+    else:
+        first_nonfinite_task(args)
+    return 0
+
+
+def device_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
+    """op_task for the ops a GPU runs (the block math); -2 for others."""
     if op == OP_M1_FORWARD:
         m1_forward_task(args, p, t)
     elif op == OP_M1_PREPARE:
@@ -77,16 +107,6 @@ def op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
         m2_backward_task(args, p, t)
     elif op == OP_M3_BACKWARD:
         m3_backward_task(args, p, t)
-    elif op == OP_LOWBIT_PACK:
-        lowbit_pack_task(args, p, t)
-    elif op == OP_LOWBIT_UNPACK:
-        lowbit_unpack_task(args, p, t)
-    elif op == OP_PANELS_EXTRACT:
-        panels_extract_task(args, p, t)
-    elif op == OP_PACK_TRANSPOSED:
-        pack_transposed_task(args, p, t)
-    elif op == OP_FIRST_NONFINITE:
-        first_nonfinite_task(args)
     elif op == OP_MATH_EVAL:
         math_eval(Int(args[unsafe_offset=0]),
                   F32Ptr(unsafe_from_address=Int(args[unsafe_offset=1])),

@@ -25,6 +25,8 @@ _LAZY = {
     "set_num_threads": "._loader",
     "get_num_threads": "._loader",
     "BinaryNotFoundError": "._loader",
+    "vendor_used": "._loader",
+    "numeric_mode_used": "._loader",
     "lowbit": None,
     "checkpoints": None,
     "load_checkpoint": ".checkpoints",

@@ -25,8 +25,8 @@ def info() -> int:
         except Exception as e:  # report every binary, even a broken one
             print(f"  {path.name}: cannot load ({e})")
     try:
-        vendor = _loader.requested_vendor()
-        print(f"would use: {_loader.library_path(vendor)} (vendor {vendor})")
+        lib = _loader.library()
+        print(f"would use: {lib.path} (vendor {_loader.describe(lib).get('vendor')})")
     except Exception as e:
         print(f"would use: none ({e})")
         return 1

@@ -7,7 +7,8 @@ each says what it is (vendor, numeric mode, ABI version), and that is what
 the loader believes, not the file name.
 
 Choice of binary: MOJOLEARN_VENDOR (cpu, cuda, hip, metal) if set, else the
-host CPU binary (GPU binaries are not built yet). For the CPU there is a
+first installed GPU binary with a usable device (_gpu.py), else the host CPU
+binary. For the CPU there is a
 portable baseline `libmojolearn_cpu.so` and optional faster variants
 `libmojolearn_cpu_<target>.so` (e.g. x86-64-v4) built from the same formula
 code, so with the same bits; the best one whose CPU features this machine has
@@ -127,18 +128,60 @@ def library_path(vendor: str | None = None) -> Path:
 
 
 def library(numeric_mode: str = "identical"):
-    """The loaded kernel binary (a `_native.Library`) for numeric_mode."""
+    """The loaded kernel binary (a `_native.Library`) for numeric_mode:
+    a usable GPU binary if one is installed (or the one MOJOLEARN_VENDOR
+    names), else the CPU binary."""
     vendor = requested_vendor()
-    key = (vendor, numeric_mode)
+    key = (os.environ.get("MOJOLEARN_VENDOR", "").strip().lower(), numeric_mode)
     lib = _libraries.get(key)
     if lib is not None:
         return lib
     with _lock:
         lib = _libraries.get(key)
         if lib is None:
-            lib = _load(library_path(vendor), vendor, numeric_mode)
+            lib = _load_gpu(key[0], numeric_mode)
+            if lib is None:
+                lib = _load(library_path("cpu"), "cpu", numeric_mode)
             _libraries[key] = lib
     return lib
+
+
+def _load_gpu(asked: str, numeric_mode: str):
+    """The first usable GPU binary (of the vendor `asked` names, if a GPU
+    one), or None to use the CPU. A GPU vendor asked for but unusable raises."""
+    from . import _gpu
+    if asked == "cpu":
+        return None
+    vendor = asked or None
+    why = []
+    for path in _gpu.candidates(lib_dirs(), vendor):
+        try:
+            lib = _load(path, path.name.split("_")[1], numeric_mode)
+            reason = _gpu.probe(lib, describe)[1]
+        except BinaryNotFoundError as e:
+            reason = str(e)
+        if not reason:
+            return lib
+        why.append(f"{path.name}: {reason}")
+    if vendor is None:
+        return None
+    raise BinaryNotFoundError(
+        f"mojolearn: MOJOLEARN_VENDOR={vendor} but no usable {vendor} binary: "
+        + ("; ".join(why) if why else
+           f"none installed (libmojolearn_{vendor}_<arch>.so in "
+           f"{', '.join(str(d) for d in lib_dirs())}); build one with "
+           "MOJOLEARN_GPU_ARCHS (docs/gpu.md)"))
+
+
+def vendor_used(numeric_mode: str = "identical") -> str:
+    """'cpu', 'cuda', 'hip' or 'metal': the vendor of the binary in use
+    (loading it if needed), read from the binary itself."""
+    return _abi.VENDORS[library(numeric_mode).vendor]
+
+
+def numeric_mode_used(numeric_mode: str = "identical") -> str:
+    """The numeric mode the binary in use runs, read from the binary."""
+    return _abi.NUMERIC_MODES[library(numeric_mode).numeric_mode]
 
 
 def cpu_flags() -> set | None:

@@ -41,10 +41,10 @@ using TaskFn = int64_t (*)(int64_t, int64_t *, int64_t, int64_t);
 using IntFn = int64_t (*)();
 using DescribeFn = int64_t (*)(uint8_t *, int64_t);
 using NonFiniteFn = int64_t (*)(float *, int64_t);
+using IntArgFn = int64_t (*)(int64_t);
 
 constexpr int64_t kPhaseEnd = -1;
 constexpr int64_t kPlanWorkspace = -1;
-constexpr int64_t kOpFirstNonFinite = 1;  // an input check: always on the host
 
 // ------------------------------------------------------------------ pool
 
@@ -202,6 +202,8 @@ struct Library {
   mlstage::BuffersFn buffers = nullptr;
   mlstage::GpuRunFn gpu_run = nullptr;
   IntFn device_count_fn = nullptr;
+  DescribeFn device_arch_fn = nullptr;
+  IntArgFn host_op_fn = nullptr;  // ml_host_op: ops a device binary runs on the host
   bool emulate_device = false;  // stage buffers on the host like a device (tests)
 
   explicit Library(const std::string &p) : path(p) {
@@ -229,14 +231,26 @@ struct Library {
     buffers = reinterpret_cast<mlstage::BuffersFn>(dlsym(handle, "ml_buffers"));
     gpu_run = reinterpret_cast<mlstage::GpuRunFn>(dlsym(handle, "ml_gpu_run"));
     device_count_fn = reinterpret_cast<IntFn>(dlsym(handle, "ml_device_count"));
+    device_arch_fn = reinterpret_cast<DescribeFn>(dlsym(handle, "ml_device_arch"));
+    host_op_fn = reinterpret_cast<IntArgFn>(dlsym(handle, "ml_host_op"));
     const char *emu = std::getenv("MOJOLEARN_EMULATE_DEVICE");
     emulate_device = emu != nullptr && std::strcmp(emu, "1") == 0;
-    if (vendor != 0 && (!buffers || !gpu_run || !device_count_fn))
-      throw std::runtime_error(p + " is a device binary without ml_buffers/ml_gpu_run/ml_device_count");
+    if (vendor != 0 && (!buffers || !gpu_run || !device_count_fn || !host_op_fn))
+      throw std::runtime_error(p + " is a device binary without ml_buffers/ml_gpu_run/"
+                               "ml_device_count/ml_host_op");
   }
 
   // Devices the binary can use (0 for the CPU binary; never raises).
   int64_t device_count() const { return device_count_fn ? device_count_fn() : 0; }
+
+  // The first device's architecture ('' without a device or when unknown).
+  std::string device_arch() const {
+    if (!device_arch_fn || device_count() <= 0) return "";
+    std::vector<uint8_t> buf(256);
+    int64_t n = device_arch_fn(buf.data(), static_cast<int64_t>(buf.size()));
+    n = std::max<int64_t>(0, std::min<int64_t>(n, static_cast<int64_t>(buf.size())));
+    return std::string(reinterpret_cast<char *>(buf.data()), static_cast<size_t>(n));
+  }
   // The handle is never closed: kernels may be running on pool threads of
   // other libraries' users, and unloading a Mojo binary is not supported.
 
@@ -289,7 +303,8 @@ struct Library {
   }
 
   void run(int64_t op, std::vector<int64_t> &args) const {
-    if (op != kOpFirstNonFinite && (gpu_run || emulate_device)) {
+    bool on_host = host_op_fn != nullptr && host_op_fn(op) != 0;
+    if (!on_host && (gpu_run || emulate_device)) {
       run_staged(op, args);
       return;
     }
@@ -454,6 +469,7 @@ NB_MODULE(_native, m) {
       .def_rw("emulate_device", &Library::emulate_device,
               "Stage every op's buffers in host copies, as a device binary does (tests).")
       .def_prop_ro("device_count", &Library::device_count)
+      .def_prop_ro("device_arch", &Library::device_arch)
       .def("symbol", &Library::symbol, nb::arg("name"))
       .def("first_nonfinite", &Library::first_nonfinite, nb::arg("address"), nb::arg("n"))
       .def(
