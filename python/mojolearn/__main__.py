@@ -21,7 +21,8 @@ def info() -> int:
             d = _loader.describe(lib)
             print(f"  {path.name}: vendor={d.get('vendor')} arch={d.get('arch')} "
                   f"mode={d.get('mode')} abi={lib.abi_version} "
-                  f"needs CPU features: {d.get('features')}")
+                  f"needs CPU features: {d.get('features')}"
+                  + ("" if d.get("vendor") == "cpu" else f" devices={lib.device_count}"))
         except Exception as e:  # report every binary, even a broken one
             print(f"  {path.name}: cannot load ({e})")
     try:

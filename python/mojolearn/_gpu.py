@@ -16,7 +16,7 @@ GPU_VENDORS = ("cuda", "hip", "metal")  # the order tried when none is asked for
 
 def candidates(dirs, vendor: str | None = None) -> list[Path]:
     """Installed GPU binaries (of `vendor`, or all), in the order tried:
-    by GPU_VENDORS, newest architecture first, earlier folders first."""
+    by GPU_VENDORS, then newest architecture, then earlier folder."""
     found = []
     for rank, v in enumerate(GPU_VENDORS):
         if vendor not in (None, v):
@@ -25,7 +25,7 @@ def candidates(dirs, vendor: str | None = None) -> list[Path]:
             if Path(d).is_dir():
                 for p in Path(d).glob(f"libmojolearn_{v}_*.so"):
                     found.append((rank, di, _arch_key(p.stem), p))
-    found.sort(key=lambda t: (t[0], t[1], [-k for k in t[2]]))
+    found.sort(key=lambda t: (t[0], [-k for k in t[2]], t[1]))
     return [t[3] for t in found]
 
 

@@ -174,13 +174,32 @@ def _load_gpu(asked: str, numeric_mode: str):
 
 
 def vendor_used(numeric_mode: str = "identical") -> str:
-    """'cpu', 'cuda', 'hip' or 'metal': the vendor of the binary in use
-    (loading it if needed), read from the binary itself."""
+    """The vendor of the binary that runs the blocks, read from the binary.
+
+    Loads the binary if needed: a usable GPU binary if one is installed (or
+    the one ``MOJOLEARN_VENDOR`` names), else the CPU binary.
+
+    Returns
+    -------
+    str
+        ``'cpu'``, ``'cuda'``, ``'hip'`` or ``'metal'``.
+
+    Examples
+    --------
+    >>> mojolearn.vendor_used() in ('cpu', 'cuda', 'hip', 'metal')
+    True
+    """
     return _abi.VENDORS[library(numeric_mode).vendor]
 
 
 def numeric_mode_used(numeric_mode: str = "identical") -> str:
-    """The numeric mode the binary in use runs, read from the binary."""
+    """The numeric mode of the binary that runs the blocks, read from it.
+
+    Returns
+    -------
+    str
+        ``'identical'`` (``'fast'`` once a fast binary exists).
+    """
     return _abi.NUMERIC_MODES[library(numeric_mode).numeric_mode]
 
 

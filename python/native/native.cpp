@@ -198,7 +198,7 @@ struct Library {
   int64_t abi_version = 0, vendor = -1, numeric_mode = -1;
   std::string description;
   // Device binaries (vendor != cpu) export these; the CPU binary exports
-  // ml_buffers only (for emulate_device).
+  // ml_buffers and ml_host_op only (for emulate_device).
   mlstage::BuffersFn buffers = nullptr;
   mlstage::GpuRunFn gpu_run = nullptr;
   IntFn device_count_fn = nullptr;
@@ -311,7 +311,7 @@ struct Library {
     run_host(op, args, args);
   }
 
-  // Stages the op's buffers (device_h): on the device for a GPU binary, in
+  // Stages the op's buffers (device.h): on the device for a GPU binary, in
   // host copies for emulate_device.
   void run_staged(int64_t op, std::vector<int64_t> &args) const {
     if (!buffers) throw std::runtime_error(path + " does not export ml_buffers");
