@@ -20,7 +20,7 @@ GPU_ARCHS="$archs" PYTHON="$venv_py" bash "$root/scripts/dev_build.sh"
 # The host layer for Python 3.12 (nanobind's CMake files from the build venv).
 nb_dir=$("$venv_py" -m nanobind --cmake_dir)
 cmake -S "$root" -B "$root/build/py312" -DPython_EXECUTABLE="$py312" -Dnanobind_DIR="$nb_dir" \
-      -DCMAKE_BUILD_TYPE=Release -DML_CPU_VARIANTS= -DML_GPU_ARCHS= >/dev/null
+      -DMOJO="$(dirname "$venv_py")/mojo" -DCMAKE_BUILD_TYPE=Release -DML_CPU_VARIANTS= -DML_GPU_ARCHS= >/dev/null
 cmake --build "$root/build/py312" --target _native -j 2
 cp "$root"/build/py312/_native.cpython-312-*.so "$root/python/mojolearn/"
 
