@@ -17,6 +17,8 @@ SHAPES = [
     (3, 32, 1, 5, None), (3, 64, 2, 90, [90, 13]),
 ]
 DECODE_STEPS = 3
+# Blocks on packed projection weights (mojolearn.lowbit): (block, d, B, L).
+PACKED = [(1, 64, 2, 20), (2, 64, 2, 20), (3, 64, 2, 20)]
 
 
 def _weights(kind: int, d: int):
@@ -56,8 +58,29 @@ def run_case(mojolearn, kind, d, b, l, lengths) -> dict:
     return out
 
 
-def run_cases(mojolearn, shapes=SHAPES) -> dict:
+def run_packed(mojolearn, kind, d, b, l) -> dict:
+    """Forward and decode of a block built on bfloat16 and int8 packed
+    weights (the blob keeps them packed; the GEMM widens them on load)."""
+    from tests.reference.weights import random_input
+    cls = {1: mojolearn.Mamba1Block, 2: mojolearn.Mamba2Block, 3: mojolearn.Mamba3Block}[kind]
+    x = random_input(b, l, d, seed=9)
+    out = {}
+    for fmt in ("bfloat16", "int8"):
+        block = cls(mojolearn.lowbit.pack(_weights(kind, d), fmt))
+        tag = f"m{kind} d{d} B{b} L{l} {fmt}"
+        out[f"{tag} forward"] = _bytes(block.forward(x))
+        state = block.allocate_state(b)
+        ys = [_bytes(block.forward(x[:, : l - DECODE_STEPS], state))]
+        for t in range(l - DECODE_STEPS, l):
+            ys.append(_bytes(block.step(x[:, t], state)))
+        out[f"{tag} decode"] = b"".join(ys)
+    return out
+
+
+def run_cases(mojolearn, shapes=SHAPES, packed=PACKED) -> dict:
     out = {}
     for s in shapes:
         out.update(run_case(mojolearn, *s))
+    for s in packed:
+        out.update(run_packed(mojolearn, *s))
     return out

@@ -38,6 +38,14 @@ def test_staged_run_gives_the_direct_bytes(shape, emulated):
         assert staged[name] == direct[name], name
 
 
+@pytest.mark.parametrize("shape", gpu_cases.PACKED, ids=lambda s: f"m{s[0]}-packed")
+def test_staged_run_on_packed_weights_gives_the_direct_bytes(shape, emulated):
+    emulated.emulate_device = False
+    direct = gpu_cases.run_packed(mojolearn, *shape)
+    emulated.emulate_device = True
+    assert gpu_cases.run_packed(mojolearn, *shape) == direct
+
+
 def test_staging_compares_bytes_that_can_differ():
     # the comparison above can fail: another seed's weights change the bytes
     a = gpu_cases.run_case(mojolearn, *gpu_cases.SHAPES[0])

@@ -13,7 +13,7 @@ op_buffers(op, args, table, cap) writes rows (slot, bytes, flags) for the
 non-null pointer slots of `op` (at most `cap` rows) and returns the count.
 """
 from .abi import (
-    I64Ptr, arg_int, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
+    I64Ptr, arg_int, arg_f32, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
     OP_M1_BACKWARD, OP_M2_PREPARE, OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_PREPARE,
     OP_M3_FORWARD, OP_M3_BACKWARD, PLAN_WORKSPACE,
 )
@@ -24,6 +24,8 @@ from . import mamba2_backward as m2b
 from . import mamba3 as m3
 from . import mamba3_backward as m3b
 from .dispatch import op_plan
+from .linear import WF_BF16, WF_INT8
+from .weight_panels import blob_format
 
 # Directions: IN is copied to the device before the op, OUT back after it.
 # Neither: device scratch (the op writes it before reading it).
@@ -82,6 +84,28 @@ def _work(op: Int, args: I64Ptr, mut t: BufTable, slot: Int, flags: Int):
     t.add(slot, op_plan(op, args, PLAN_WORKSPACE), flags)
 
 
+def _esize(wf: Int) -> Int:
+    """Bytes per projection weight element given to a prepare op."""
+    if wf == WF_BF16:
+        return 2
+    if wf == WF_INT8:
+        return 1
+    return 4
+
+
+def _proj(mut t: BufTable, slot: Int, exp_slot: Int, rows: Int, cols: Int, wf: Int):
+    """A projection weight of a prepare op (float32, bfloat16 bits or int8
+    codes) and its int8 row exponents (int32; the slot is 0 otherwise)."""
+    t.add(slot, rows * cols * _esize(wf), BUF_IN)
+    t.add(exp_slot, rows * 4, BUF_IN)
+
+
+def _blob_wf(args: I64Ptr) -> Int:
+    """Weight format of the prepared blob in slot 5 (every forward and
+    backward op), read from its header in host memory."""
+    return blob_format(arg_f32(args, 5))
+
+
 def _tokens(args: I64Ptr) -> Int:
     """B * L * d floats: x, y, grad_output, dx (slots 0, 1, 2 in every op)."""
     return arg_int(args, 0) * arg_int(args, 1) * arg_int(args, 2)
@@ -89,23 +113,24 @@ def _tokens(args: I64Ptr) -> Int:
 
 def _mamba1(op: Int, args: I64Ptr, mut t: BufTable):
     if op == OP_M1_PREPARE:
-        var dm = m1.M1Dims(arg_int(args, m1.PREP_D))
+        var wf = arg_int(args, m1.PREP_WFMT)
+        var dm = m1.M1Dims(arg_int(args, m1.PREP_D), wf)
         var d = dm.d
         var di = dm.di
         t.add(m1.PREP_NORM, d * F4, BUF_IN)
-        t.add(m1.PREP_IN, 2 * di * d * F4, BUF_IN)
+        _proj(t, m1.PREP_IN, m1.PREP_IN_EXP, 2 * di, d, wf)
         t.add(m1.PREP_CONVW, di * m1.KCONV * F4, BUF_IN)
         t.add(m1.PREP_CONVB, di * F4, BUF_IN)
-        t.add(m1.PREP_X, dm.nx * di * F4, BUF_IN)
-        t.add(m1.PREP_DT, di * dm.r * F4, BUF_IN)
+        _proj(t, m1.PREP_X, m1.PREP_X_EXP, dm.nx, di, wf)
+        _proj(t, m1.PREP_DT, m1.PREP_DT_EXP, di, dm.r, wf)
         t.add(m1.PREP_DTB, di * F4, BUF_IN)
         t.add(m1.PREP_ALOG, di * m1.NSTATE * F4, BUF_IN)
         t.add(m1.PREP_D_SKIP, di * F4, BUF_IN)
-        t.add(m1.PREP_OUT, d * di * F4, BUF_IN)
+        _proj(t, m1.PREP_OUT, m1.PREP_OUT_EXP, d, di, wf)
         t.add(m1.PREP_BLOB, dm.blob * F4, BUF_INOUT)  # padding stays as given
         return
     var b = arg_int(args, 0)
-    var dm = m1.M1Dims(arg_int(args, 2))
+    var dm = m1.M1Dims(arg_int(args, 2), _blob_wf(args))
     var d = dm.d
     var di = dm.di
     var bx = _tokens(args) * F4
@@ -150,21 +175,22 @@ def _mamba1(op: Int, args: I64Ptr, mut t: BufTable):
 
 def _mamba2(op: Int, args: I64Ptr, mut t: BufTable):
     if op == OP_M2_PREPARE:
-        var dm = m2.M2Dims(arg_int(args, m2.PREP_D))
+        var wf = arg_int(args, m2.PREP_WFMT)
+        var dm = m2.M2Dims(arg_int(args, m2.PREP_D), wf)
         var d = dm.d
         t.add(m2.PREP_NORM, d * F4, BUF_IN)
-        t.add(m2.PREP_IN, dm.npj * d * F4, BUF_IN)
+        _proj(t, m2.PREP_IN, m2.PREP_IN_EXP, dm.npj, d, wf)
         t.add(m2.PREP_CONVW, dm.cd * m2.KCONV * F4, BUF_IN)
         t.add(m2.PREP_CONVB, dm.cd * F4, BUF_IN)
         t.add(m2.PREP_DTB, dm.nh * F4, BUF_IN)
         t.add(m2.PREP_ALOG, dm.nh * F4, BUF_IN)
         t.add(m2.PREP_DSKIP, dm.nh * F4, BUF_IN)
         t.add(m2.PREP_GNORM, dm.di * F4, BUF_IN)
-        t.add(m2.PREP_OUT, d * dm.di * F4, BUF_IN)
+        _proj(t, m2.PREP_OUT, m2.PREP_OUT_EXP, d, dm.di, wf)
         t.add(m2.PREP_BLOB, dm.blob * F4, BUF_INOUT)
         return
     var b = arg_int(args, 0)
-    var dm = m2.M2Dims(arg_int(args, 2))
+    var dm = m2.M2Dims(arg_int(args, 2), _blob_wf(args))
     var d = dm.d
     var bx = _tokens(args) * F4
     var heads = b * dm.nh * m2.P * m2.N * F4  # h, h_last: (B, H, P, N)
@@ -178,6 +204,7 @@ def _mamba2(op: Int, args: I64Ptr, mut t: BufTable):
         t.add(m2.FWD_BUF_DT, b * m2.Q * dm.nh * F4, BUF_INOUT)
         t.add(m2.FWD_LENGTHS, b * I8, BUF_IN)
         t.add(m2.FWD_HLAST, heads, BUF_OUT)
+        t.add(m2.FWD_CACHE, b * m2.cache_floats_per_row(dm.nh) * F4, BUF_INOUT)
         _work(op, args, t, m2.FWD_WORK, BUF_INOUT)
         return
     t.add(m2b.BW_X, bx, BUF_IN)
@@ -200,21 +227,22 @@ def _mamba2(op: Int, args: I64Ptr, mut t: BufTable):
 
 def _mamba3(op: Int, args: I64Ptr, mut t: BufTable):
     if op == OP_M3_PREPARE:
-        var dm = m3.M3Dims(arg_int(args, m3.PREP_D))
+        var wf = arg_int(args, m3.PREP_WFMT)
+        var dm = m3.M3Dims(arg_int(args, m3.PREP_D), wf)
         var d = dm.d
         t.add(m3.PREP_NORM, d * F4, BUF_IN)
-        t.add(m3.PREP_IN, dm.np * d * F4, BUF_IN)
+        _proj(t, m3.PREP_IN, m3.PREP_IN_EXP, dm.np, d, wf)
         t.add(m3.PREP_DTB, dm.nh * F4, BUF_IN)
         t.add(m3.PREP_BNW, m3.NST * F4, BUF_IN)
         t.add(m3.PREP_CNW, m3.NST * F4, BUF_IN)
         t.add(m3.PREP_BB, dm.nh * m3.NST * F4, BUF_IN)
         t.add(m3.PREP_CB, dm.nh * m3.NST * F4, BUF_IN)
         t.add(m3.PREP_DSKIP, dm.nh * F4, BUF_IN)
-        t.add(m3.PREP_OUT, d * dm.di * F4, BUF_IN)
+        _proj(t, m3.PREP_OUT, m3.PREP_OUT_EXP, d, dm.di, wf)
         t.add(m3.PREP_BLOB, dm.blob * F4, BUF_INOUT)
         return
     var b = arg_int(args, 0)
-    var dm = m3.M3Dims(arg_int(args, 2))
+    var dm = m3.M3Dims(arg_int(args, 2), _blob_wf(args))
     var d = dm.d
     var bh = b * dm.nh
     var bx = _tokens(args) * F4
