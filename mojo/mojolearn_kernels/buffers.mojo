@@ -13,9 +13,8 @@ op_buffers(op, args, table, cap) writes rows (slot, bytes, flags) for the
 non-null pointer slots of `op` (at most `cap` rows) and returns the count.
 """
 from .abi import (
-    I64Ptr, arg_int, arg_f32, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
-    OP_M1_BACKWARD, OP_M2_PREPARE, OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_PREPARE,
-    OP_M3_FORWARD, OP_M3_BACKWARD, PLAN_WORKSPACE,
+    I64Ptr, arg_int, arg_f32, OP_MATH_EVAL, OP_M1_FORWARD, OP_M1_BACKWARD,
+    OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_FORWARD, OP_M3_BACKWARD, PLAN_WORKSPACE,
 )
 from . import mamba1 as m1
 from . import mamba1_backward as m1b
@@ -24,7 +23,6 @@ from . import mamba2_backward as m2b
 from . import mamba3 as m3
 from . import mamba3_backward as m3b
 from .dispatch import op_plan
-from .linear import WF_BF16, WF_INT8
 from .weight_panels import blob_format
 
 # Directions: IN is copied to the device before the op, OUT back after it.
@@ -65,11 +63,11 @@ def op_buffers(op: Int, args: I64Ptr, rows: I64Ptr, cap: Int) -> Int:
     """Rows (slot, bytes, flags) of op's buffers; -2 for an unknown op or
     one that runs on the host (dispatch.is_host_op)."""
     var t = BufTable(rows, cap, args)
-    if op == OP_M1_PREPARE or op == OP_M1_FORWARD or op == OP_M1_BACKWARD:
+    if op == OP_M1_FORWARD or op == OP_M1_BACKWARD:
         _mamba1(op, args, t)
-    elif op == OP_M2_PREPARE or op == OP_M2_FORWARD or op == OP_M2_BACKWARD:
+    elif op == OP_M2_FORWARD or op == OP_M2_BACKWARD:
         _mamba2(op, args, t)
-    elif op == OP_M3_PREPARE or op == OP_M3_FORWARD or op == OP_M3_BACKWARD:
+    elif op == OP_M3_FORWARD or op == OP_M3_BACKWARD:
         _mamba3(op, args, t)
     elif op == OP_MATH_EVAL:
         var n = arg_int(args, 3)  # slots: fn, src, dst, n, width
@@ -84,22 +82,6 @@ def _work(op: Int, args: I64Ptr, mut t: BufTable, slot: Int, flags: Int):
     t.add(slot, op_plan(op, args, PLAN_WORKSPACE), flags)
 
 
-def _esize(wf: Int) -> Int:
-    """Bytes per projection weight element given to a prepare op."""
-    if wf == WF_BF16:
-        return 2
-    if wf == WF_INT8:
-        return 1
-    return 4
-
-
-def _proj(mut t: BufTable, slot: Int, exp_slot: Int, rows: Int, cols: Int, wf: Int):
-    """A projection weight of a prepare op (float32, bfloat16 bits or int8
-    codes) and its int8 row exponents (int32; the slot is 0 otherwise)."""
-    t.add(slot, rows * cols * _esize(wf), BUF_IN)
-    t.add(exp_slot, rows * 4, BUF_IN)
-
-
 def _blob_wf(args: I64Ptr) -> Int:
     """Weight format of the prepared blob in slot 5 (every forward and
     backward op), read from its header in host memory."""
@@ -112,23 +94,6 @@ def _tokens(args: I64Ptr) -> Int:
 
 
 def _mamba1(op: Int, args: I64Ptr, mut t: BufTable):
-    if op == OP_M1_PREPARE:
-        var wf = arg_int(args, m1.PREP_WFMT)
-        var dm = m1.M1Dims(arg_int(args, m1.PREP_D), wf)
-        var d = dm.d
-        var di = dm.di
-        t.add(m1.PREP_NORM, d * F4, BUF_IN)
-        _proj(t, m1.PREP_IN, m1.PREP_IN_EXP, 2 * di, d, wf)
-        t.add(m1.PREP_CONVW, di * m1.KCONV * F4, BUF_IN)
-        t.add(m1.PREP_CONVB, di * F4, BUF_IN)
-        _proj(t, m1.PREP_X, m1.PREP_X_EXP, dm.nx, di, wf)
-        _proj(t, m1.PREP_DT, m1.PREP_DT_EXP, di, dm.r, wf)
-        t.add(m1.PREP_DTB, di * F4, BUF_IN)
-        t.add(m1.PREP_ALOG, di * m1.NSTATE * F4, BUF_IN)
-        t.add(m1.PREP_D_SKIP, di * F4, BUF_IN)
-        _proj(t, m1.PREP_OUT, m1.PREP_OUT_EXP, d, di, wf)
-        t.add(m1.PREP_BLOB, dm.blob * F4, BUF_INOUT)  # padding stays as given
-        return
     var b = arg_int(args, 0)
     var dm = m1.M1Dims(arg_int(args, 2), _blob_wf(args))
     var d = dm.d
@@ -174,21 +139,6 @@ def _mamba1(op: Int, args: I64Ptr, mut t: BufTable):
 
 
 def _mamba2(op: Int, args: I64Ptr, mut t: BufTable):
-    if op == OP_M2_PREPARE:
-        var wf = arg_int(args, m2.PREP_WFMT)
-        var dm = m2.M2Dims(arg_int(args, m2.PREP_D), wf)
-        var d = dm.d
-        t.add(m2.PREP_NORM, d * F4, BUF_IN)
-        _proj(t, m2.PREP_IN, m2.PREP_IN_EXP, dm.npj, d, wf)
-        t.add(m2.PREP_CONVW, dm.cd * m2.KCONV * F4, BUF_IN)
-        t.add(m2.PREP_CONVB, dm.cd * F4, BUF_IN)
-        t.add(m2.PREP_DTB, dm.nh * F4, BUF_IN)
-        t.add(m2.PREP_ALOG, dm.nh * F4, BUF_IN)
-        t.add(m2.PREP_DSKIP, dm.nh * F4, BUF_IN)
-        t.add(m2.PREP_GNORM, dm.di * F4, BUF_IN)
-        _proj(t, m2.PREP_OUT, m2.PREP_OUT_EXP, d, dm.di, wf)
-        t.add(m2.PREP_BLOB, dm.blob * F4, BUF_INOUT)
-        return
     var b = arg_int(args, 0)
     var dm = m2.M2Dims(arg_int(args, 2), _blob_wf(args))
     var d = dm.d
@@ -226,21 +176,6 @@ def _mamba2(op: Int, args: I64Ptr, mut t: BufTable):
 
 
 def _mamba3(op: Int, args: I64Ptr, mut t: BufTable):
-    if op == OP_M3_PREPARE:
-        var wf = arg_int(args, m3.PREP_WFMT)
-        var dm = m3.M3Dims(arg_int(args, m3.PREP_D), wf)
-        var d = dm.d
-        t.add(m3.PREP_NORM, d * F4, BUF_IN)
-        _proj(t, m3.PREP_IN, m3.PREP_IN_EXP, dm.np, d, wf)
-        t.add(m3.PREP_DTB, dm.nh * F4, BUF_IN)
-        t.add(m3.PREP_BNW, m3.NST * F4, BUF_IN)
-        t.add(m3.PREP_CNW, m3.NST * F4, BUF_IN)
-        t.add(m3.PREP_BB, dm.nh * m3.NST * F4, BUF_IN)
-        t.add(m3.PREP_CB, dm.nh * m3.NST * F4, BUF_IN)
-        t.add(m3.PREP_DSKIP, dm.nh * F4, BUF_IN)
-        _proj(t, m3.PREP_OUT, m3.PREP_OUT_EXP, d, dm.di, wf)
-        t.add(m3.PREP_BLOB, dm.blob * F4, BUF_INOUT)
-        return
     var b = arg_int(args, 0)
     var dm = m3.M3Dims(arg_int(args, 2), _blob_wf(args))
     var d = dm.d

@@ -58,12 +58,15 @@ def op_plan(op: Int, args: I64Ptr, p: Int) -> Int:
 
 
 def is_host_op(op: Int) -> Bool:
-    """Ops a GPU binary runs on the host: the input check (its answer is an
-    index, and staging the array would cost more than the scan) and the
-    lowbit weight conversions (exact float64 products, which Metal lacks) and
-    the extraction of packed codes from a blob (get_params, backward)."""
-    return (op == OP_FIRST_NONFINITE or op == OP_LOWBIT_PACK or op == OP_LOWBIT_UNPACK
-            or op == OP_PANELS_EXTRACT or op == OP_PACK_TRANSPOSED)
+    """Ops a GPU binary runs on the host: the weight preparation (one-time
+    layout copies: the blobs and backward's transposed panels; the packing
+    uses exact float64 steps, which Metal lacks), the lowbit conversions and
+    the extraction of packed codes (the same), and the input check (an
+    index; staging the array would cost more than the scan). None computes
+    a block output."""
+    return (op == OP_M1_PREPARE or op == OP_M2_PREPARE or op == OP_M3_PREPARE
+            or op == OP_PACK_TRANSPOSED or op == OP_FIRST_NONFINITE
+            or op == OP_LOWBIT_PACK or op == OP_LOWBIT_UNPACK or op == OP_PANELS_EXTRACT)
 
 
 def op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
@@ -74,7 +77,13 @@ def op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
 
 
 def _host_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
-    if op == OP_LOWBIT_PACK:
+    if op == OP_M1_PREPARE:
+        m1_prepare_task(args, p, t)
+    elif op == OP_M2_PREPARE:
+        m2_prepare_task(args, p, t)
+    elif op == OP_M3_PREPARE:
+        m3_prepare_task(args, p, t)
+    elif op == OP_LOWBIT_PACK:
         lowbit_pack_task(args, p, t)
     elif op == OP_LOWBIT_UNPACK:
         lowbit_unpack_task(args, p, t)
@@ -88,19 +97,13 @@ def _host_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
 
 
 def device_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
-    """op_task for the ops a GPU runs (the block math); -2 for others."""
+    """op_task for the ops a GPU runs (every block output); -2 for others."""
     if op == OP_M1_FORWARD:
         m1_forward_task(args, p, t)
-    elif op == OP_M1_PREPARE:
-        m1_prepare_task(args, p, t)
     elif op == OP_M2_FORWARD:
         m2_forward_task(args, p, t)
-    elif op == OP_M2_PREPARE:
-        m2_prepare_task(args, p, t)
     elif op == OP_M3_FORWARD:
         m3_forward_task(args, p, t)
-    elif op == OP_M3_PREPARE:
-        m3_prepare_task(args, p, t)
     elif op == OP_M1_BACKWARD:
         m1_backward_task(args, p, t)
     elif op == OP_M2_BACKWARD:
