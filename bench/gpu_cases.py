@@ -77,8 +77,32 @@ def run_packed(mojolearn, kind, d, b, l) -> dict:
     return out
 
 
-def run_cases(mojolearn, shapes=SHAPES, packed=PACKED) -> dict:
+MATH_FUNCTIONS = 13  # math_eval.mojo: exp, log, ..., mod2pi
+
+
+def run_math(lib) -> dict:
+    """The own transcendentals (OP_MATH_EVAL, every function) over a fixed
+    set of float32 inputs, run by `lib` (a loaded binary): the simplest op,
+    so a GPU mismatch here points at the numerics, not at a block."""
+    import numpy as np
+    from mojolearn import _abi
+    rng = np.random.default_rng(5)
+    x = np.concatenate([
+        np.linspace(-100, 100, 4001, dtype=np.float32),
+        (rng.standard_normal(4000) * 10).astype(np.float32),
+        np.exp2(rng.uniform(-140, 120, 4000)).astype(np.float32),
+        np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38], np.float32)])
     out = {}
+    for fn in range(MATH_FUNCTIONS):
+        y = np.full_like(x, 7.0)
+        lib.run(_abi.OP_MATH_EVAL, [fn, x.ctypes.data, y.ctypes.data, x.size, 1])
+        out[f"math fn{fn}"] = y.tobytes()
+    return out
+
+
+def run_cases(mojolearn, shapes=SHAPES, packed=PACKED) -> dict:
+    from mojolearn import _loader
+    out = run_math(_loader.library())
     for s in shapes:
         out.update(run_case(mojolearn, *s))
     for s in packed:

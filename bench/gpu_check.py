@@ -5,8 +5,9 @@ its speed against PyTorch on the same GPU. Prints one table.
 Runs on a GPU machine with Python, NumPy, PyTorch (+ transformers for the
 Mamba-1/2 timings) and no Mojo, from a copy of this repository that carries
 the built binaries (bench/README.md, "GPU check", says how to build and
-carry them). For every case of bench/gpu_cases.py (forward, decode steps,
-ragged rows, backward; all three blocks) it compares:
+carry them). For every case of bench/gpu_cases.py (the own transcendentals
+alone first, then forward, decode steps, ragged rows and backward of all
+three blocks, and blocks on packed bfloat16/int8 weights) it compares:
 
 * the GPU bytes with the CPU binary's bytes computed here, on this machine
   (the CPU binary is deterministic across x86 machines), and

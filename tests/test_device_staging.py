@@ -46,6 +46,14 @@ def test_staged_run_on_packed_weights_gives_the_direct_bytes(shape, emulated):
     assert gpu_cases.run_packed(mojolearn, *shape) == direct
 
 
+def test_staged_math_gives_the_direct_bytes(emulated):
+    emulated.emulate_device = False
+    direct = gpu_cases.run_math(emulated)
+    emulated.emulate_device = True
+    staged = gpu_cases.run_math(emulated)
+    assert len(direct) == gpu_cases.MATH_FUNCTIONS and staged == direct
+
+
 def test_staging_compares_bytes_that_can_differ():
     # the comparison above can fail: another seed's weights change the bytes
     a = gpu_cases.run_case(mojolearn, *gpu_cases.SHAPES[0])
