@@ -8,12 +8,11 @@ the loader believes, not the file name.
 
 Choice of binary: MOJOLEARN_VENDOR (cpu, cuda, hip, metal) if set, else the
 first installed GPU binary with a usable device (_gpu.py), else the host CPU
-binary. For the CPU there is a
-portable baseline `libmojolearn_cpu.so` and optional faster variants
-`libmojolearn_cpu_<target>.so` (e.g. x86-64-v4) built from the same formula
-code, so with the same bits; the best one whose CPU features this machine has
-is used, or the one MOJOLEARN_CPU_TARGET names ('baseline' for the portable
-one).
+binary. For the CPU there is a portable baseline `libmojolearn_cpu.so` and
+optional faster variants `libmojolearn_cpu_<target>.so` (e.g. x86-64-v4)
+built from the same formula code, so with the same bits; the best one whose
+CPU features this machine has is used, or the one MOJOLEARN_CPU_TARGET names
+('baseline' for the portable one).
 """
 from __future__ import annotations
 
@@ -131,7 +130,7 @@ def library(numeric_mode: str = "identical"):
     """The loaded kernel binary (a `_native.Library`) for numeric_mode:
     a usable GPU binary if one is installed (or the one MOJOLEARN_VENDOR
     names), else the CPU binary."""
-    vendor = requested_vendor()
+    requested_vendor()  # refuses an unknown MOJOLEARN_VENDOR
     key = (os.environ.get("MOJOLEARN_VENDOR", "").strip().lower(), numeric_mode)
     lib = _libraries.get(key)
     if lib is not None:
