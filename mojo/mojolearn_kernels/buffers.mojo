@@ -19,11 +19,12 @@ from .abi import (
 from . import mamba1 as m1
 from . import mamba1_backward as m1b
 from . import mamba2_layout as m2
-from . import mamba2_backward as m2b
+from . import mamba2_backward_layout as m2b
 from . import mamba3 as m3
-from . import mamba3_backward as m3b
+from . import mamba3_backward_layout as m3b
 from .dispatch import op_plan
 from .weight_panels import blob_format
+from .linear_grad import TPanels
 
 # Directions: IN is copied to the device before the op, OUT back after it.
 # Neither: device scratch (the op writes it before reading it).
@@ -173,6 +174,8 @@ def _mamba2(op: Int, args: I64Ptr, mut t: BufTable):
     t.add(m2b.BW_G_D, dm.nh * F4, BUF_INOUT)
     t.add(m2b.BW_G_GNORM, dm.di * F4, BUF_INOUT)
     t.add(m2b.BW_G_OUT, d * dm.di * F4, BUF_INOUT)
+    # W_in^T | W_out^T in matmul panels (OP_PACK_TRANSPOSED of (npj, d), (d, di))
+    t.add(m2b.BW_PANELS, TPanels(dm.npj, d, d, dm.di).floats * F4, BUF_IN)
 
 
 def _mamba3(op: Int, args: I64Ptr, mut t: BufTable):
@@ -219,3 +222,4 @@ def _mamba3(op: Int, args: I64Ptr, mut t: BufTable):
     t.add(m3b.BW_G_CB, dm.nh * m3.NST * F4, BUF_INOUT)
     t.add(m3b.BW_G_D, dm.nh * F4, BUF_INOUT)
     t.add(m3b.BW_G_OUT, d * dm.di * F4, BUF_INOUT)
+    t.add(m3b.BW_PANELS, TPanels(dm.np, d, d, dm.di).floats * F4, BUF_IN)
