@@ -17,7 +17,7 @@ from .abi import (
     OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_FORWARD, OP_M3_BACKWARD, PLAN_WORKSPACE,
 )
 from . import mamba1 as m1
-from . import mamba1_backward as m1b
+from . import mamba1_backward_layout as m1b
 from . import mamba2_layout as m2
 from . import mamba2_backward_layout as m2b
 from . import mamba3 as m3
