@@ -57,10 +57,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _pin_thread_env(n: int) -> None:
-    # Must run before numpy / torch are imported.
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+def _pin_thread_env(n: int, blas: int) -> None:
+    # Must run before numpy / torch are imported. In the main process NumPy
+    # only moves data (PyTorch uses MKL), so blas = 1: no idle OpenBLAS
+    # worker spins on a core the measured sides need; the sgemm reference
+    # runs in its own process with blas = n.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(n)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(blas)
 
 
 # --------------------------------------------------------------------------- timing
@@ -399,10 +403,11 @@ def targets(res) -> list:
 def main(argv=None):
     args = parse_args(argv)
     if args.sgemm_worker:
-        _pin_thread_env(json.loads(args.sgemm_worker)["threads"])
+        n = json.loads(args.sgemm_worker)["threads"]
+        _pin_thread_env(n, blas=n)
         sgemm_worker(args.sgemm_worker)
         return 0
-    _pin_thread_env(args.threads)
+    _pin_thread_env(args.threads, blas=1)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     try:

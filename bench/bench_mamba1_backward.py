@@ -14,7 +14,7 @@ For each configuration and each side, a fresh child process:
     before the first call and at the end (native memory included; tracemalloc
     would not see it). "peak over baseline" is what the calls added.
 Threads: ``--threads`` (default 2) on both sides (torch.set_num_threads,
-mojolearn.set_num_threads, OMP/OPENBLAS/MKL_NUM_THREADS). Nothing here
+mojolearn.set_num_threads, OMP/MKL_NUM_THREADS; NumPy's OpenBLAS gets 1). Nothing here
 asserts a speed.
 
 Usage (repository root)::
@@ -40,7 +40,8 @@ QUICK = [(768, 1, 128), (256, 2, 256)]
 def _worker(spec: str) -> None:
     side, d, B, L, threads, reps = spec.split(",")
     d, B, L, threads, reps = int(d), int(B), int(L), int(threads), int(reps)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # NumPy only moves data; PyTorch uses MKL
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
     import gc
     import resource

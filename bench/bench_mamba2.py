@@ -83,8 +83,11 @@ def best(fn, reps, budget):
 
 def main(argv=None):
     args = parse_args(argv)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
+    # NumPy only moves data here (PyTorch uses MKL): one OpenBLAS thread, so
+    # no idle OpenBLAS worker spins on a core the measured sides need
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
     import numpy as np
     import mojolearn

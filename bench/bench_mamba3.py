@@ -167,6 +167,9 @@ def main(argv=None):
     args = parse_args(argv)
     n = args.threads
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
+    # NumPy only moves data here (PyTorch uses MKL): one OpenBLAS thread, so
+    # no idle OpenBLAS worker spins on a core the measured sides need
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     import numpy as np
     import torch
     import mojolearn
