@@ -68,18 +68,7 @@ def _pin_thread_env(n: int, blas: int) -> None:
 
 
 # --------------------------------------------------------------------------- timing
-# PyTorch's OpenMP workers keep spinning for a while after a parallel region
-# (measured: a 2-thread decode step is 1.3-1.7x slower right after a
-# transformers call, normal after 0.5 s), so each timed side first waits.
-SETTLE_S = 0.5
-
-
-def busy_warm(fn, seconds=0.25):
-    """Call fn for `seconds`: after a settle pause the cores have clocked
-    down, and a short timed loop would otherwise run at a low clock."""
-    t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        fn()
+from _harness import SETTLE_S, busy_warm  # noqa: E402  (bench/ is on sys.path)
 
 
 def best_of(fn, *, warmup=1, min_reps=3, max_reps=20, budget_s=2.0):
