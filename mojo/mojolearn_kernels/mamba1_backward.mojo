@@ -23,6 +23,7 @@ Threads only split independent outputs, so no bit depends on the thread
 count; a row's x gradient depends only on that row.
 """
 from std.collections import Array
+from .linear_split import tree16  # the one fixed 16-lane halving tree
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
@@ -38,7 +39,7 @@ from .mamba1_backward_layout import (
     BW_W_OUT, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB, BW_G_X, BW_G_DT, BW_G_DTB,
     BW_G_ALOG, BW_G_D, BW_G_OUT, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, F_NORM,
     F_INPROJ, F_CONV, F_XPROJ, F_DTPROJ, F_SCAN, NF, B_OUT, B_SCAN, B_RED, B_XPROJ,
-    B_CONV, B_INPROJ, B_NORM, B_NORMW, NB, BWork, _ld, _st, _tree16, _silu_grad,
+    B_CONV, B_INPROJ, B_NORM, B_NORMW, NB, BWork, _ld, _st, _silu_grad,
     _softplus_grad,
 )
 
@@ -474,8 +475,8 @@ def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
             else:
                 hp = _ld(ck, n * di + c0, nv)
             var dH = dy.fma(cn, dh[n])
-            pp[unsafe_offset=NSTATE + n] = _tree16(dy * hn)
-            pp[unsafe_offset=n] = _tree16(dH * dlu)
+            pp[unsafe_offset=NSTATE + n] = tree16(dy * hn)
+            pp[unsafe_offset=n] = tree16(dH * dlu)
             var da = exp_f32[LANES](delta * a[n])
             var garg = (dH * hp) * da
             ddl = garg.fma(a[n], ddl)

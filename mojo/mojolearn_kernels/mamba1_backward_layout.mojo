@@ -198,15 +198,6 @@ def _st(p: F32Ptr, off: Int, v: LV, nv: Int):
 
 
 @always_inline
-def _tree16(v: LV) -> Float32:
-    """Pairwise sum of 16 lanes: j + (j+8), then +4, +2, +1."""
-    var s8 = v.slice[8, offset=0]() + v.slice[8, offset=8]()
-    var s4 = s8.slice[4, offset=0]() + s8.slice[4, offset=4]()
-    var s2 = s4.slice[2, offset=0]() + s4.slice[2, offset=2]()
-    return s2[0] + s2[1]
-
-
-@always_inline
 def _silu_grad[W: Int](z: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
     """d silu / dz = s * (1 + z (1 - s)), s = sigmoid(z): s * fma(z, 1 - s, 1)."""
     comptime V = SIMD[DType.float32, W]

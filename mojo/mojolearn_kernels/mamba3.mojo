@@ -28,7 +28,7 @@ from .abi import (
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
 from .linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
-from .linear_split import reduce_many
+from .linear_split import reduce_many, tree16
 from .weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
@@ -240,15 +240,6 @@ def _copy(src: F32Ptr, dst: F32Ptr, n: Int):
 
 
 @always_inline
-def _tree16(acc: V16) -> Float32:
-    """Fixed halving tree: lanes l + l+8, then l + l+4, l + l+2, l + l+1."""
-    var s8 = acc.slice[8, offset=0]() + acc.slice[8, offset=8]()
-    var s4 = s8.slice[4, offset=0]() + s8.slice[4, offset=4]()
-    var s2 = s4.slice[2, offset=0]() + s4.slice[2, offset=2]()
-    return s2[0] + s2[1]
-
-
-@always_inline
 def dot128_many[M: Int](a: F32Ptr, b: F32Ptr, stride: Int) -> SIMD[DType.float32, M]:
     """Lane m = dot128(a, b + m * stride), M in {4, 8, 16}: the same chains,
     reduced M at a time by the same tree (linear_split.reduce_many)."""
@@ -277,11 +268,11 @@ def dot128_into(a: F32Ptr, b: F32Ptr, stride: Int, n: Int, dst: F32Ptr):
 @always_inline
 def dot128(a: F32Ptr, b: F32Ptr) -> Float32:
     """Canonical 128-long dot product: lane l = fma chain over n = l + 16 c,
-    c = 0..7 ascending, then _tree16."""
+    c = 0..7 ascending, then tree16."""
     var acc = V16(0.0)
     comptime for c in range(8):
         acc = a.unsafe_load[width=16](c * 16).fma(b.unsafe_load[width=16](c * 16), acc)
-    return _tree16(acc)
+    return tree16(acc)
 
 
 @always_inline

@@ -3,6 +3,7 @@ one chunk (_scan_bwd), with its dot-product helpers. Canonical order in
 mamba3_backward.mojo and docs/backward.md."""
 from std.collections import Array
 from std.sys import get_defined_int
+from .linear_split import tree16  # the one fixed 16-lane halving tree
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
@@ -28,20 +29,12 @@ from .mamba3_backward_layout import (
 
 
 @always_inline
-def _tree16(acc: V16) -> Float32:
-    var s8 = acc.slice[8, offset=0]() + acc.slice[8, offset=8]()
-    var s4 = s8.slice[4, offset=0]() + s8.slice[4, offset=4]()
-    var s2 = s4.slice[2, offset=0]() + s4.slice[2, offset=2]()
-    return s2[0] + s2[1]
-
-
-@always_inline
 def _dot64(a: F32Ptr, b: F32Ptr) -> Float32:
-    """64-long dot: lane l = fma chain over p = l + 16 c, c = 0..3, then _tree16."""
+    """64-long dot: lane l = fma chain over p = l + 16 c, c = 0..3, then tree16."""
     var acc = V16(0.0)
     comptime for c in range(4):
         acc = a.unsafe_load[width=16](c * 16).fma(b.unsafe_load[width=16](c * 16), acc)
-    return _tree16(acc)
+    return tree16(acc)
 
 
 comptime V4 = SIMD[DType.float32, 4]
@@ -51,7 +44,7 @@ comptime V4 = SIMD[DType.float32, 4]
 def _dots128x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
     """dot128(a + q sa, b + q sb) for q = 0..3 (a stride may be 0): four
     chains in flight, as one alone is fma-latency bound. Each result is
-    dot128's own lane chains and _tree16, so the same bits."""
+    dot128's own lane chains and tree16, so the same bits."""
     var acc = Array[V16, 4](fill=V16(0.0))
     comptime for c in range(8):
         comptime for q in range(4):
@@ -59,7 +52,7 @@ def _dots128x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
                 b.unsafe_load[width=16](q * sb + c * 16), acc[q])
     var r = V4(0.0)
     comptime for q in range(4):
-        r[q] = _tree16(acc[q])
+        r[q] = tree16(acc[q])
     return r
 
 
@@ -67,7 +60,7 @@ def _dots128x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
 def _dots128_block[T: Int](a: F32Ptr, sa: Int, b: F32Ptr, sb: Int, dst: F32Ptr, so: Int):
     """dst[t so + q] = dot128(a + t sa, b + q sb), t < T, q < 4: 4 T chains in
     flight, each loaded vector used T or 4 times; each result is dot128's own
-    lane chains and _tree16."""
+    lane chains and tree16."""
     var acc = Array[V16, 4 * T](fill=V16(0.0))
     comptime for c in range(8):
         var av = Array[V16, T](fill=V16(0.0))
@@ -79,7 +72,7 @@ def _dots128_block[T: Int](a: F32Ptr, sa: Int, b: F32Ptr, sb: Int, dst: F32Ptr, 
                 acc[q * T + t] = av[t].fma(bv, acc[q * T + t])
     comptime for t in range(T):
         comptime for q in range(4):
-            dst[unsafe_offset=t * so + q] = _tree16(acc[q * T + t])
+            dst[unsafe_offset=t * so + q] = tree16(acc[q * T + t])
 
 
 @always_inline
@@ -92,7 +85,7 @@ def _dots64x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
                 b.unsafe_load[width=16](q * sb + c * 16), acc[q])
     var r = V4(0.0)
     comptime for q in range(4):
-        r[q] = _tree16(acc[q])
+        r[q] = tree16(acc[q])
     return r
 
 
@@ -212,7 +205,7 @@ def _fold[T: Int](scr: F32Ptr, v: F32Ptr, ldv: Int, qk: F32Ptr, dqk: F32Ptr,
                         qk.unsafe_load[width=16]((j0 + t) * QK + NST + c * 16), acc[q * T + t])
         comptime for t in range(T):
             comptime for q in range(4):
-                u[unsafe_offset=t * 64 + p + q] = _tree16(acc[q * T + t])
+                u[unsafe_offset=t * 64 + p + q] = tree16(acc[q * T + t])
     var fs = Array[Float32, T](fill=0.0)
     comptime for t in range(T):
         var j = j0 + t
