@@ -11,6 +11,9 @@ import pytest
 import torch
 
 import mojolearn
+from tests.backward_bits import (
+    assert_same_grads, check_repeated_calls, check_rows_alone, check_thread_count, grad_arrays,
+)
 from tests.bits import assert_bits_differ, assert_same_bits, nudge
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba1_reference
@@ -165,65 +168,32 @@ def block():
     return _BLOCK
 
 
-def _arrays(grads):
-    return {k: np.asarray(v).copy() for k, v in grads.items()}
-
-
-def _same(a, b, what):
-    for name in NAMES:
-        assert_same_bits(a[name], b[name], f"{what}: {name}")
-
-
 @pytest.mark.parametrize("shape", [(1, 1), (3, 70), (2, 33)])
 def test_thread_count_does_not_change_bits(threads, shape):
-    B, L = shape
-    x, g = random_input(B, L, D, seed=31), random_input(B, L, D, seed=32)
-    threads(1)
-    ref = _arrays(block().backward(x, g))
-    for n in (2, 3, 4):
-        threads(n)
-        _same(_arrays(block().backward(x, g)), ref, f"{n} threads vs 1")
-    # negative control: a one-ulp change of grad_output changes the bits
-    nudged = _arrays(block().backward(x, nudge(g, index=g.size - 1)))
-    assert_bits_differ(nudged["x"], ref["x"], "nudged grad_output")
+    check_thread_count(block(), NAMES, D, shape, (31, 32), (2, 3, 4), threads)
 
 
 def test_repeated_calls_are_identical():
-    x, g = random_input(2, 75, D, seed=33), random_input(2, 75, D, seed=34)
-    first = _arrays(block().backward(x, g))
-    # dirty the shared workspace with other shapes and a forward in between
-    block().backward(random_input(3, 40, D, seed=1), random_input(3, 40, D, seed=2))
-    block().forward(random_input(4, 90, D, seed=3))
-    _same(_arrays(block().backward(x, g)), first, "repeated call")
-    _same(_arrays(mojolearn.Mamba1Block(W).backward(x, g)), first, "fresh block")
-    # negative control: a one-ulp change of x changes the bits
-    assert_bits_differ(np.asarray(block().backward(nudge(x, 7), g)["x"]), first["x"], "nudged x")
+    check_repeated_calls(block(), mojolearn.Mamba1Block(W), NAMES, D, 75, (33, 34), 40)
 
 
 def test_x_gradient_of_a_row_equals_the_row_alone():
-    B, L = 3, 70
-    x, g = random_input(B, L, D, seed=35), random_input(B, L, D, seed=36)
-    full = _arrays(block().backward(x, g))
-    for i in range(B):
-        alone = _arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
-                                         np.ascontiguousarray(g[i:i + 1])))
-        assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
+    x, g, full, alone = check_rows_alone(block(), D, 3, 70, (35, 36))
     # negative control: a one-ulp change of the row's own grad_output
     gi = nudge(np.ascontiguousarray(g[1:2]), index=5)
-    other = _arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
+    other = grad_arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
     assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
-
 
 def test_zero_grad_output_gives_exact_zeros():
     x = random_input(2, 45, D, seed=37)
-    got = _arrays(block().backward(x, np.zeros_like(x)))
+    got = grad_arrays(block().backward(x, np.zeros_like(x)))
     for name in NAMES:
         assert (got[name] == 0).all(), f"{name} is not all zero"
         assert (got[name].view(np.uint32) == 0).all(), f"{name} holds -0.0"
     # negative control: the smallest normal grad_output in one place
     g = np.zeros_like(x)
     g[1, 44, 3] = np.float32(2.0 ** -60)
-    got = _arrays(block().backward(x, g))
+    got = grad_arrays(block().backward(x, g))
     assert any((got[name] != 0).any() for name in NAMES)
     assert (got["x"][1, 44] != 0).any() and (got["x"][0] == 0).all()
 
@@ -295,6 +265,6 @@ def test_packed_weights_give_the_bits_of_their_float32_expansion(fmt):
     packed = lowbit.pack(W, fmt)
     expanded, _ = lowbit.unpack(packed)
     x, g = random_input(2, 40, D, seed=40), random_input(2, 40, D, seed=41)
-    a = _arrays(mojolearn.Mamba1Block(packed).backward(x, g))
-    b = _arrays(mojolearn.Mamba1Block({k: np.asarray(v) for k, v in expanded.items()}).backward(x, g))
-    _same(a, b, f"{fmt} packed vs expanded")
+    a = grad_arrays(mojolearn.Mamba1Block(packed).backward(x, g))
+    b = grad_arrays(mojolearn.Mamba1Block({k: np.asarray(v) for k, v in expanded.items()}).backward(x, g))
+    assert_same_grads(a, b, NAMES, f"{fmt} packed vs expanded")

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import mojolearn
-from tests.bits import assert_bits_differ, assert_same_bits, nudge
+from tests.backward_bits import (
+    assert_same_grads, check_repeated_calls, check_rows_alone, check_thread_count, grad_arrays,
+)
+from tests.bits import assert_bits_differ, assert_same_bits
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba2_reference
 from tests.reference.weights import mamba2_weights, random_input
@@ -265,63 +268,30 @@ def block():
     return _BLOCK
 
 
-def _arrays(grads):
-    return {k: np.asarray(v).copy() for k, v in grads.items()}
-
-
-def _same(a, b, what):
-    for name in NAMES:
-        assert_same_bits(a[name], b[name], f"{what}: {name}")
-
-
 @pytest.mark.parametrize("shape", [(1, 1), (3, 260), (2, 33)])
 def test_thread_count_does_not_change_bits(threads, shape):
-    B, L = shape
-    x, g = random_input(B, L, D, seed=31), random_input(B, L, D, seed=32)
-    threads(1)
-    ref = _arrays(block().backward(x, g))
-    for n in (2, 3, 5):
-        threads(n)
-        _same(_arrays(block().backward(x, g)), ref, f"{n} threads vs 1")
-    # negative control: a one-ulp change of grad_output changes the bits
-    nudged = _arrays(block().backward(x, nudge(g, index=g.size - 1)))
-    assert_bits_differ(nudged["x"], ref["x"], "nudged grad_output")
+    check_thread_count(block(), NAMES, D, shape, (31, 32), (2, 3, 5), threads)
 
 
 def test_repeated_calls_are_identical():
-    x, g = random_input(2, 270, D, seed=33), random_input(2, 270, D, seed=34)
-    first = _arrays(block().backward(x, g))
-    # dirty the shared workspace with other shapes and a forward in between
-    block().backward(random_input(3, 40, D, seed=1), random_input(3, 40, D, seed=2))
-    block().forward(random_input(4, 90, D, seed=3))
-    _same(_arrays(block().backward(x, g)), first, "repeated call")
-    _same(_arrays(mojolearn.Mamba2Block(W).backward(x, g)), first, "fresh block")
-    # negative control: a one-ulp change of x changes the bits
-    assert_bits_differ(np.asarray(block().backward(nudge(x, 7), g)["x"]), first["x"], "nudged x")
+    check_repeated_calls(block(), mojolearn.Mamba2Block(W), NAMES, D, 270, (33, 34), 40)
 
 
 def test_x_gradient_of_a_row_equals_the_row_alone():
-    B, L = 3, 260
-    x, g = random_input(B, L, D, seed=35), random_input(B, L, D, seed=36)
-    full = _arrays(block().backward(x, g))
-    for i in range(B):
-        alone = _arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
-                                         np.ascontiguousarray(g[i:i + 1])))
-        assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
+    x, g, full, alone = check_rows_alone(block(), D, 3, 260, (35, 36))
     # negative control: the weight gradients do depend on the other rows
     assert_bits_differ(full["in_proj.weight"], alone["in_proj.weight"], "weights, row alone")
 
-
 def test_zero_grad_output_gives_exact_zeros():
     x = random_input(2, 300, D, seed=37)
-    got = _arrays(block().backward(x, np.zeros_like(x)))
+    got = grad_arrays(block().backward(x, np.zeros_like(x)))
     for name in NAMES:
         a = got[name]
         assert np.all(a.view(np.uint32) == 0), f"{name}: not all +0.0"
     # negative control: one nonzero grad_output entry gives nonzero gradients
     g = np.zeros_like(x)
     g[1, 299, 5] = 1.0
-    one = _arrays(block().backward(x, g))
+    one = grad_arrays(block().backward(x, g))
     assert np.any(one["x"] != 0) and np.any(one["in_proj.weight"] != 0)
     assert np.all(one["x"][0] == 0)  # row 0 has no gradient of its own
 
@@ -335,14 +305,14 @@ def test_backward_reads_and_changes_no_state():
                                                          "buffer_dtraw")]
     bt = st.buffered_tokens
     h_last = np.asarray(b.h_last_).copy()
-    first = _arrays(b.backward(x, g))
+    first = grad_arrays(b.backward(x, g))
     assert_same_bits(np.asarray(b.h_last_), h_last, "h_last_")
     after = [np.asarray(getattr(st, n)) for n in ("conv_window", "h", "buffer_xbc",
                                                  "buffer_dtraw")]
     for u, v in zip(before, after):
         assert_same_bits(u, v, "state")
     assert st.buffered_tokens == bt
-    _same(_arrays(mojolearn.Mamba2Block(W).backward(x, g)), first, "after a stateful forward")
+    assert_same_grads(grad_arrays(mojolearn.Mamba2Block(W).backward(x, g)), first, NAMES, "after a stateful forward")
     assert_same_bits(np.asarray(b.forward(x[:, :20])), y1, "forward unchanged")
 
 

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import mojolearn
-from tests.bits import assert_bits_differ, assert_same_bits, nudge
+from tests.backward_bits import (
+    assert_same_grads, check_repeated_calls, check_rows_alone, check_thread_count, grad_arrays,
+)
+from tests.bits import assert_bits_differ, assert_same_bits
 from tests.reference.mamba3_weights import mamba3_dims, mamba3_weights, random_input
 from tests.reference.numpy_mamba3 import mamba3_numpy
 from tests.reference.torch_mamba3 import GRAD_NAMES as NAMES
@@ -154,56 +157,23 @@ def block():
     return _BLOCK
 
 
-def _arrays(grads):
-    return {k: np.asarray(v).copy() for k, v in grads.items()}
-
-
-def _same(a, b, what):
-    for name in NAMES:
-        assert_same_bits(a[name], b[name], f"{what}: {name}")
-
-
 @pytest.mark.parametrize("shape", [(1, 1), (3, 70), (2, 64)])
 def test_thread_count_does_not_change_bits(threads, shape):
-    B, L = shape
-    x, g = random_input(B, L, D, seed=41), random_input(B, L, D, seed=42)
-    threads(1)
-    ref = _arrays(block().backward(x, g))
-    for n in (2, 3, 4):
-        threads(n)
-        _same(_arrays(block().backward(x, g)), ref, f"{n} threads vs 1")
-    # negative control: a one-ulp change of grad_output changes the bits
-    nudged = _arrays(block().backward(x, nudge(g, index=g.size - 1)))
-    assert_bits_differ(nudged["x"], ref["x"], "nudged grad_output")
+    check_thread_count(block(), NAMES, D, shape, (41, 42), (2, 3, 4), threads)
 
 
 def test_repeated_calls_are_identical():
-    x, g = random_input(2, 75, D, seed=43), random_input(2, 75, D, seed=44)
-    first = _arrays(block().backward(x, g))
-    # dirty the shared workspace with other shapes and a forward in between
-    block().backward(random_input(3, 140, D, seed=1), random_input(3, 140, D, seed=2))
-    block().forward(random_input(4, 90, D, seed=3))
-    _same(_arrays(block().backward(x, g)), first, "repeated call")
-    _same(_arrays(mojolearn.Mamba3Block(W).backward(x, g)), first, "fresh block")
-    # negative control: a one-ulp change of x changes the bits
-    assert_bits_differ(np.asarray(block().backward(nudge(x, 7), g)["x"]), first["x"], "nudged x")
+    check_repeated_calls(block(), mojolearn.Mamba3Block(W), NAMES, D, 75, (43, 44), 140)
 
 
 def test_x_gradient_of_a_row_equals_the_row_alone():
-    B, L = 3, 70
-    x, g = random_input(B, L, D, seed=45), random_input(B, L, D, seed=46)
-    full = _arrays(block().backward(x, g))
-    for i in range(B):
-        alone = _arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
-                                         np.ascontiguousarray(g[i:i + 1])))
-        assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
+    x, g, full, alone = check_rows_alone(block(), D, 3, 70, (45, 46))
     # negative control: a small change of the row's own grad_output (one ulp
     # of g can vanish in dx = g + ..., so change it by 1e-3 relative)
     gi = np.ascontiguousarray(g[1:2]).copy()
     gi[0, 0, 5] *= np.float32(1.001)
-    other = _arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
+    other = grad_arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
     assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
-
 
 def test_row_alone_across_the_memory_budgets():
     """B = 8, L = 2000 is past both 32 MiB budgets of docs/backward.md (pass A
@@ -213,9 +183,9 @@ def test_row_alone_across_the_memory_budgets():
     agree bit for bit."""
     B, L = 8, 2000
     x, g = random_input(B, L, D, seed=48), random_input(B, L, D, seed=49)
-    full = _arrays(block().backward(x, g))
+    full = grad_arrays(block().backward(x, g))
     for i in (0, 5):
-        alone = _arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
+        alone = grad_arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
                                          np.ascontiguousarray(g[i:i + 1])))
         assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
     assert_bits_differ(full["x"][0], full["x"][5], "two different rows")
@@ -223,14 +193,14 @@ def test_row_alone_across_the_memory_budgets():
 
 def test_zero_grad_output_gives_exact_zeros():
     x = random_input(2, 70, D, seed=47)
-    got = _arrays(block().backward(x, np.zeros_like(x)))
+    got = grad_arrays(block().backward(x, np.zeros_like(x)))
     for name in NAMES:
         assert (got[name] == 0).all(), f"{name} is not all zero"
         assert (got[name].view(np.uint32) == 0).all(), f"{name} holds -0.0"
     # negative control: a tiny grad_output in one place reaches every array
     g = np.zeros_like(x)
     g[1, 69, 3] = np.float32(2.0 ** -60)
-    got = _arrays(block().backward(x, g))
+    got = grad_arrays(block().backward(x, g))
     for name in NAMES:
         assert (got[name] != 0).any(), f"{name} stayed zero"
     assert (got["x"][1, 69] != 0).any() and (got["x"][0] == 0).all()
