@@ -276,6 +276,17 @@ class _MambaBase:
             if lock is not None:
                 lock.release()
 
+    @staticmethod
+    def _grad_arrays(x_shape, w, names, written=()):
+        """The backward's outputs: 'x' and one Array per weight name in
+        `names` (shaped like w[name]); zeroed, except the `written` ones,
+        which the kernel writes in full."""
+        from .._array import Array
+        grads = {"x": Array(x_shape, zero=False)}
+        for name in names:
+            grads[name] = Array(w[name].shape, zero=name not in written)
+        return grads
+
     def _backward_views(self, x, grad_output):
         """Validated (x, grad_output) views for backward: same shape, finite."""
         xv = self._x_view(x)

@@ -266,13 +266,10 @@ class Mamba1Block(_MambaBase):
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and in the shape the weight was given.
         """
-        from .._array import Array
         xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
         w, blob = self._backward_weights()
-        grads = {"x": Array((b, l, d), zero=False)}
-        for name in _BACKWARD_GRAD_NAMES:
-            grads[name] = Array(w[name].shape, zero=True)
+        grads = self._grad_arrays((b, l, d), w, _BACKWARD_GRAD_NAMES)
         args = [b, l, d, xv.address, gv.address, blob.address, 0,
                 grads["x"].address] + [w[n].address for n in (
                     "in_proj.weight", "x_proj.weight", "dt_proj.weight",

@@ -425,15 +425,12 @@ class Mamba2Block(_MambaBase):
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and in the shape the weight was given.
         """
-        from .._array import Array
         xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
         w, blob = self._backward_weights()
-        grads = {"x": Array((b, l, d), zero=False)}
-        for name in _BACKWARD_GRAD_NAMES:
-            # the kernel writes the projections' gradients in full (no memset)
-            grads[name] = Array(w[name].shape,
-                                zero=name not in ("in_proj.weight", "out_proj.weight"))
+        # the kernel writes the projections' gradients in full (no memset)
+        grads = self._grad_arrays((b, l, d), w, _BACKWARD_GRAD_NAMES,
+                                  written=("in_proj.weight", "out_proj.weight"))
         args = ([b, l, d, xv.address, gv.address, blob.address, 0,
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]

@@ -518,14 +518,11 @@ class Mamba3Block(_MambaBase):
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and shape.
         """
-        from .._array import Array
         xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
         w, blob = self._backward_weights()
-        grads = {"x": Array((b, l, d), zero=False)}
-        for name in _WEIGHT_ORDER:
-            # the kernel writes the projections' gradients in full (no memset)
-            grads[name] = Array(w[name].shape, zero=name not in _WRITTEN_GRADS)
+        # the kernel writes the projections' gradients in full (no memset)
+        grads = self._grad_arrays((b, l, d), w, _WEIGHT_ORDER, written=_WRITTEN_GRADS)
         args = ([b, l, d, xv.address, gv.address, blob.address, 0,
                  grads["x"].address, w["in_proj.weight"].address,
                  w["out_proj.weight"].address]
