@@ -16,3 +16,56 @@ def busy_warm(fn, seconds=0.25):
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         fn()
+
+
+# ---- backward benchmarks: one fresh child process per (side, configuration)
+
+def worker_spec(spec: str):
+    """(side, d, B, L, threads, reps) of a child's --worker spec; pins the
+    thread counts before NumPy or PyTorch are imported (NumPy only moves
+    data and gets one OpenBLAS thread; PyTorch uses MKL/OpenMP)."""
+    import os
+    side, d, B, L, threads, reps = spec.split(",")
+    d, B, L, threads, reps = int(d), int(B), int(L), int(threads), int(reps)
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    return side, d, B, L, threads, reps
+
+
+def time_with_rss(call, reps):
+    """Best-of timing of call() and the process's peak RSS around it: one
+    warm-up then `reps` timed calls (reps = 0: one timed call, no warm-up,
+    for configurations too slow to run twice)."""
+    import gc
+    import resource
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    if reps > 0:
+        call()  # warm-up
+    gc.disable()
+    for _ in range(max(reps, 1)):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"times_s": times, "best_s": min(times), "rss_before_kib": base,
+            "rss_peak_kib": peak}
+
+
+def measure_in_child(script, side, d, B, L, threads, reps):
+    """Run `script --worker side,d,B,L,threads,reps` in a fresh process and
+    return the JSON dict its last output line holds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = f"{side},{d},{B},{L},{threads},{reps}"
+    env = dict(os.environ, PYTHONPATH=f"{root / 'python'}:{root}")
+    res = subprocess.run([sys.executable, os.path.abspath(script), "--worker", spec],
+                         capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"{spec} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])

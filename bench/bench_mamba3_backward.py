@@ -22,25 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from _harness import measure_in_child, time_with_rss, worker_spec  # noqa: E402
 FULL = [(768, 1, 128), (768, 8, 1024)]
 QUICK = [(256, 1, 128), (256, 2, 256)]
 
 
 def _worker(spec: str) -> None:
-    side, d, B, L, threads, reps = spec.split(",")
-    d, B, L, threads, reps = int(d), int(B), int(L), int(threads), int(reps)
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # NumPy only moves data; PyTorch uses MKL
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(threads)
-    import gc
-    import resource
-    sys.path[:0] = [str(ROOT / "python"), str(ROOT), str(ROOT / "bench")]
+    side, d, B, L, threads, reps = worker_spec(spec)
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
     from tests.reference.mamba3_weights import mamba3_weights, random_input
     w = mamba3_weights(d, seed=0)
     x = random_input(B, L, d, seed=1)
@@ -70,28 +64,12 @@ def _worker(spec: str) -> None:
             y = m.prefill(xt)
             y.backward(gt)
             return xt.grad
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
-    call()  # warm-up
-    gc.disable()
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"side": side, "d": d, "B": B, "L": L, "threads": threads,
-                      "times_s": times, "best_s": min(times),
-                      "rss_before_kib": base, "rss_peak_kib": peak}))
+                      **time_with_rss(call, reps)}))
 
 
 def measure(side, d, B, L, threads, reps):
-    spec = f"{side},{d},{B},{L},{threads},{reps}"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", spec],
-                         capture_output=True, text=True, env=env)
-    if res.returncode != 0:
-        raise RuntimeError(f"{spec} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return measure_in_child(__file__, side, d, B, L, threads, reps)
 
 
 def main(argv=None):
