@@ -184,6 +184,7 @@ def test_x_gradient_of_a_row_equals_the_row_alone():
     other = grad_arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
     assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
 
+
 def test_zero_grad_output_gives_exact_zeros():
     x = random_input(2, 45, D, seed=37)
     got = grad_arrays(block().backward(x, np.zeros_like(x)))

@@ -282,6 +282,7 @@ def test_x_gradient_of_a_row_equals_the_row_alone():
     # negative control: the weight gradients do depend on the other rows
     assert_bits_differ(full["in_proj.weight"], alone["in_proj.weight"], "weights, row alone")
 
+
 def test_zero_grad_output_gives_exact_zeros():
     x = random_input(2, 300, D, seed=37)
     got = grad_arrays(block().backward(x, np.zeros_like(x)))

@@ -175,6 +175,7 @@ def test_x_gradient_of_a_row_equals_the_row_alone():
     other = grad_arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
     assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
 
+
 def test_row_alone_across_the_memory_budgets():
     """B = 8, L = 2000 is past both 32 MiB budgets of docs/backward.md (pass A
     keeps only its last chunks' rows, the others skip z; the weight
