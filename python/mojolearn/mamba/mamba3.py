@@ -292,7 +292,7 @@ class Mamba3Block(_MambaBase):
             st.buffered_tokens, st.pending = 0, False
         return st, self._scratch_lock
 
-    def _state_views(self, state, batch):
+    def _state_views(self, state, batch, check_finite=True):
         if not isinstance(state, Mamba3State):
             raise TypeError(f"state must be a Mamba3State, got {type(state).__name__}")
         if getattr(state, "_held_by", None) is not None:
@@ -321,6 +321,8 @@ class Mamba3Block(_MambaBase):
             raise ValueError("state.pending is set (set_input_states) but the state is "
                              f"not fresh (buffered_tokens = {nb}); input states apply "
                              "only to a state's first call")
+        if not check_finite:  # the block's own scratch state: zeros it wrote
+            return views, nb
         for n in ("theta", "h"):
             _intake.check_finite(self._lib, views[n])
         if state.pending:
@@ -369,7 +371,7 @@ class Mamba3Block(_MambaBase):
             state, lock = self._held_scratch(b)
         try:
             if own:
-                views, nb = self._state_views(state, b)
+                views, nb = self._state_views(state, b, check_finite=False)
             y = Array((b, l, d), zero=False)
             self._call(xv, y, b, l, views, nb, state, lens_keep, "forward")
         finally:
