@@ -27,15 +27,14 @@ from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from .linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
-from .linear_split import reduce_many, tree16
+from .linear import WF_F32, WIDE, packed_floats, matmul_ntasks, matmul_task_wf
+from .dot128 import dot128, dots128_grid, GRID_T
 from .weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
 from .norms import rmsnorm_row
 from .numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
-    mod2pi_f32,
+    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sincos_f32, mod2pi_f32,
 )
 
 comptime NST = 128  # N, q/k head dimension
@@ -97,7 +96,16 @@ comptime NSTAGES = 5
 
 comptime NORM_ROWS_PER_TASK = 16
 comptime MAX_CHUNK_ROWS = 256
-comptime SCR = 1024  # scratch floats per (row, head) scan task
+# Scratch of one (row, head) scan task, in floats.
+comptime S_QU = 0  # (128) unrotated q of one token
+comptime S_KU = S_QU + NST  # (128) unrotated k
+comptime S_W = S_KU + NST  # (64) chunk weights of one token
+comptime S_SC = S_W + QC  # (64) scale_j = gamma_j + beta_j of the rows j < last
+comptime S_DIAG = S_SC + QC  # (64) (q . k) gamma per token of a segment
+comptime S_HQ = S_DIAG + QC  # (64, 64) q_u . h[p]; the fold's w_j v_j[p]
+comptime S_QK = S_HQ + QC * HP  # (64, 64) q_u . k_j
+comptime SCR = S_QK + QC * QC
+comptime FOLD_SCR = S_HQ + QC * HP  # what a fold alone needs (reports)
 
 comptime V16 = SIMD[DType.float32, 16]
 
@@ -240,42 +248,6 @@ def _copy(src: F32Ptr, dst: F32Ptr, n: Int):
 
 
 @always_inline
-def dot128_many[M: Int](a: F32Ptr, b: F32Ptr, stride: Int) -> SIMD[DType.float32, M]:
-    """Lane m = dot128(a, b + m * stride), M in {4, 8, 16}: the same chains,
-    reduced M at a time by the same tree (linear_split.reduce_many)."""
-    var acc = Array[V16, M](fill=V16(0.0))
-    comptime for c in range(8):
-        var av = a.unsafe_load[width=16](c * 16)
-        comptime for m in range(M):
-            acc[m] = av.fma(b.unsafe_load[width=16](m * stride + c * 16), acc[m])
-    return reduce_many[M](acc)
-
-
-def dot128_into(a: F32Ptr, b: F32Ptr, stride: Int, n: Int, dst: F32Ptr):
-    """dst[m] = dot128(a, b + m * stride) for m < n, 16, 4, then 1 at a time."""
-    var m = 0
-    while m + 16 <= n:
-        dst.unsafe_store(m, dot128_many[16](a, b.unsafe_offset(m * stride), stride))
-        m += 16
-    while m + 4 <= n:
-        dst.unsafe_store(m, dot128_many[4](a, b.unsafe_offset(m * stride), stride))
-        m += 4
-    while m < n:
-        dst[unsafe_offset=m] = dot128(a, b.unsafe_offset(m * stride))
-        m += 1
-
-
-@always_inline
-def dot128(a: F32Ptr, b: F32Ptr) -> Float32:
-    """Canonical 128-long dot product: lane l = fma chain over n = l + 16 c,
-    c = 0..7 ascending, then tree16."""
-    var acc = V16(0.0)
-    comptime for c in range(8):
-        acc = a.unsafe_load[width=16](c * 16).fma(b.unsafe_load[width=16](c * 16), acc)
-    return tree16(acc)
-
-
-@always_inline
 def _phi_a(u: Float32) -> Float32:
     """A = min(-phi(u), -1e-4); phi(u) = 1 + u (u >= 0), 1 / (1 - u) (u < 0)."""
     var ph: Float32
@@ -306,7 +278,7 @@ def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
     var b = arg_int(args, FWD_B)
     if arg_int(args, FWD_MODE) == 1:
         if phase == PLAN_WORKSPACE:
-            return b * dims.nh * QC * 4
+            return b * dims.nh * FOLD_SCR * 4
         if phase == 0:
             return b * dims.nh
         return PHASE_END
@@ -359,6 +331,7 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
                         pr.unsafe_offset(dims.c_b))
             rmsnorm_row(pr.unsafe_offset(dims.c_c), NST, blob.unsafe_offset(dims.o_cnw),
                         pr.unsafe_offset(dims.c_c))
+            _row_gates(pr, dims, blob)
     elif stage == ST_SCAN:
         var bb = task // dims.nh
         var hh = task % dims.nh
@@ -472,12 +445,14 @@ struct HeadState(ImplicitlyCopyable):
         return gamma + beta
 
 
-def _weights(hs: HeadState, last: Int, beta_last: Float32, w: F32Ptr) -> Float32:
+def _weights(hs: HeadState, last: Int, beta_last: Float32, sc: F32Ptr, w: F32Ptr) -> Float32:
     """w[j] = exp(seg(last, j)) * scale_j for j <= last; returns exp(cum_last).
 
     seg is summed downwards from +0.0: s = 0; for j = last..0: seg_j = s;
-    s = s + adt_j. The final s is cum_last. The exps are lane-wise (the own
-    exp gives the same bits at any SIMD width). w needs room for 64 floats."""
+    s = s + adt_j. The final s is cum_last. scale_j = sc[j] (gamma_j + beta_j)
+    for j < last, gamma_last + beta_last for j = last. The exps and products
+    are lane-wise (the own exp gives the same bits at any SIMD width). w
+    needs room for 64 floats; its lanes past last are left undefined."""
     var s: Float32 = 0.0
     var j = last
     while j >= 0:
@@ -488,30 +463,122 @@ def _weights(hs: HeadState, last: Int, beta_last: Float32, w: F32Ptr) -> Float32
     while c <= last:
         w.unsafe_store(c, exp_f32[16](w.unsafe_load[width=16](c)))
         c += 16
-    for jj in range(last + 1):
-        w[unsafe_offset=jj] = w[unsafe_offset=jj] * hs.scale(jj, last, beta_last)
+    var e_last = w[unsafe_offset=last]
+    c = 0
+    while c < last:
+        w.unsafe_store(c, w.unsafe_load[width=16](c) * sc.unsafe_load[width=16](c))
+        c += 16
+    w[unsafe_offset=last] = e_last * (hs.dt(last) * hs.sg(last) + beta_last)
     return exp_f32[1](s)
 
 
-def _fold(hs: HeadState, count: Int, beta_last: Float32, w: F32Ptr, dst: F32Ptr):
+def _init_scales(hs: HeadState, cnt: Int, sc: F32Ptr):
+    """sc[j] = gamma_j + beta_j for the buffered rows j < cnt - 1."""
+    for j in range(cnt - 1):
+        sc[unsafe_offset=j] = hs.scale(j, cnt - 1, Float32(0.0))
+
+
+comptime FOLD_P = 4 if WIDE else 1  # rows p of h per register block
+
+
+def _fold(hs: HeadState, count: Int, beta_last: Float32, sc: F32Ptr, u: F32Ptr,
+          w: F32Ptr, dst: F32Ptr):
     """dst[p, n] = exp(cum) h[p, n], then fma((w_j * v_j[p]), k_j[n], .) for
-    j = 0..count-1 ascending. dst may be hs.h."""
-    var hdec = _weights(hs, count - 1, beta_last, w)
-    for p in range(HP):
-        var acc = Array[V16, 8](fill=V16(0.0))
-        comptime for c in range(8):
-            acc[c] = V16(hdec) * hs.h.unsafe_load[width=16](p * NST + c * 16)
-        for j in range(count):
-            var wv = V16(w[unsafe_offset=j] * hs.bv[unsafe_offset=j * hs.vs + p])
-            var kr = hs.bk.unsafe_offset(j * hs.rs)
-            comptime for c in range(8):
-                acc[c] = wv.fma(kr.unsafe_load[width=16](c * 16), acc[c])
-        comptime for c in range(8):
-            dst.unsafe_store(p * NST + c * 16, acc[c])
+    j = 0..count-1 ascending. dst may be hs.h; u is (64, 64) scratch that
+    holds the products w_j * v_j[p], FOLD_P rows of h in flight at once."""
+    var hdec = _weights(hs, count - 1, beta_last, sc, w)
+    for j in range(count):
+        var wj = V16(w[unsafe_offset=j])
+        var vr = hs.bv.unsafe_offset(j * hs.vs)
+        comptime for c in range(4):
+            u.unsafe_store(j * HP + c * 16, wj * vr.unsafe_load[width=16](c * 16))
+    for p0 in range(0, HP, FOLD_P):
+        comptime for half in range(2):
+            var acc = Array[V16, FOLD_P * 4](fill=V16(0.0))
+            comptime for pp in range(FOLD_P):
+                comptime for c in range(4):
+                    acc[pp * 4 + c] = V16(hdec) * hs.h.unsafe_load[width=16](
+                        (p0 + pp) * NST + half * 64 + c * 16)
+            for j in range(count):
+                var kr = hs.bk.unsafe_offset(j * hs.rs + half * 64)
+                var kv = Array[V16, 4](fill=V16(0.0))
+                comptime for c in range(4):
+                    kv[c] = kr.unsafe_load[width=16](c * 16)
+                comptime for pp in range(FOLD_P):
+                    var uv = V16(u[unsafe_offset=j * HP + p0 + pp])
+                    comptime for c in range(4):
+                        acc[pp * 4 + c] = uv.fma(kv[c], acc[pp * 4 + c])
+            comptime for pp in range(FOLD_P):
+                comptime for c in range(4):
+                    dst.unsafe_store((p0 + pp) * NST + half * 64 + c * 16, acc[pp * 4 + c])
+
+
+@always_inline
+def _rotate16(u: V16, cd: V16, sd: V16) -> V16:
+    """Pairs (2r, 2r+1) of u rotated by angles whose cos / sin sit in lanes
+    2r and 2r+1 of cd / sd: (u0 c - u1 s, u0 s + u1 c), each product rounded,
+    then one add, as the scalar form does (a - b = a + (-b) exactly)."""
+    var sw = u.shuffle[1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14]()
+    var sgn = V16(-1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0,
+                  -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0)
+    return u * cd + sw * (sd * sgn)
+
+
+@always_inline
+def _dup_half[HALF: Int](v: V16) -> V16:
+    """Lanes 8 HALF .. 8 HALF + 7 of v, each twice."""
+    comptime o = 8 * HALF
+    return v.shuffle[o, o, o + 1, o + 1, o + 2, o + 2, o + 3, o + 3,
+                     o + 4, o + 4, o + 5, o + 5, o + 6, o + 6, o + 7, o + 7]()
+
+
+def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
+                bbias: F32Ptr, qu: F32Ptr, ku: F32Ptr, i: Int) -> Float32:
+    """One token into working-chunk row i: the angles advance, then rotated
+    q, k, and v, dt, sg, adt are stored. Returns its diagonal weight
+    (q . k) gamma on the unrotated q, k. pr is the token's row after
+    _row_gates."""
+    var dt = pr[unsafe_offset=dims.c_dt + hh]
+    var sg = pr[unsafe_offset=dims.c_tr + hh]
+    comptime for c in range(8):
+        qu.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_c + c * 16)
+                        + cbias.unsafe_load[width=16](c * 16))
+        ku.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_b + c * 16)
+                        + bbias.unsafe_load[width=16](c * 16))
+    var qrow = hs.bq.unsafe_offset(i * hs.rs)
+    var krow = hs.bk.unsafe_offset(i * hs.rs)
+    comptime for c in range(2):  # angles 16 c .. 16 c + 15 rotate lanes 32 c .. 32 c + 31
+        var ang = pr.unsafe_load[width=16](dims.c_ang + c * 16)
+        var th = mod2pi_f32[16](ang.fma(V16(dt), hs.theta.unsafe_load[width=16](c * 16)))
+        hs.theta.unsafe_store(c * 16, th)
+        var sc2 = sincos_f32[16](th)
+        var sn = sc2[0]
+        var cs = sc2[1]
+        comptime for half in range(2):
+            comptime o = c * 32 + half * 16
+            var cd = _dup_half[half](cs)
+            var sd = _dup_half[half](sn)
+            qrow.unsafe_store(o, _rotate16(qu.unsafe_load[width=16](o), cd, sd))
+            krow.unsafe_store(o, _rotate16(ku.unsafe_load[width=16](o), cd, sd))
+    comptime for c in range(4, 8):
+        qrow.unsafe_store(c * 16, qu.unsafe_load[width=16](c * 16))
+        krow.unsafe_store(c * 16, ku.unsafe_load[width=16](c * 16))
+    var vsrc = pr.unsafe_offset(dims.c_v + hh * HP)
+    var vrow = hs.bv.unsafe_offset(i * hs.vs)
+    comptime for c in range(4):
+        vrow.unsafe_store(c * 16, vsrc.unsafe_load[width=16](c * 16))
+    hs.bdt[unsafe_offset=i * hs.ss] = dt
+    hs.bsg[unsafe_offset=i * hs.ss] = sg
+    hs.badt[unsafe_offset=i * hs.ss] = pr[unsafe_offset=dims.c_a + hh]
+    return dot128(qu, ku) * (dt * sg)
 
 
 def _scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
                scr: F32Ptr, bb: Int, hh: Int, t0: Int, nc: Int):
+    """Tokens t0 .. t0 + nc - 1 of row bb, head hh, in segments that lie
+    within one working chunk: append every row of the segment, then its
+    q . h[p] and q . k_j as dot grids (h only changes at a fold), then each
+    token's output. Every number is the one the token-at-a-time order gives."""
     var l = arg_int(args, FWD_L)
     var lens = arg_i64(args, FWD_LENGTHS)
     var len_b = l
@@ -524,90 +591,108 @@ def _scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr
     var pending = arg_int(args, FWD_PENDING) != 0
     var cnt = _count_after(n0, t0)
     var hs = HeadState(args, dims, bb, hh)
-    var qu = scr  # unrotated q (128)
-    var ku = scr.unsafe_offset(NST)  # unrotated k (128)
-    var w = scr.unsafe_offset(2 * NST)  # (64) chunk weights
-    var hq = scr.unsafe_offset(2 * NST + QC)  # (64) q . h[p]
-    var dtb = blob[unsafe_offset=dims.o_dtb + hh]
+    var qu = scr.unsafe_offset(S_QU)
+    var ku = scr.unsafe_offset(S_KU)
+    var w = scr.unsafe_offset(S_W)
+    var sc = scr.unsafe_offset(S_SC)
+    var diag = scr.unsafe_offset(S_DIAG)
+    var hqs = scr.unsafe_offset(S_HQ)
+    var qks = scr.unsafe_offset(S_QK)
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var bbias = blob.unsafe_offset(dims.o_bb + hh * NST)
     var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
-    for t in range(t0, t_end):
-        var r = bb * nc + (t - t0)
-        var pr = proj.unsafe_offset(r * dims.np)
-        var dt = softplus_f32[1](pr[unsafe_offset=dims.c_dt + hh] + dtb)
-        var a = _phi_a(pr[unsafe_offset=dims.c_a + hh])
-        var adt = a * dt
-        var sg = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + hh])
+    _init_scales(hs, cnt, sc)
+    var t = t0
+    while t < t_end:
+        var r0 = bb * nc + (t - t0)
+        var pr0 = proj.unsafe_offset(r0 * dims.np)
+        var dt0 = pr0[unsafe_offset=dims.c_dt + hh]
+        var sg0 = pr0[unsafe_offset=dims.c_tr + hh]
         # fold the full working chunk now that its successor exists
         if cnt == QC:
-            _fold(hs, QC, dt * (Float32(1.0) - sg), w, hs.h)
+            _fold(hs, QC, dt0 * (Float32(1.0) - sg0), sc, hqs, w, hs.h)
             cnt = 0
         if pending and t == 0 and n0 == 0:
-            var scal = dt * (Float32(1.0) - sg)
+            var scal = dt0 * (Float32(1.0) - sg0)
             for p in range(HP):
                 var vv = V16(hs.pv[unsafe_offset=p] * scal)
                 comptime for c in range(8):
                     var hp = hs.h.unsafe_offset(p * NST + c * 16)
                     hp.unsafe_store(0, vv.fma(hs.pk.unsafe_load[width=16](c * 16),
                                               hp.unsafe_load[width=16](0)))
-        var i = cnt
-        # q, k (bias added, unrotated) and the angle update
-        comptime for c in range(8):
-            qu.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_c + c * 16)
-                            + cbias.unsafe_load[width=16](c * 16))
-            ku.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_b + c * 16)
-                            + bbias.unsafe_load[width=16](c * 16))
-        var qrow = hs.bq.unsafe_offset(i * hs.rs)
-        var krow = hs.bk.unsafe_offset(i * hs.rs)
-        comptime for c in range(2):
-            var ang = tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + c * 16)) * V16(PI_F32)
-            var th = mod2pi_f32[16](ang.fma(V16(dt), hs.theta.unsafe_load[width=16](c * 16)))
-            hs.theta.unsafe_store(c * 16, th)
-            var cs = cos_f32[16](th)
-            var sn = sin_f32[16](th)
-            comptime for l2 in range(16):
-                var rr = c * 16 + l2
-                var q0 = qu[unsafe_offset=2 * rr]
-                var q1 = qu[unsafe_offset=2 * rr + 1]
-                var k0 = ku[unsafe_offset=2 * rr]
-                var k1 = ku[unsafe_offset=2 * rr + 1]
-                var cc = cs[l2]
-                var ss = sn[l2]
-                qrow[unsafe_offset=2 * rr] = q0 * cc - q1 * ss
-                qrow[unsafe_offset=2 * rr + 1] = q0 * ss + q1 * cc
-                krow[unsafe_offset=2 * rr] = k0 * cc - k1 * ss
-                krow[unsafe_offset=2 * rr + 1] = k0 * ss + k1 * cc
-        comptime for c in range(4, 8):
-            qrow.unsafe_store(c * 16, qu.unsafe_load[width=16](c * 16))
-            krow.unsafe_store(c * 16, ku.unsafe_load[width=16](c * 16))
-        var vsrc = pr.unsafe_offset(dims.c_v + hh * HP)
-        var vrow = hs.bv.unsafe_offset(i * hs.vs)
-        comptime for c in range(4):
-            vrow.unsafe_store(c * 16, vsrc.unsafe_load[width=16](c * 16))
-        hs.bdt[unsafe_offset=i * hs.ss] = dt
-        hs.bsg[unsafe_offset=i * hs.ss] = sg
-        hs.badt[unsafe_offset=i * hs.ss] = adt
-        # output of row i
-        var gamma = dt * sg
-        var diag = dot128(qu, ku) * gamma
-        var hdec = _weights(hs, i, Float32(0.0), w)
-        var qk = hq  # q . k_j for j < i, then q . h[p] (dots batched per tree)
-        dot128_into(qrow, hs.bk, hs.rs, i, qk)
-        for j in range(i):
-            w[unsafe_offset=j] = w[unsafe_offset=j] * qk[unsafe_offset=j]
-        dot128_into(qrow, hs.h, NST, HP, hq)
-        var zrow = pr.unsafe_offset(hh * HP)
-        var orow = o.unsafe_offset(r * dims.di + hh * HP)
-        comptime for c in range(4):
-            var y = V16(hdec) * hq.unsafe_load[width=16](c * 16)
+        var i0 = cnt
+        var ns = min(t_end - t, QC - i0)
+        for u in range(ns):
+            var i = i0 + u
+            diag[unsafe_offset=u] = _append_row(hs, dims, hh, pr0.unsafe_offset(u * dims.np),
+                                                cbias, bbias, qu, ku, i)
+            if i > 0:
+                sc[unsafe_offset=i - 1] = hs.scale(i - 1, i, Float32(0.0))
+        var q0 = hs.bq.unsafe_offset(i0 * hs.rs)
+        dots128_grid(q0, hs.rs, ns, hs.h, NST, HP, hqs, HP)
+        var u = 0
+        while u < ns:  # q_u . k_j for j < i0 + u (GRID_T tokens share the loads)
+            var nt = min(GRID_T, ns - u)
+            dots128_grid(q0.unsafe_offset(u * hs.rs), hs.rs, nt, hs.bk, hs.rs, i0 + u + nt - 1,
+                         qks.unsafe_offset(u * QC), QC)
+            u += nt
+        for uu in range(ns):
+            var i = i0 + uu
+            var r = r0 + uu
+            var pr = pr0.unsafe_offset(uu * dims.np)
+            var hdec = _weights(hs, i, Float32(0.0), sc, w)
+            var qk = qks.unsafe_offset(uu * QC)
+            var c = 0
+            while c < i:  # lanes at or past i are not read below
+                w.unsafe_store(c, w.unsafe_load[width=16](c) * qk.unsafe_load[width=16](c))
+                c += 16
+            var hq = hqs.unsafe_offset(uu * HP)
+            var y = Array[V16, 4](fill=V16(0.0))
+            comptime for cc in range(4):
+                y[cc] = V16(hdec) * hq.unsafe_load[width=16](cc * 16)
             for j in range(i):
-                y = V16(w[unsafe_offset=j]).fma(hs.bv.unsafe_load[width=16](j * hs.vs + c * 16), y)
-            var vi = vrow.unsafe_load[width=16](c * 16)
-            y = V16(diag).fma(vi, y)
-            y = V16(dsk).fma(vi, y)
-            orow.unsafe_store(c * 16, y * silu_f32[16](zrow.unsafe_load[width=16](c * 16)))
-        cnt = i + 1
+                var wj = V16(w[unsafe_offset=j])
+                var vj = hs.bv.unsafe_offset(j * hs.vs)
+                comptime for cc in range(4):
+                    y[cc] = wj.fma(vj.unsafe_load[width=16](cc * 16), y[cc])
+            var vrow = hs.bv.unsafe_offset(i * hs.vs)
+            var dg = diag[unsafe_offset=uu]
+            var zrow = pr.unsafe_offset(hh * HP)
+            var orow = o.unsafe_offset(r * dims.di + hh * HP)
+            comptime for cc in range(4):
+                var vi = vrow.unsafe_load[width=16](cc * 16)
+                var yy = V16(dg).fma(vi, y[cc])
+                yy = V16(dsk).fma(vi, yy)
+                orow.unsafe_store(cc * 16, yy * silu_f32[16](zrow.unsafe_load[width=16](cc * 16)))
+        cnt = i0 + ns
+        t += ns
+
+
+def _row_gates(pr: F32Ptr, dims: M3Dims, blob: F32Ptr):
+    """The per-token values every head's scan reads, once per row and in
+    place of their raw projections: dt = softplus(dd_dt + dt_bias),
+    adt = A dt, sg = sigmoid(trap) per head, tanh(ang) pi per angle (shared
+    by the heads). The functions are lane-wise: the same bits as one head
+    at a time."""
+    var nh = dims.nh
+    var dtb = blob.unsafe_offset(dims.o_dtb)
+    var h = 0
+    while h + 16 <= nh:
+        pr.unsafe_store(dims.c_dt + h, softplus_f32[16](
+            pr.unsafe_load[width=16](dims.c_dt + h) + dtb.unsafe_load[width=16](h)))
+        pr.unsafe_store(dims.c_tr + h, sigmoid_f32[16](pr.unsafe_load[width=16](dims.c_tr + h)))
+        h += 16
+    while h < nh:
+        pr[unsafe_offset=dims.c_dt + h] = softplus_f32[1](
+            pr[unsafe_offset=dims.c_dt + h] + dtb[unsafe_offset=h])
+        pr[unsafe_offset=dims.c_tr + h] = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + h])
+        h += 1
+    for hh in range(nh):
+        pr[unsafe_offset=dims.c_a + hh] = (_phi_a(pr[unsafe_offset=dims.c_a + hh])
+                                           * pr[unsafe_offset=dims.c_dt + hh])
+    comptime for c in range(2):
+        pr.unsafe_store(dims.c_ang + c * 16, tanh_f32[16](
+            pr.unsafe_load[width=16](dims.c_ang + c * 16)) * V16(PI_F32))
 
 
 def _report_task(args: I64Ptr, dims: M3Dims, task: Int):
@@ -632,7 +717,9 @@ def _report_task(args: I64Ptr, dims: M3Dims, task: Int):
         for p in range(HP):
             rv[unsafe_offset=p] = 0.0
         return
-    var w = arg_f32(args, FWD_WORK).unsafe_offset(task * QC)
-    _fold(hs, cnt, Float32(0.0), w, rh)
+    var scr = arg_f32(args, FWD_WORK).unsafe_offset(task * FOLD_SCR)
+    var sc = scr.unsafe_offset(S_SC)
+    _init_scales(hs, cnt, sc)
+    _fold(hs, cnt, Float32(0.0), sc, scr.unsafe_offset(S_HQ), scr.unsafe_offset(S_W), rh)
     _copy(hs.bk.unsafe_offset((cnt - 1) * hs.rs), rk, NST)
     _copy(hs.bv.unsafe_offset((cnt - 1) * hs.vs), rv, HP)

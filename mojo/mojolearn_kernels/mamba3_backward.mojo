@@ -39,7 +39,8 @@ from .numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
     mod2pi_f32,
 )
-from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, dot128
+from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from .dot128 import dot128, dots128x4, dots128_block
 
 from .mamba3_backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN,
@@ -50,7 +51,7 @@ from .mamba3_backward_layout import (
     V_TMP, SCR, BW3,
 )
 from .mamba3_backward_scan import (
-    V4, _dots128x4, _dots128_block, _phi_a_v, _scan_bwd,
+    V4, _phi_a_v, _scan_bwd,
 )
 
 # ------------------------------------------------------------ transposed panels
@@ -482,7 +483,7 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         while j < i:
             var g4: V4
             if j + 4 <= i:
-                g4 = _dots128x4(qrow, 0, qkr.unsafe_offset((bb * n + j) * rs + hb * QK + NST), rs)
+                g4 = dots128x4(qrow, 0, qkr.unsafe_offset((bb * n + j) * rs + hb * QK + NST), rs)
             else:
                 g4 = V4(0.0)
                 for q in range(i - j):
@@ -498,12 +499,12 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var q0 = qkr.unsafe_offset(wk.qk_row(bb * n + i0, hh))
         if TB == 2 and i0 + 1 < n:
             for p in range(0, HP, 4):
-                _dots128_block[TB](q0, QK, h.unsafe_offset(p * NST), NST,
+                dots128_block[TB](q0, QK, h.unsafe_offset(p * NST), NST,
                                    scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
             i0 += TB
         else:
             for p in range(0, HP, 4):
-                _dots128_block[1](q0, QK, h.unsafe_offset(p * NST), NST,
+                dots128_block[1](q0, QK, h.unsafe_offset(p * NST), NST,
                                   scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
             i0 += 1
     for i in range(n):  # y and o

@@ -16,7 +16,8 @@ from .numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
     mod2pi_f32,
 )
-from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, dot128
+from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from .dot128 import V4, dot128, dots128x4, dots128_block
 
 from .mamba3_backward_layout import (
     BW_BLOB, BW_WORK, V16, NHF, HW, HO, TB, QK, CSW, M_G, M_L, M_C, M_HQ, M_DY, M_DG,
@@ -35,44 +36,6 @@ def _dot64(a: F32Ptr, b: F32Ptr) -> Float32:
     comptime for c in range(4):
         acc = a.unsafe_load[width=16](c * 16).fma(b.unsafe_load[width=16](c * 16), acc)
     return tree16(acc)
-
-
-comptime V4 = SIMD[DType.float32, 4]
-
-
-@always_inline
-def _dots128x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
-    """dot128(a + q sa, b + q sb) for q = 0..3 (a stride may be 0): four
-    chains in flight, as one alone is fma-latency bound. Each result is
-    dot128's own lane chains and tree16, so the same bits."""
-    var acc = Array[V16, 4](fill=V16(0.0))
-    comptime for c in range(8):
-        comptime for q in range(4):
-            acc[q] = a.unsafe_load[width=16](q * sa + c * 16).fma(
-                b.unsafe_load[width=16](q * sb + c * 16), acc[q])
-    var r = V4(0.0)
-    comptime for q in range(4):
-        r[q] = tree16(acc[q])
-    return r
-
-
-@always_inline
-def _dots128_block[T: Int](a: F32Ptr, sa: Int, b: F32Ptr, sb: Int, dst: F32Ptr, so: Int):
-    """dst[t so + q] = dot128(a + t sa, b + q sb), t < T, q < 4: 4 T chains in
-    flight, each loaded vector used T or 4 times; each result is dot128's own
-    lane chains and tree16."""
-    var acc = Array[V16, 4 * T](fill=V16(0.0))
-    comptime for c in range(8):
-        var av = Array[V16, T](fill=V16(0.0))
-        comptime for t in range(T):
-            av[t] = a.unsafe_load[width=16](t * sa + c * 16)
-        comptime for q in range(4):
-            var bv = b.unsafe_load[width=16](q * sb + c * 16)
-            comptime for t in range(T):
-                acc[q * T + t] = av[t].fma(bv, acc[q * T + t])
-    comptime for t in range(T):
-        comptime for q in range(4):
-            dst[unsafe_offset=t * so + q] = tree16(acc[q * T + t])
 
 
 @always_inline
@@ -383,7 +346,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var elast = scr[unsafe_offset=V_E + last]
     var hd: Float32 = 0.0
     for p in range(0, HP, 4):  # four dots at a time, summed in p order
-        var h4 = _dots128x4(dH.unsafe_offset(p * NST), NST, h.unsafe_offset(p * NST), NST)
+        var h4 = dots128x4(dH.unsafe_offset(p * NST), NST, h.unsafe_offset(p * NST), NST)
         comptime for q in range(4):
             hd = hd + h4[q]
     scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + elast * hd
@@ -406,7 +369,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var kp = work.unsafe_offset(wk.o_ckk + (c * nbh + bh) * NST)
         var vp = work.unsafe_offset(wk.o_ckv + (c * nbh + bh) * HP)
         for p in range(0, HP, 4):
-            u.unsafe_store(p, _dots128x4(dH.unsafe_offset(p * NST), NST, kp, 0))
+            u.unsafe_store(p, dots128x4(dH.unsafe_offset(p * NST), NST, kp, 0))
         dbeta_prev = _dot64(vp, u)
     # 5.
     var acc_c: Float32 = 0.0

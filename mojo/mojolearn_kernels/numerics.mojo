@@ -566,6 +566,29 @@ def cos_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     return _is_nan[W](x).select(x, res)
 
 
+def sincos_f32[W: Int](x: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W]]:
+    """(sin_f32(x), cos_f32(x)) from one range reduction: the same steps as
+    the two calls, so the same bits, at about half their cost."""
+    comptime I = SIMD[I32, W]
+    var xd = _daz[W](x)
+    var xs = _clamp[W](xd, -4194304.0, 4194304.0)
+    var red = _reduce_pio2[W](xs)
+    var sv = _sin_poly[W](red[0], red[1])
+    var cv = _cos_poly[W](red[0], red[1])
+    var q = red[2]
+    var odd = (q & 1).eq(I(0))
+    var rs = odd.select(sv, cv)
+    rs = (q & 2).eq(I(0)).select(rs, -rs)
+    var rc = odd.select(cv, sv)
+    rc = ((q + 1) & 2).eq(I(0)).select(rc, -rc)
+    var inf = (_bits[W](xd) & _ABS).eq(I(_PINF))
+    rs = inf.select(_qnan[W](), rs)
+    rc = inf.select(_qnan[W](), rc)
+    rs = _is_zero[W](xd).select(xd, rs)
+    var nan = _is_nan[W](x)
+    return (nan.select(x, rs), nan.select(x, rc))
+
+
 def floor_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     """Exact floor on the bits (no float arithmetic). floor(-0) = -0,
     floor(x) = -1 for -1 < x < 0; inf and NaN are returned unchanged."""
