@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="small subset")
     p.add_argument("--threads", type=int, default=2, help="threads on both sides")
     p.add_argument("--decode-steps", type=int, default=256, help="timed steps per round")
+    p.add_argument("--only", choices=("prefill", "decode"), help="one of the two tables")
     return p.parse_args(argv)
 
 
@@ -150,9 +151,11 @@ from _harness import SETTLE_S, busy_warm  # noqa: E402  (bench/ is on sys.path)
 
 
 def best_of(fn, reps):
-    # let the other side's pool threads stop spinning, then warm up
+    # let the other side's pool threads stop spinning, then warm up until the
+    # cores are back at full clock (the same for both sides)
     time.sleep(SETTLE_S)
     fn()
+    busy_warm(fn)
     best = math.inf
     gc.disable()
     try:
@@ -184,6 +187,10 @@ def main(argv=None):
         load = float("nan")
     prefill = QUICK_PREFILL if args.quick else FULL_PREFILL
     decode = QUICK_DECODE if args.quick else FULL_DECODE
+    if args.only == "decode":
+        prefill = []
+    elif args.only == "prefill":
+        decode = []
     print(f"# Mamba-3 SISO, float32, CPU, {n} threads each side; torch {torch.__version__}; "
           f"load average at start {load:.2f}")
     print("\n| d | B | L | mojolearn tok/s | torch tok/s | ratio | max abs diff |")

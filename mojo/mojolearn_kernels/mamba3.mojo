@@ -95,7 +95,8 @@ comptime ST_OUTPROJ = 4
 comptime NSTAGES = 5
 
 comptime NORM_ROWS_PER_TASK = 16
-comptime MAX_CHUNK_ROWS = 256
+comptime MAX_CHUNK_ROWS = 512
+comptime MAX_PASS_ROWS = 1024
 # Scratch of one (row, head) scan task, in floats.
 comptime S_QU = 0  # (128) unrotated q of one token
 comptime S_KU = S_QU + NST  # (128) unrotated k
@@ -183,7 +184,10 @@ struct M3Work(ImplicitlyCopyable):
     def __init__(out self, dims: M3Dims, b: Int, l: Int):
         self.b = b
         self.l = l
-        self.tc = max(1, min(l, MAX_CHUNK_ROWS // b))
+        # MAX_CHUNK_ROWS rows per pass, but a whole chunk of tokens where
+        # that stays within MAX_PASS_ROWS: the scan batches its dot products
+        # over the tokens of a chunk
+        self.tc = max(1, min(l, max(MAX_CHUNK_ROWS // b, min(QC, MAX_PASS_ROWS // b))))
         self.nchunks = ceil_div(l, self.tc)
         var rows = b * self.tc
         var o = 0
