@@ -20,7 +20,7 @@ from . import mamba1 as m1
 from . import mamba1_backward_layout as m1b
 from . import mamba2_layout as m2
 from . import mamba2_backward_layout as m2b
-from . import mamba3 as m3
+from . import mamba3_layout as m3
 from . import mamba3_backward_layout as m3b
 from .dispatch import op_plan
 from .weight_panels import blob_format

@@ -39,7 +39,7 @@ from .numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
     mod2pi_f32,
 )
-from .mamba3 import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from .mamba3_layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
 from .dot128 import dot128, dots128x4, dots128_block
 
 from .mamba3_backward_layout import (

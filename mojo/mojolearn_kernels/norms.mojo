@@ -22,9 +22,23 @@ def rms_scale(v: F32Ptr, n: Int) -> Float32:
     return Float32(1.0) / sqrt_f32[1](ms + RMS_EPS)
 
 
-def rmsnorm_row(v: F32Ptr, n: Int, w: F32Ptr, dst: F32Ptr):
-    """dst = w * (v * r), r = rms_scale(v)."""
-    var r = rms_scale(v, n)
+@always_inline
+def rms_scales[R: Int](v: F32Ptr, stride: Int, n: Int) -> SIMD[DType.float32, R]:
+    """Lane r = rms_scale(v + r * stride, n): the R rows' sequential chains
+    advance side by side (each row's own order, so the same bits), which
+    hides the fma latency one chain alone is bound by."""
+    var s = SIMD[DType.float32, R](0.0)
+    for j in range(n):
+        var vj = SIMD[DType.float32, R](0.0)
+        comptime for r in range(R):
+            vj[r] = v[unsafe_offset=r * stride + j]
+        s = vj.fma(vj, s)
+    var ms = s / SIMD[DType.float32, R](Float32(n))
+    return SIMD[DType.float32, R](1.0) / sqrt_f32[R](ms + SIMD[DType.float32, R](RMS_EPS))
+
+
+def scale_row(v: F32Ptr, n: Int, r: Float32, w: F32Ptr, dst: F32Ptr):
+    """dst = w * (v * r): the second half of rmsnorm_row."""
     comptime W = 16
     var j = 0
     while j + W <= n:
@@ -34,3 +48,8 @@ def rmsnorm_row(v: F32Ptr, n: Int, w: F32Ptr, dst: F32Ptr):
     while j < n:
         dst[unsafe_offset=j] = w[unsafe_offset=j] * (v[unsafe_offset=j] * r)
         j += 1
+
+
+def rmsnorm_row(v: F32Ptr, n: Int, w: F32Ptr, dst: F32Ptr):
+    """dst = w * (v * r), r = rms_scale(v)."""
+    scale_row(v, n, rms_scale(v, n), w, dst)

@@ -1,0 +1,186 @@
+"""Mamba-3 SISO block: sizes, argument slots, the weight blob's and the
+workspace's layouts (mamba3.mojo runs the block, mamba3_scan.mojo its scan;
+the backward modules share these)."""
+from .abi import F32Ptr, ALIGN_FLOATS, round_up, ceil_div
+from .linear import WF_F32, packed_floats
+
+comptime NST = 128  # N, q/k head dimension
+comptime HP = 64  # P, v head dimension
+comptime NANG = 32  # rotary angles
+comptime QC = 64  # chunk size
+comptime A_FLOOR: Float32 = 1e-4
+comptime PI_F32: Float32 = 3.1415927410125732
+
+# OP_M3_PREPARE argument slots.
+comptime PREP_D = 0
+comptime PREP_NORM = 1
+comptime PREP_IN = 2
+comptime PREP_DTB = 3
+comptime PREP_BNW = 4
+comptime PREP_CNW = 5
+comptime PREP_BB = 6
+comptime PREP_CB = 7
+comptime PREP_DSKIP = 8
+comptime PREP_OUT = 9
+comptime PREP_BLOB = 10
+comptime PREP_WFMT = 11  # projection weight format (linear.WF_*); 0 if absent
+comptime PREP_IN_EXP = 12  # int8: int32 exponents, one per row
+comptime PREP_OUT_EXP = 13
+
+# OP_M3_FORWARD argument slots.
+comptime FWD_B = 0
+comptime FWD_L = 1
+comptime FWD_D = 2
+comptime FWD_X = 3
+comptime FWD_Y = 4
+comptime FWD_BLOB = 5
+comptime FWD_LENGTHS = 6  # 0: every row has length L
+comptime FWD_WORK = 7
+comptime FWD_N0 = 8  # buffered_tokens on entry
+comptime FWD_PENDING = 9  # 1: input states pending
+comptime FWD_MODE = 10  # 0: forward; 1: reports only
+comptime FWD_THETA = 11
+comptime FWD_H = 12
+comptime FWD_BQ = 13
+comptime FWD_BK = 14
+comptime FWD_BV = 15
+comptime FWD_BDT = 16
+comptime FWD_BSG = 17
+comptime FWD_BADT = 18
+comptime FWD_PK = 19
+comptime FWD_PV = 20
+comptime FWD_RH = 21  # reports (mode 1): h_last (B,H,P,N)
+comptime FWD_RK = 22  # k_last (B,H,N)
+comptime FWD_RV = 23  # v_last (B,H,P)
+comptime FWD_RTHETA = 24  # theta_last (B,H,R)
+
+comptime ST_NORM = 0
+comptime ST_INPROJ = 1
+comptime ST_BCNORM = 2
+comptime ST_SCAN = 3
+comptime ST_OUTPROJ = 4
+comptime NSTAGES = 5
+
+comptime NORM_ROWS_PER_TASK = 16
+comptime NG = 8  # rows whose RMSNorm sums advance side by side
+comptime MAX_CHUNK_ROWS = 512
+comptime MAX_PASS_ROWS = 1024
+# Scratch of one (row, head) scan task, in floats.
+comptime S_QU = 0  # (128) unrotated q of one token
+comptime S_KU = S_QU + NST  # (128) unrotated k
+comptime S_W = S_KU + NST  # (64) chunk weights of one token
+comptime S_SC = S_W + QC  # (64) scale_j = gamma_j + beta_j of the rows j < last
+comptime S_DIAG = S_SC + QC  # (64) (q . k) gamma per token of a segment
+comptime S_HQ = S_DIAG + QC  # (64, 64) q_u . h[p]; the fold's w_j v_j[p]
+comptime S_QK = S_HQ + QC * HP  # (64, 64) q_u . k_j
+comptime SCR = S_QK + QC * QC
+comptime FOLD_SCR = S_HQ + QC * HP  # what a fold alone needs (reports)
+
+comptime V16 = SIMD[DType.float32, 16]
+
+
+struct M3Dims(ImplicitlyCopyable):
+    var d: Int
+    var di: Int
+    var nh: Int
+    var np: Int  # d_in_proj
+    var c_v: Int
+    var c_b: Int
+    var c_c: Int
+    var c_dt: Int
+    var c_a: Int
+    var c_tr: Int
+    var c_ang: Int
+    var o_norm: Int
+    var o_in: Int
+    var o_out: Int
+    var o_dtb: Int
+    var o_bnw: Int
+    var o_cnw: Int
+    var o_bb: Int
+    var o_cb: Int
+    var o_dskip: Int
+    var blob: Int
+    var wf: Int  # format of the projection panels (linear.WF_*)
+
+    def __init__(out self, d: Int, wf: Int = WF_F32):
+        self.d = d
+        self.wf = wf
+        self.di = 2 * d
+        self.nh = self.di // HP
+        self.np = 2 * self.di + 2 * NST + 3 * self.nh + NANG
+        self.c_v = self.di
+        self.c_b = 2 * self.di
+        self.c_c = self.c_b + NST
+        self.c_dt = self.c_c + NST
+        self.c_a = self.c_dt + self.nh
+        self.c_tr = self.c_a + self.nh
+        self.c_ang = self.c_tr + self.nh
+        var o = ALIGN_FLOATS  # header: the weight format (weight_panels.mojo)
+        self.o_norm = o
+        o += round_up(d, ALIGN_FLOATS)
+        self.o_in = o
+        o += packed_floats(self.np, d, wf)
+        self.o_out = o
+        o += packed_floats(d, self.di, wf)
+        self.o_dtb = o
+        o += round_up(self.nh, ALIGN_FLOATS)
+        self.o_bnw = o
+        o += NST
+        self.o_cnw = o
+        o += NST
+        self.o_bb = o
+        o += self.nh * NST
+        self.o_cb = o
+        o += self.nh * NST
+        self.o_dskip = o
+        o += round_up(self.nh, ALIGN_FLOATS)
+        self.blob = o
+
+
+struct M3Work(ImplicitlyCopyable):
+    var b: Int
+    var l: Int
+    var tc: Int
+    var nchunks: Int
+    var o_xn: Int  # (rows, d), reused for the out_proj result
+    var o_proj: Int  # (rows, np)
+    var o_o: Int  # (rows, di)
+    var o_scr: Int  # (B * H, SCR)
+    var floats: Int
+
+    def __init__(out self, dims: M3Dims, b: Int, l: Int):
+        self.b = b
+        self.l = l
+        # MAX_CHUNK_ROWS rows per pass, but a whole chunk of tokens where
+        # that stays within MAX_PASS_ROWS: the scan batches its dot products
+        # over the tokens of a chunk
+        self.tc = max(1, min(l, max(MAX_CHUNK_ROWS // b, min(QC, MAX_PASS_ROWS // b))))
+        self.nchunks = ceil_div(l, self.tc)
+        var rows = b * self.tc
+        var o = 0
+        self.o_xn = o
+        o += round_up(rows * dims.d, ALIGN_FLOATS)
+        self.o_proj = o
+        o += round_up(rows * dims.np, ALIGN_FLOATS)
+        self.o_o = o
+        o += round_up(rows * dims.di, ALIGN_FLOATS)
+        self.o_scr = o
+        o += b * dims.nh * SCR
+        self.floats = o
+
+    def chunk_tokens(self, c: Int) -> Int:
+        return min(self.tc, self.l - c * self.tc)
+
+
+def count_after(n0: Int, k: Int) -> Int:
+    """buffered_tokens after k more tokens from n0."""
+    if k == 0:
+        return n0
+    return (n0 + k - 1) % QC + 1
+
+
+@always_inline
+def copy_floats(src: F32Ptr, dst: F32Ptr, n: Int):
+    for i in range(n):
+        dst[unsafe_offset=i] = src[unsafe_offset=i]

@@ -1,0 +1,363 @@
+"""Mamba-3 SISO scan: one (batch row, head) task over the tokens of a pass
+(the canonical per-token formula of mamba3.mojo's docstring, in segments
+that batch the dot products), the per-row gates every head reads, and the
+lazy reports."""
+from std.collections import Array
+from .abi import F32Ptr, I64Ptr, arg_int, arg_f32, arg_i64
+from .linear import WIDE
+from .dot128 import dot128, dots128_grid, GRID_T
+from .numerics import (
+    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sincos_f32, mod2pi_f32,
+)
+from .mamba3_layout import (
+    M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, V16, FWD_L, FWD_LENGTHS, FWD_N0,
+    FWD_PENDING, FWD_THETA, FWD_H, FWD_BQ, FWD_BK, FWD_BV, FWD_BDT, FWD_BSG, FWD_BADT,
+    FWD_PK, FWD_PV, FWD_RH, FWD_RK, FWD_RV, FWD_RTHETA, FWD_WORK,
+    S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, FOLD_SCR, count_after, copy_floats,
+)
+
+
+@always_inline
+def _phi_a(u: Float32) -> Float32:
+    """A = min(-phi(u), -1e-4); phi(u) = 1 + u (u >= 0), 1 / (1 - u) (u < 0)."""
+    var ph: Float32
+    if u >= 0.0:
+        ph = Float32(1.0) + u
+    else:
+        ph = Float32(1.0) / (Float32(1.0) - u)
+    return min(-ph, -A_FLOOR)
+
+
+
+struct HeadState(ImplicitlyCopyable):
+    """Pointers to one (row, head) slice of a Mamba3State."""
+    var theta: F32Ptr  # (32,)
+    var h: F32Ptr  # (P, N)
+    var bq: F32Ptr  # row j at j * rs
+    var bk: F32Ptr
+    var bv: F32Ptr  # row j at j * vs
+    var bdt: F32Ptr  # row j at j * ss
+    var bsg: F32Ptr
+    var badt: F32Ptr
+    var pk: F32Ptr
+    var pv: F32Ptr
+    var rs: Int
+    var vs: Int
+    var ss: Int
+
+    def __init__(out self, args: I64Ptr, dims: M3Dims, bb: Int, hh: Int):
+        var nh = dims.nh
+        self.theta = arg_f32(args, FWD_THETA).unsafe_offset((bb * nh + hh) * NANG)
+        self.h = arg_f32(args, FWD_H).unsafe_offset((bb * nh + hh) * HP * NST)
+        self.rs = nh * NST
+        self.vs = nh * HP
+        self.ss = nh
+        self.bq = arg_f32(args, FWD_BQ).unsafe_offset(bb * QC * nh * NST + hh * NST)
+        self.bk = arg_f32(args, FWD_BK).unsafe_offset(bb * QC * nh * NST + hh * NST)
+        self.bv = arg_f32(args, FWD_BV).unsafe_offset(bb * QC * nh * HP + hh * HP)
+        self.bdt = arg_f32(args, FWD_BDT).unsafe_offset(bb * QC * nh + hh)
+        self.bsg = arg_f32(args, FWD_BSG).unsafe_offset(bb * QC * nh + hh)
+        self.badt = arg_f32(args, FWD_BADT).unsafe_offset(bb * QC * nh + hh)
+        self.pk = arg_f32(args, FWD_PK).unsafe_offset((bb * nh + hh) * NST)
+        self.pv = arg_f32(args, FWD_PV).unsafe_offset((bb * nh + hh) * HP)
+
+    @always_inline
+    def dt(self, j: Int) -> Float32:
+        return self.bdt[unsafe_offset=j * self.ss]
+
+    @always_inline
+    def sg(self, j: Int) -> Float32:
+        return self.bsg[unsafe_offset=j * self.ss]
+
+    @always_inline
+    def adt(self, j: Int) -> Float32:
+        return self.badt[unsafe_offset=j * self.ss]
+
+    @always_inline
+    def scale(self, j: Int, last: Int, beta_last: Float32) -> Float32:
+        """gamma_j + beta_j; beta_j = dt_{j+1} (1 - sg_{j+1}), or beta_last for j = last."""
+        var gamma = self.dt(j) * self.sg(j)
+        var beta = beta_last
+        if j < last:
+            beta = self.dt(j + 1) * (Float32(1.0) - self.sg(j + 1))
+        return gamma + beta
+
+
+def _weights(hs: HeadState, last: Int, beta_last: Float32, sc: F32Ptr, w: F32Ptr) -> Float32:
+    """w[j] = exp(seg(last, j)) * scale_j for j <= last; returns exp(cum_last).
+
+    seg is summed downwards from +0.0: s = 0; for j = last..0: seg_j = s;
+    s = s + adt_j. The final s is cum_last. scale_j = sc[j] (gamma_j + beta_j)
+    for j < last, gamma_last + beta_last for j = last. The exps and products
+    are lane-wise (the own exp gives the same bits at any SIMD width). w
+    needs room for 64 floats; its lanes past last are left undefined."""
+    var s: Float32 = 0.0
+    var j = last
+    while j >= 0:
+        w[unsafe_offset=j] = s
+        s = s + hs.adt(j)
+        j -= 1
+    var c = 0
+    while c <= last:
+        w.unsafe_store(c, exp_f32[16](w.unsafe_load[width=16](c)))
+        c += 16
+    var e_last = w[unsafe_offset=last]
+    c = 0
+    while c < last:
+        w.unsafe_store(c, w.unsafe_load[width=16](c) * sc.unsafe_load[width=16](c))
+        c += 16
+    w[unsafe_offset=last] = e_last * (hs.dt(last) * hs.sg(last) + beta_last)
+    return exp_f32[1](s)
+
+
+def _init_scales(hs: HeadState, cnt: Int, sc: F32Ptr):
+    """sc[j] = gamma_j + beta_j for the buffered rows j < cnt - 1."""
+    for j in range(cnt - 1):
+        sc[unsafe_offset=j] = hs.scale(j, cnt - 1, Float32(0.0))
+
+
+comptime FOLD_P = 4 if WIDE else 1  # rows p of h per register block
+
+
+def _fold(hs: HeadState, count: Int, beta_last: Float32, sc: F32Ptr, u: F32Ptr,
+          w: F32Ptr, dst: F32Ptr):
+    """dst[p, n] = exp(cum) h[p, n], then fma((w_j * v_j[p]), k_j[n], .) for
+    j = 0..count-1 ascending. dst may be hs.h; u is (64, 64) scratch that
+    holds the products w_j * v_j[p], FOLD_P rows of h in flight at once."""
+    var hdec = _weights(hs, count - 1, beta_last, sc, w)
+    for j in range(count):
+        var wj = V16(w[unsafe_offset=j])
+        var vr = hs.bv.unsafe_offset(j * hs.vs)
+        comptime for c in range(4):
+            u.unsafe_store(j * HP + c * 16, wj * vr.unsafe_load[width=16](c * 16))
+    for p0 in range(0, HP, FOLD_P):
+        comptime for half in range(2):
+            var acc = Array[V16, FOLD_P * 4](fill=V16(0.0))
+            comptime for pp in range(FOLD_P):
+                comptime for c in range(4):
+                    acc[pp * 4 + c] = V16(hdec) * hs.h.unsafe_load[width=16](
+                        (p0 + pp) * NST + half * 64 + c * 16)
+            for j in range(count):
+                var kr = hs.bk.unsafe_offset(j * hs.rs + half * 64)
+                var kv = Array[V16, 4](fill=V16(0.0))
+                comptime for c in range(4):
+                    kv[c] = kr.unsafe_load[width=16](c * 16)
+                comptime for pp in range(FOLD_P):
+                    var uv = V16(u[unsafe_offset=j * HP + p0 + pp])
+                    comptime for c in range(4):
+                        acc[pp * 4 + c] = uv.fma(kv[c], acc[pp * 4 + c])
+            comptime for pp in range(FOLD_P):
+                comptime for c in range(4):
+                    dst.unsafe_store((p0 + pp) * NST + half * 64 + c * 16, acc[pp * 4 + c])
+
+
+@always_inline
+def _rotate16(u: V16, cd: V16, sd: V16) -> V16:
+    """Pairs (2r, 2r+1) of u rotated by angles whose cos / sin sit in lanes
+    2r and 2r+1 of cd / sd: (u0 c - u1 s, u0 s + u1 c), each product rounded,
+    then one add, as the scalar form does (a - b = a + (-b) exactly)."""
+    var sw = u.shuffle[1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14]()
+    var sgn = V16(-1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0,
+                  -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0)
+    return u * cd + sw * (sd * sgn)
+
+
+@always_inline
+def _dup_half[HALF: Int](v: V16) -> V16:
+    """Lanes 8 HALF .. 8 HALF + 7 of v, each twice."""
+    comptime o = 8 * HALF
+    return v.shuffle[o, o, o + 1, o + 1, o + 2, o + 2, o + 3, o + 3,
+                     o + 4, o + 4, o + 5, o + 5, o + 6, o + 6, o + 7, o + 7]()
+
+
+def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
+                bbias: F32Ptr, qu: F32Ptr, ku: F32Ptr, i: Int) -> Float32:
+    """One token into working-chunk row i: the angles advance, then rotated
+    q, k, and v, dt, sg, adt are stored. Returns its diagonal weight
+    (q . k) gamma on the unrotated q, k. pr is the token's row after
+    row_gates."""
+    var dt = pr[unsafe_offset=dims.c_dt + hh]
+    var sg = pr[unsafe_offset=dims.c_tr + hh]
+    comptime for c in range(8):
+        qu.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_c + c * 16)
+                        + cbias.unsafe_load[width=16](c * 16))
+        ku.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_b + c * 16)
+                        + bbias.unsafe_load[width=16](c * 16))
+    var qrow = hs.bq.unsafe_offset(i * hs.rs)
+    var krow = hs.bk.unsafe_offset(i * hs.rs)
+    comptime for c in range(2):  # angles 16 c .. 16 c + 15 rotate lanes 32 c .. 32 c + 31
+        var ang = pr.unsafe_load[width=16](dims.c_ang + c * 16)
+        var th = mod2pi_f32[16](ang.fma(V16(dt), hs.theta.unsafe_load[width=16](c * 16)))
+        hs.theta.unsafe_store(c * 16, th)
+        var sc2 = sincos_f32[16](th)
+        var sn = sc2[0]
+        var cs = sc2[1]
+        comptime for half in range(2):
+            comptime o = c * 32 + half * 16
+            var cd = _dup_half[half](cs)
+            var sd = _dup_half[half](sn)
+            qrow.unsafe_store(o, _rotate16(qu.unsafe_load[width=16](o), cd, sd))
+            krow.unsafe_store(o, _rotate16(ku.unsafe_load[width=16](o), cd, sd))
+    comptime for c in range(4, 8):
+        qrow.unsafe_store(c * 16, qu.unsafe_load[width=16](c * 16))
+        krow.unsafe_store(c * 16, ku.unsafe_load[width=16](c * 16))
+    var vsrc = pr.unsafe_offset(dims.c_v + hh * HP)
+    var vrow = hs.bv.unsafe_offset(i * hs.vs)
+    comptime for c in range(4):
+        vrow.unsafe_store(c * 16, vsrc.unsafe_load[width=16](c * 16))
+    hs.bdt[unsafe_offset=i * hs.ss] = dt
+    hs.bsg[unsafe_offset=i * hs.ss] = sg
+    hs.badt[unsafe_offset=i * hs.ss] = pr[unsafe_offset=dims.c_a + hh]
+    return dot128(qu, ku) * (dt * sg)
+
+
+def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
+               scr: F32Ptr, bb: Int, hh: Int, t0: Int, nc: Int):
+    """Tokens t0 .. t0 + nc - 1 of row bb, head hh, in segments that lie
+    within one working chunk: append every row of the segment, then its
+    q . h[p] and q . k_j as dot grids (h only changes at a fold), then each
+    token's output. Every number is the one the token-at-a-time order gives."""
+    var l = arg_int(args, FWD_L)
+    var lens = arg_i64(args, FWD_LENGTHS)
+    var len_b = l
+    if arg_int(args, FWD_LENGTHS) != 0:
+        len_b = Int(lens[unsafe_offset=bb])
+    var t_end = min(t0 + nc, len_b)
+    if t_end <= t0:
+        return
+    var n0 = arg_int(args, FWD_N0)
+    var pending = arg_int(args, FWD_PENDING) != 0
+    var cnt = count_after(n0, t0)
+    var hs = HeadState(args, dims, bb, hh)
+    var qu = scr.unsafe_offset(S_QU)
+    var ku = scr.unsafe_offset(S_KU)
+    var w = scr.unsafe_offset(S_W)
+    var sc = scr.unsafe_offset(S_SC)
+    var diag = scr.unsafe_offset(S_DIAG)
+    var hqs = scr.unsafe_offset(S_HQ)
+    var qks = scr.unsafe_offset(S_QK)
+    var dsk = blob[unsafe_offset=dims.o_dskip + hh]
+    var bbias = blob.unsafe_offset(dims.o_bb + hh * NST)
+    var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
+    _init_scales(hs, cnt, sc)
+    var t = t0
+    while t < t_end:
+        var r0 = bb * nc + (t - t0)
+        var pr0 = proj.unsafe_offset(r0 * dims.np)
+        var dt0 = pr0[unsafe_offset=dims.c_dt + hh]
+        var sg0 = pr0[unsafe_offset=dims.c_tr + hh]
+        # fold the full working chunk now that its successor exists
+        if cnt == QC:
+            _fold(hs, QC, dt0 * (Float32(1.0) - sg0), sc, hqs, w, hs.h)
+            cnt = 0
+        if pending and t == 0 and n0 == 0:
+            var scal = dt0 * (Float32(1.0) - sg0)
+            for p in range(HP):
+                var vv = V16(hs.pv[unsafe_offset=p] * scal)
+                comptime for c in range(8):
+                    var hp = hs.h.unsafe_offset(p * NST + c * 16)
+                    hp.unsafe_store(0, vv.fma(hs.pk.unsafe_load[width=16](c * 16),
+                                              hp.unsafe_load[width=16](0)))
+        var i0 = cnt
+        var ns = min(t_end - t, QC - i0)
+        for u in range(ns):
+            var i = i0 + u
+            diag[unsafe_offset=u] = _append_row(hs, dims, hh, pr0.unsafe_offset(u * dims.np),
+                                                cbias, bbias, qu, ku, i)
+            if i > 0:
+                sc[unsafe_offset=i - 1] = hs.scale(i - 1, i, Float32(0.0))
+        var q0 = hs.bq.unsafe_offset(i0 * hs.rs)
+        dots128_grid(q0, hs.rs, ns, hs.h, NST, HP, hqs, HP)
+        var u = 0
+        while u < ns:  # q_u . k_j for j < i0 + u (GRID_T tokens share the loads)
+            var nt = min(GRID_T, ns - u)
+            dots128_grid(q0.unsafe_offset(u * hs.rs), hs.rs, nt, hs.bk, hs.rs, i0 + u + nt - 1,
+                         qks.unsafe_offset(u * QC), QC)
+            u += nt
+        for uu in range(ns):
+            var i = i0 + uu
+            var r = r0 + uu
+            var pr = pr0.unsafe_offset(uu * dims.np)
+            var hdec = _weights(hs, i, Float32(0.0), sc, w)
+            var qk = qks.unsafe_offset(uu * QC)
+            var c = 0
+            while c < i:  # lanes at or past i are not read below
+                w.unsafe_store(c, w.unsafe_load[width=16](c) * qk.unsafe_load[width=16](c))
+                c += 16
+            var hq = hqs.unsafe_offset(uu * HP)
+            var y = Array[V16, 4](fill=V16(0.0))
+            comptime for cc in range(4):
+                y[cc] = V16(hdec) * hq.unsafe_load[width=16](cc * 16)
+            for j in range(i):
+                var wj = V16(w[unsafe_offset=j])
+                var vj = hs.bv.unsafe_offset(j * hs.vs)
+                comptime for cc in range(4):
+                    y[cc] = wj.fma(vj.unsafe_load[width=16](cc * 16), y[cc])
+            var vrow = hs.bv.unsafe_offset(i * hs.vs)
+            var dg = diag[unsafe_offset=uu]
+            var zrow = pr.unsafe_offset(hh * HP)
+            var orow = o.unsafe_offset(r * dims.di + hh * HP)
+            comptime for cc in range(4):
+                var vi = vrow.unsafe_load[width=16](cc * 16)
+                var yy = V16(dg).fma(vi, y[cc])
+                yy = V16(dsk).fma(vi, yy)
+                orow.unsafe_store(cc * 16, yy * silu_f32[16](zrow.unsafe_load[width=16](cc * 16)))
+        cnt = i0 + ns
+        t += ns
+
+
+def row_gates(pr: F32Ptr, dims: M3Dims, blob: F32Ptr):
+    """The per-token values every head's scan reads, once per row and in
+    place of their raw projections: dt = softplus(dd_dt + dt_bias),
+    adt = A dt, sg = sigmoid(trap) per head, tanh(ang) pi per angle (shared
+    by the heads). The functions are lane-wise: the same bits as one head
+    at a time."""
+    var nh = dims.nh
+    var dtb = blob.unsafe_offset(dims.o_dtb)
+    var h = 0
+    while h + 16 <= nh:
+        pr.unsafe_store(dims.c_dt + h, softplus_f32[16](
+            pr.unsafe_load[width=16](dims.c_dt + h) + dtb.unsafe_load[width=16](h)))
+        pr.unsafe_store(dims.c_tr + h, sigmoid_f32[16](pr.unsafe_load[width=16](dims.c_tr + h)))
+        h += 16
+    while h < nh:
+        pr[unsafe_offset=dims.c_dt + h] = softplus_f32[1](
+            pr[unsafe_offset=dims.c_dt + h] + dtb[unsafe_offset=h])
+        pr[unsafe_offset=dims.c_tr + h] = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + h])
+        h += 1
+    for hh in range(nh):
+        pr[unsafe_offset=dims.c_a + hh] = (_phi_a(pr[unsafe_offset=dims.c_a + hh])
+                                           * pr[unsafe_offset=dims.c_dt + hh])
+    comptime for c in range(2):
+        pr.unsafe_store(dims.c_ang + c * 16, tanh_f32[16](
+            pr.unsafe_load[width=16](dims.c_ang + c * 16)) * V16(PI_F32))
+
+
+def report_task(args: I64Ptr, dims: M3Dims, task: Int):
+    """Reports of one (row, head): h_last (fold of the working chunk with the
+    last row at gamma only), k_last, v_last, theta_last."""
+    var bb = task // dims.nh
+    var hh = task % dims.nh
+    var n0 = arg_int(args, FWD_N0)
+    var cnt = n0
+    if arg_int(args, FWD_LENGTHS) != 0:
+        cnt = count_after(0, Int(arg_i64(args, FWD_LENGTHS)[unsafe_offset=bb]))
+    var hs = HeadState(args, dims, bb, hh)
+    var rh = arg_f32(args, FWD_RH).unsafe_offset(task * HP * NST)
+    var rk = arg_f32(args, FWD_RK).unsafe_offset(task * NST)
+    var rv = arg_f32(args, FWD_RV).unsafe_offset(task * HP)
+    var rt = arg_f32(args, FWD_RTHETA).unsafe_offset(task * NANG)
+    copy_floats(hs.theta, rt, NANG)
+    if cnt == 0:
+        copy_floats(hs.h, rh, HP * NST)
+        for n in range(NST):
+            rk[unsafe_offset=n] = 0.0
+        for p in range(HP):
+            rv[unsafe_offset=p] = 0.0
+        return
+    var scr = arg_f32(args, FWD_WORK).unsafe_offset(task * FOLD_SCR)
+    var sc = scr.unsafe_offset(S_SC)
+    _init_scales(hs, cnt, sc)
+    _fold(hs, cnt, Float32(0.0), sc, scr.unsafe_offset(S_HQ), scr.unsafe_offset(S_W), rh)
+    copy_floats(hs.bk.unsafe_offset((cnt - 1) * hs.rs), rk, NST)
+    copy_floats(hs.bv.unsafe_offset((cnt - 1) * hs.vs), rv, HP)
