@@ -150,19 +150,23 @@ class TorchMamba3:
 from _harness import SETTLE_S, busy_warm  # noqa: E402  (bench/ is on sys.path)
 
 
-def best_of(fn, reps):
-    # let the other side's pool threads stop spinning, then warm up until the
-    # cores are back at full clock (the same for both sides)
+def best_of(fn, reps, seconds=1.0):
+    """Best time of at least `reps` calls and at least `seconds` of calls
+    (the same rule for both sides), after the other side's pool threads
+    stopped spinning and the cores are back at full clock."""
     time.sleep(SETTLE_S)
     fn()
     busy_warm(fn)
     best = math.inf
     gc.disable()
     try:
-        for _ in range(reps):
+        n = 0
+        t_end = time.perf_counter() + seconds
+        while n < reps or time.perf_counter() < t_end:
             t0 = time.perf_counter()
             fn()
             best = min(best, time.perf_counter() - t0)
+            n += 1
     finally:
         gc.enable()
     return best
