@@ -96,8 +96,10 @@ def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
     var c = phase // NSTAGES
     var stage = phase % NSTAGES
     var rows = b * wk.chunk_tokens(c)
-    if stage == ST_NORM or stage == ST_BCNORM:
+    if stage == ST_NORM:
         return ceil_div(rows, NORM_ROWS_PER_TASK)
+    if stage == ST_BCNORM:
+        return ceil_div(rows, BC_ROWS_PER_TASK)
     if stage == ST_INPROJ:
         return matmul_ntasks(rows, dims.np)
     if stage == ST_SCAN:
@@ -129,17 +131,17 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
         _ = matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
                            dims.np, proj, dims.np)
     elif stage == ST_BCNORM:
-        var r0 = task * NORM_ROWS_PER_TASK
-        var r1 = min(rows, r0 + NORM_ROWS_PER_TASK)
+        var r0 = task * BC_ROWS_PER_TASK
+        var r1 = min(rows, r0 + BC_ROWS_PER_TASK)
         var r = r0
         while r < r1:
-            var ng = min(NG, r1 - r)
+            var ng = min(BC_ROWS_PER_TASK, r1 - r)
             var p0 = proj.unsafe_offset(r * dims.np)
-            var sb = SIMD[DType.float32, NG](0.0)
-            var scc = SIMD[DType.float32, NG](0.0)
-            if ng == NG:
-                sb = rms_scales[NG](p0.unsafe_offset(dims.c_b), dims.np, NST)
-                scc = rms_scales[NG](p0.unsafe_offset(dims.c_c), dims.np, NST)
+            var sb = SIMD[DType.float32, BC_ROWS_PER_TASK](0.0)
+            var scc = SIMD[DType.float32, BC_ROWS_PER_TASK](0.0)
+            if ng == BC_ROWS_PER_TASK:
+                sb = rms_scales[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_b), dims.np, NST)
+                scc = rms_scales[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_c), dims.np, NST)
             else:
                 for g in range(ng):
                     sb[g] = rms_scale(p0.unsafe_offset(g * dims.np + dims.c_b), NST)

@@ -63,6 +63,9 @@ comptime NSTAGES = 5
 
 comptime NORM_ROWS_PER_TASK = 16
 comptime NG = 8  # rows whose RMSNorm sums advance side by side
+# B/C norms and gates: small tasks, so a few rows (a decode step) still
+# spread over the threads
+comptime BC_ROWS_PER_TASK = 4
 comptime MAX_CHUNK_ROWS = 512
 comptime MAX_PASS_ROWS = 1024
 # Scratch of one (row, head) scan task, in floats.

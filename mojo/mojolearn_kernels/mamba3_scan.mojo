@@ -320,6 +320,11 @@ def row_gates(pr: F32Ptr, dims: M3Dims, blob: F32Ptr):
             pr.unsafe_load[width=16](dims.c_dt + h) + dtb.unsafe_load[width=16](h)))
         pr.unsafe_store(dims.c_tr + h, sigmoid_f32[16](pr.unsafe_load[width=16](dims.c_tr + h)))
         h += 16
+    if h + 8 <= nh:
+        pr.unsafe_store(dims.c_dt + h, softplus_f32[8](
+            pr.unsafe_load[width=8](dims.c_dt + h) + dtb.unsafe_load[width=8](h)))
+        pr.unsafe_store(dims.c_tr + h, sigmoid_f32[8](pr.unsafe_load[width=8](dims.c_tr + h)))
+        h += 8
     while h < nh:
         pr[unsafe_offset=dims.c_dt + h] = softplus_f32[1](
             pr[unsafe_offset=dims.c_dt + h] + dtb[unsafe_offset=h])
