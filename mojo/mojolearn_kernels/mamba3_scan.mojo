@@ -3,6 +3,7 @@
 that batch the dot products), the per-row gates every head reads, and the
 lazy reports."""
 from std.collections import Array
+from std.sys.intrinsics import prefetch, PrefetchOptions
 from .abi import F32Ptr, I64Ptr, arg_int, arg_f32, arg_i64
 from .linear import WIDE
 from .dot128 import dot128, dots128_grid, GRID_T
@@ -239,6 +240,15 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var bbias = blob.unsafe_offset(dims.o_bb + hh * NST)
     var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
+    comptime if WIDE:
+        # a decode step finds h and the chunk rows evicted by the weight
+        # stream: ask for them all now, the row's own work overlaps the wait
+        for off in range(0, HP * NST, 16):
+            prefetch[PrefetchOptions().for_read().high_locality()](hs.h.unsafe_offset(off))
+        for j in range(cnt):
+            comptime for c in range(0, NST, 16):
+                prefetch[PrefetchOptions().for_read().high_locality()](
+                    hs.bk.unsafe_offset(j * hs.rs + c))
     _init_scales(hs, cnt, sc)
     var t = t0
     while t < t_end:
