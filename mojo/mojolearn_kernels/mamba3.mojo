@@ -124,7 +124,9 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
     var d = dims.d
     var xn = work.unsafe_offset(wk.o_xn)
     var proj = work.unsafe_offset(wk.o_proj)
-    var o = work.unsafe_offset(wk.o_o)
+    # o (rows, di) overwrites the z columns of proj (row stride np): a
+    # head's scan reads its z block, then writes its o block in its place
+    var o = proj
     if stage == ST_NORM:
         _norm_rows(args, dims, t0, nc, task, blob.unsafe_offset(dims.o_norm), xn)
     elif stage == ST_INPROJ:
@@ -160,7 +162,7 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
         scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * SCR),
                    bb, hh, t0, nc)
     else:
-        var t = matmul_task_wf(dims.wf, task, o, dims.di, rows,
+        var t = matmul_task_wf(dims.wf, task, o, dims.np, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
 

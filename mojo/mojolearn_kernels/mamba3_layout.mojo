@@ -147,8 +147,7 @@ struct M3Work(ImplicitlyCopyable):
     var tc: Int
     var nchunks: Int
     var o_xn: Int  # (rows, d), reused for the out_proj result
-    var o_proj: Int  # (rows, np)
-    var o_o: Int  # (rows, di)
+    var o_proj: Int  # (rows, np); the scan's output o replaces its z columns
     var o_scr: Int  # (B * H, SCR)
     var floats: Int
 
@@ -166,8 +165,6 @@ struct M3Work(ImplicitlyCopyable):
         o += round_up(rows * dims.d, ALIGN_FLOATS)
         self.o_proj = o
         o += round_up(rows * dims.np, ALIGN_FLOATS)
-        self.o_o = o
-        o += round_up(rows * dims.di, ALIGN_FLOATS)
         self.o_scr = o
         o += b * dims.nh * SCR
         self.floats = o

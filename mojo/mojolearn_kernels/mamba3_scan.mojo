@@ -306,7 +306,7 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
             var vrow = hs.bv.unsafe_offset(i * hs.vs)
             var dg = diag[unsafe_offset=uu]
             var zrow = pr.unsafe_offset(hh * HP)
-            var orow = o.unsafe_offset(r * dims.di + hh * HP)
+            var orow = o.unsafe_offset(r * dims.np + hh * HP)  # in place of z
             comptime for cc in range(4):
                 var vi = vrow.unsafe_load[width=16](cc * 16)
                 var yy = V16(dg).fma(vi, y[cc])
