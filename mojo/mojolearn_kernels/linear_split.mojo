@@ -108,8 +108,9 @@ def split_pack_wf(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr):
 
 def split_extract(wf: Int, w: F32Ptr, m: Int, k: Int, r0: Int, r1: Int,
                   dst: Int, exps: Int):
-    """Rows [r0, r1) of a packed bfloat16 / int8 weight back to row-major
-    codes (uint16 bits or int8) and, for int8, int32 exponents."""
+    """Rows [r0, r1) of a float32 / bfloat16 / int8 weight back to row-major
+    values or codes (float32, uint16 bits or int8) and, for int8, int32
+    exponents."""
     var ld = split_ld(k)
     var codes = w.unsafe_offset(split_rows(m)) if wf == WF_INT8 else w
     for o in range(r0, r1):
@@ -119,7 +120,9 @@ def split_extract(wf: Int, w: F32Ptr, m: Int, k: Int, r0: Int, r1: Int,
             I32Ptr(unsafe_from_address=exps)[unsafe_offset=o] = Int32(Int((b >> 52) & 0x7FF) - 1023)
         for kk in range(k):
             var at = _woff(o, kk // KL, ld) + kk % KL
-            if wf == WF_BF16:
+            if wf == WF_F32:
+                F32Ptr(unsafe_from_address=dst)[unsafe_offset=o * k + kk] = w[unsafe_offset=at]
+            elif wf == WF_BF16:
                 U16Ptr(unsafe_from_address=dst)[unsafe_offset=o * k + kk] = (
                     codes.unsafe_bitcast[UInt16]()[unsafe_offset=at])
             else:

@@ -7,8 +7,9 @@ panels (i in the slot order of the prepare op's *_EXP slots). So a blob
 describes itself: the forward ops read the format from the blob they are
 given and pick the matching micro-kernel instantiation
 (linear.matmul_task_wf); nothing in the call arguments can disagree with
-the blob. OP_PANELS_EXTRACT copies packed codes back out of the panels, so a
-block need not keep a second copy of them (get_params, backward).
+the blob. OP_PANELS_EXTRACT copies the weights (float32 values or packed
+codes) back out of the panels, so a block need not keep a second copy of
+them (get_params, backward).
 
 The prepare ops copy the packed codes into panels (linear.mojo's layout):
 a copy, not a conversion, so the panels hold exactly the given values:
@@ -32,11 +33,11 @@ comptime LAYOUT_PANELS = 0
 comptime LAYOUT_SPLIT = 1  # linear_split.mojo (Mamba-2)
 
 # OP_PANELS_EXTRACT slots
-comptime EX_BLOB = 0  # a prepared blob in format bfloat16 or int8
+comptime EX_BLOB = 0  # a prepared blob (any weight format)
 comptime EX_SECTION = 1  # projection index i (header word 1 + i)
 comptime EX_ROWS = 2
 comptime EX_COLS = 3
-comptime EX_DST = 4  # uint16 bfloat16 bits or int8 codes (rows, cols)
+comptime EX_DST = 4  # float32 values, uint16 bfloat16 bits or int8 codes (rows, cols)
 comptime EX_EXP = 5  # int8: int32 exponents (rows,)
 
 
@@ -128,8 +129,7 @@ def pack_weight_panels(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr
 
 
 def panels_extract_plan(args: I64Ptr, phase: Int) -> Int:
-    var wf = blob_format(arg_f32(args, EX_BLOB))
-    if wf != WF_BF16 and wf != WF_INT8:
+    if not valid_format(blob_format(arg_f32(args, EX_BLOB))):
         return -3
     if phase == PLAN_WORKSPACE:
         return 0
@@ -139,7 +139,7 @@ def panels_extract_plan(args: I64Ptr, phase: Int) -> Int:
 
 
 def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
-    """Panel `task` back to rows: the codes as the prepare op got them."""
+    """Panel `task` back to rows: the values or codes as the prepare op got them."""
     var blob = arg_f32(args, EX_BLOB)
     var wf = blob_format(blob)
     var m = arg_int(args, EX_ROWS)
@@ -150,7 +150,13 @@ def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
     if _word(blob, O_LAYOUT) == LAYOUT_SPLIT:
         split_extract(wf, sec, m, k, r0, r0 + nr, arg_int(args, EX_DST), arg_int(args, EX_EXP))
         return
-    if wf == WF_BF16:
+    if wf == WF_F32:
+        var src = sec.unsafe_offset(task * panel_floats[WF_F32](k))
+        var dst = F32Ptr(unsafe_from_address=arg_int(args, EX_DST))
+        for j in range(nr):
+            for kk in range(k):
+                dst[unsafe_offset=(r0 + j) * k + kk] = src[unsafe_offset=kk * NR + j]
+    elif wf == WF_BF16:
         var src = sec.unsafe_offset(task * panel_floats[WF_BF16](k)).unsafe_bitcast[UInt16]()
         var dst = U16Ptr(unsafe_from_address=arg_int(args, EX_DST))
         for j in range(nr):

@@ -83,6 +83,10 @@ def _exponent_address(w) -> int:
     return w.exponents.address if _is_packed(w) and w.exponents is not None else 0
 
 
+# The calling thread's workspace (_MambaBase._workspace).
+_THREAD_WORK = threading.local()
+
+
 class _MambaBase:
     """Shared behaviour of the Mamba block estimators."""
 
@@ -91,47 +95,60 @@ class _MambaBase:
     def _setup_common(self, numeric_mode):
         self.numeric_mode = check_numeric_mode(numeric_mode)
         self._lib = library(self.numeric_mode)
-        self._work_lock = threading.Lock()
-        self._work = None
         self._bwd_panels = None  # W_in^T | W_out^T panels, from the first backward
 
     # -- weights ------------------------------------------------------------
-    # Packed projection weights (mojolearn.lowbit) stay packed: the prepare op
-    # copies their codes into bfloat16 / int8 panels that the kernels widen
-    # exactly on load, and the blob is their only copy (get_params and
-    # backward read them back out with OP_PANELS_EXTRACT). So a block holds
-    # about 1/4 (bfloat16) or 1/8 (int8) of the bytes of a float32 block (which
-    # keeps a float32 copy next to its float32 panels) and gives the bits of
-    # the block on unpack(weights).
-    _packed_names: tuple = ()  # kernel slots that take packed panels, in slot order
+    # The projection weights live only in the prepared blob, in the format
+    # they were given in: the prepare op copies float32 values, or the codes
+    # of packed weights (mojolearn.lowbit), into matmul panels (bfloat16 /
+    # int8 panels are widened exactly on load). get_params and backward read
+    # them back out with OP_PANELS_EXTRACT. So a float32 block holds one copy
+    # of its projections, and a packed block about 1/2 (bfloat16) or 1/4
+    # (int8) of that, giving the bits of the block on unpack(weights). The
+    # small weights (norms, biases, ...) are kept as float32 copies.
+    _packed_names: tuple = ()  # kernel slots that take panels, in slot order
 
     def _keep_weights(self, views) -> dict:
-        """Keep private float32 copies in self._weights (all weights, or the
-        non-packed ones); return the weights for the prepare op (the packed
-        ones as given: the prepare op copies them into the blob)."""
+        """Keep private float32 copies of the small weights in self._weights;
+        return the weights for the prepare op (the projections as given, or
+        for float32 ones a temporary copy: the prepare op copies them into
+        the blob, and the block keeps only that)."""
         from .._array import Array
         self.weight_format = views.weight_format
         self._weight_names = tuple(views.keys())
         self._weights = {}
         self._packed_shapes = {}
+        self._bwd_weights = None  # float32 projections, from the first backward
         prep = {}
         for name, v in views.items():
             p = views.packed.get(name)
             if p is not None and name in self._packed_names:
                 self._packed_shapes[name] = p.shape
                 prep[name] = p
+                continue
+            a = Array(v.shape, zero=False)
+            memoryview(a).cast("B")[:] = v.mv.cast("B")
+            prep[name] = a
+            if name in self._packed_names:
+                self._packed_shapes[name] = tuple(v.shape)
             else:
-                a = Array(v.shape, zero=False)
-                memoryview(a).cast("B")[:] = v.mv.cast("B")
-                self._weights[name] = prep[name] = a
+                self._weights[name] = a
         return prep
 
     def _packed_weight(self, name):
-        """A new PackedWeight with the codes of `name`, read from the blob."""
+        """Projection `name` read back from the blob: a new float32 Array
+        (float32 block) or a new PackedWeight with its codes."""
         from .._array import Array
         from ..lowbit import PackedWeight
         rows, cols = self._packed_shapes[name]
         fmt = self.weight_format
+        if fmt == "float32":
+            data = Array((rows, cols), zero=False)
+            if rows * cols:
+                self._lib.run(_abi.OP_PANELS_EXTRACT, [
+                    self._blob.address, self._packed_names.index(name), rows, cols,
+                    data.address, 0])
+            return data
         data = Array((rows, cols), "uint16" if fmt == "bfloat16" else "int8", zero=False)
         ex = Array((rows,), "int32", zero=False) if fmt == "int8" else None
         if rows * cols:
@@ -157,21 +174,34 @@ class _MambaBase:
         return blob
 
     def _backward_weights(self):
-        """(float32 weights, blob of float32 panels) for backward. On packed
-        weights both are expanded for the call (backward reads float32
-        panels): the bits are those of the block on the expanded weights."""
-        if not self._packed_shapes:
-            return self._weights, self._blob
+        """(float32 weights, blob of float32 panels) for backward. A float32
+        block reads its projections out of the blob on its first backward
+        and keeps them (weights never change after construction; a racing
+        first call reads its own copy: same bytes). On packed weights both
+        are expanded per call (backward reads float32 panels), so such a
+        block keeps holding only its packed bytes: the bits are those of the
+        block on the expanded weights."""
+        if self.weight_format == "float32":
+            w = self._bwd_weights
+            if w is None:
+                w = dict(self._weights)
+                for n in self._packed_shapes:
+                    w[n] = self._packed_weight(n)
+                self._bwd_weights = w
+            return w, self._blob
         w = {n: self._weights[n] if n in self._weights else self._packed_weight(n).to_float32()
              for n in self._weight_names}
         return w, self._make_blob(w)
 
     def _held_bytes(self) -> int:
         """Bytes of the weight copies and the prepared blob the block holds
-        (and the transposed panels, once a backward has made them)."""
+        (and the projections and transposed panels a float32 block keeps
+        once a backward has made them)."""
         p = self._bwd_panels
+        bw = self._bwd_weights
+        extra = 0 if bw is None else sum(bw[n].nbytes for n in self._packed_shapes)
         return (self._blob.nbytes + sum(v.nbytes for v in self._weights.values())
-                + (0 if p is None else p.nbytes))
+                + extra + (0 if p is None else p.nbytes))
 
     def _backward_panels(self, w):
         """in_proj.weight^T and out_proj.weight^T of the float32 weights w in
@@ -191,14 +221,16 @@ class _MambaBase:
                       zero=False)
             args[-1] = p.address
             self._lib.run(_abi.OP_PACK_TRANSPOSED, args)
-            if not self._packed_shapes:
+            if self.weight_format == "float32":
                 self._bwd_panels = p  # a racing first call packs its own copy: same bytes
         return p
 
     # -- estimator API ------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters: {'weights': copies, 'numeric_mode': ...};
-        packed weights are returned packed, with the codes they were given."""
+        packed weights are returned packed, with the codes they were given
+        (the projections are read back out of the prepared blob: the bytes
+        the block was given)."""
         weights = {n: self._weights[n].copy() if n in self._weights else self._packed_weight(n)
                    for n in self._weight_names}
         return {"weights": weights, "numeric_mode": self.numeric_mode}
@@ -267,14 +299,10 @@ class _MambaBase:
         return v, b
 
     def _run_op(self, op, args, work_slot):
-        """Run op with the block's workspace address in args[work_slot]."""
-        work, lock = self._workspace(op, args)
-        try:
-            args[work_slot] = work.address
-            self._lib.run(op, args)
-        finally:
-            if lock is not None:
-                lock.release()
+        """Run op with the thread's workspace address in args[work_slot]."""
+        work = self._workspace(op, args)
+        args[work_slot] = work.address
+        self._lib.run(op, args)
 
     @staticmethod
     def _grad_arrays(x_shape, w, names, written=()):
@@ -299,18 +327,24 @@ class _MambaBase:
         return xv, gv
 
     def _workspace(self, op, args):
-        """(workspace Array, lock or None) for one call of op.
+        """The calling thread's workspace, at least as large as op needs.
 
-        The block keeps one workspace (grown to the largest call so far), so
-        repeated calls neither allocate nor fault in fresh pages; a caller
-        that finds it in use (another thread) gets a private one. Release
-        the returned lock after the call.
+        One workspace per thread, shared by every block that thread calls
+        (grown to the largest call so far): repeated calls neither allocate
+        nor fault in fresh pages, and a model of many blocks holds one
+        workspace, not one per block. It is scratch only: nothing is read
+        from it after the op returns. Threads never share one, so blocks
+        may be called from several threads at once.
         """
         from .._array import Array
         floats = max(1, -(-self._lib.workspace_bytes(op, args) // 4))
-        if self._work_lock.acquire(blocking=False):
-            if self._work is None or self._work.size < floats:
-                self._work = None
-                self._work = Array((floats,), zero=False)
-            return self._work, self._work_lock
-        return Array((floats,), zero=False), None
+        work = getattr(_THREAD_WORK, "array", None)
+        if work is None or work.size < floats:
+            _THREAD_WORK.array = None  # free the smaller one first
+            work = _THREAD_WORK.array = Array((floats,), zero=False)
+        return work
+
+    @staticmethod
+    def _forget_workspace():
+        """Drop the calling thread's workspace (after an unusually big call)."""
+        _THREAD_WORK.array = None

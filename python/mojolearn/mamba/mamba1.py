@@ -119,8 +119,8 @@ class Mamba1Block(_MambaBase):
     Notes
     -----
     Thread safety: forward may be called concurrently on one block; step
-    too (a concurrent step gets its own workspace). A state must not be used
-    by two calls at once.
+    too (every thread has its own workspace, shared by the blocks it
+    calls). A state must not be used by two calls at once.
 
     Examples
     --------

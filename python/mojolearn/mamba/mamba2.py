@@ -373,15 +373,13 @@ class Mamba2Block(_MambaBase):
 
     def _run(self, args):
         """Run the forward op with the block's workspace in slot FWD_WORK."""
-        work, lock = self._workspace(_abi.OP_M2_FORWARD, args)
+        work = self._workspace(_abi.OP_M2_FORWARD, args)
         try:
             args[_FWD_WORK] = work.address
             self._lib.run(_abi.OP_M2_FORWARD, args)
         finally:
-            if lock is not None:
-                if work.size * 4 > _KEEP_WORK_BYTES:
-                    self._work = None  # a big prefill's workspace is not kept
-                lock.release()
+            if work.size * 4 > _KEEP_WORK_BYTES:
+                self._forget_workspace()  # a big prefill's workspace is not kept
 
     @property
     def h_last_(self):
@@ -437,15 +435,13 @@ class Mamba2Block(_MambaBase):
                 + [grads[n].address for n in _BACKWARD_GRAD_NAMES])
         panels = self._backward_panels(w)  # held until the op returns
         args.append(panels.address)
-        work, lock = self._workspace(_abi.OP_M2_BACKWARD, args)
+        work = self._workspace(_abi.OP_M2_BACKWARD, args)
         try:
             args[6] = work.address
             self._lib.run(_abi.OP_M2_BACKWARD, args)
         finally:
-            if lock is not None:
-                if work.size * 4 > _KEEP_WORK_BYTES:
-                    self._work = None  # a big backward workspace is not kept
-                lock.release()
+            if work.size * 4 > _KEEP_WORK_BYTES:
+                self._forget_workspace()  # a big backward workspace is not kept
         return grads
 
 

@@ -437,13 +437,8 @@ class Mamba3Block(_MambaBase):
 
     def _run(self, args):
         """Run the forward op with the block's workspace in slot 7."""
-        work, lock = self._workspace(_abi.OP_M3_FORWARD, args)
-        try:
-            args[7] = work.address
-            self._lib.run(_abi.OP_M3_FORWARD, args)
-        finally:
-            if lock is not None:
-                lock.release()
+        args[7] = self._workspace(_abi.OP_M3_FORWARD, args).address
+        self._lib.run(_abi.OP_M3_FORWARD, args)
 
     # -- reports ------------------------------------------------------------
     def _reports(self):

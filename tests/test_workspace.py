@@ -1,0 +1,67 @@
+"""The forward/backward workspace: one per calling thread, shared by every
+block that thread calls (a model of many blocks holds one, not one per
+block), and never shared between threads (concurrent calls keep their bits).
+"""
+import threading
+
+import numpy as np
+
+import mojolearn
+from mojolearn.mamba import _base
+from tests.bits import assert_bits_differ, assert_same_bits
+from tests.reference.mamba3_weights import mamba3_weights
+from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+
+D = 64
+
+
+def _blocks():
+    return [mojolearn.Mamba1Block(mamba1_weights(D, seed=1)),
+            mojolearn.Mamba2Block(mamba2_weights(D, seed=2)),
+            mojolearn.Mamba3Block(mamba3_weights(D, seed=3)),
+            mojolearn.Mamba3Block(mamba3_weights(D, seed=4))]
+
+
+def _outputs(blocks, x):
+    return [np.asarray(b.forward(x)).copy() for b in blocks]
+
+
+def test_blocks_called_by_one_thread_share_one_workspace():
+    blocks = _blocks()
+    x = random_input(2, 70, D, seed=5)
+    _base._THREAD_WORK.array = None
+    _outputs(blocks, x)  # grows it to the largest of the four calls
+    work = _base._THREAD_WORK.array
+    assert work is not None
+    _outputs(blocks, x)
+    assert _base._THREAD_WORK.array is work  # reused, not one per block
+    for b in blocks:
+        assert "_work" not in vars(b)  # no block keeps its own
+
+
+def test_threads_have_their_own_workspace_and_keep_the_bits():
+    blocks = _blocks()
+    x = random_input(2, 130, D, seed=6)
+    ref = _outputs(blocks, x)
+    got, works, errors = {}, {}, []
+
+    def run(k):
+        try:
+            for _ in range(5):
+                got[k] = _outputs(blocks, x)
+            works[k] = id(_base._THREAD_WORK.array)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(set(works.values())) == 3
+    for k in got:
+        for b, (a, r) in enumerate(zip(got[k], ref)):
+            assert_same_bits(a, r, f"thread {k}, block {b}")
+    # negative control: the check sees a one-ulp change
+    assert_bits_differ(np.nextafter(ref[2], np.inf, dtype=np.float32), ref[2], "control")
