@@ -159,7 +159,7 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == ST_SCAN:
         var bb = task // dims.nh
         var hh = task % dims.nh
-        scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * SCR),
+        scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * wk.scr),
                    bb, hh, t0, nc)
     else:
         var t = matmul_task_wf(dims.wf, task, o, dims.np, rows,

@@ -76,7 +76,8 @@ comptime S_SC = S_W + QC  # (64) scale_j = gamma_j + beta_j of the rows j < last
 comptime S_DIAG = S_SC + QC  # (64) (q . k) gamma per token of a segment
 comptime S_HQ = S_DIAG + QC  # (64, 64) q_u . h[p]; the fold's w_j v_j[p]
 comptime S_QK = S_HQ + QC * HP  # (64, 64) q_u . k_j
-comptime SCR = S_QK + QC * QC
+# a scan task's scratch: S_QK plus one q . k row per token of its longest
+# segment (min(tokens per pass, QC)); a decode step needs one row
 comptime FOLD_SCR = S_HQ + QC * HP  # what a fold alone needs (reports)
 
 comptime V16 = SIMD[DType.float32, 16]
@@ -148,7 +149,8 @@ struct M3Work(ImplicitlyCopyable):
     var nchunks: Int
     var o_xn: Int  # (rows, d), reused for the out_proj result
     var o_proj: Int  # (rows, np); the scan's output o replaces its z columns
-    var o_scr: Int  # (B * H, SCR)
+    var o_scr: Int  # (B * H, scr)
+    var scr: Int  # floats of one scan task's scratch
     var floats: Int
 
     def __init__(out self, dims: M3Dims, b: Int, l: Int):
@@ -166,7 +168,8 @@ struct M3Work(ImplicitlyCopyable):
         self.o_proj = o
         o += round_up(rows * dims.np, ALIGN_FLOATS)
         self.o_scr = o
-        o += b * dims.nh * SCR
+        self.scr = S_QK + min(self.tc, QC) * QC
+        o += b * dims.nh * self.scr
         self.floats = o
 
     def chunk_tokens(self, c: Int) -> Int:
