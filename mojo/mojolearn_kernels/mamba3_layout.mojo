@@ -66,8 +66,10 @@ comptime NG = 8  # rows whose RMSNorm sums advance side by side
 # B/C norms and gates: small tasks, so a few rows (a decode step) still
 # spread over the threads
 comptime BC_ROWS_PER_TASK = 4
-comptime MAX_CHUNK_ROWS = 512
-comptime MAX_PASS_ROWS = 1024
+# Rows (batch rows x tokens) per pass. 1024 holds a whole chunk of tokens
+# per pass up to B = 16, so the scan batches its dot products over chunks;
+# the workspace is then about 17 MB at d = 768 (one per calling thread).
+comptime MAX_CHUNK_ROWS = 1024
 # Scratch of one (row, head) scan task, in floats.
 comptime S_QU = 0  # (128) unrotated q of one token
 comptime S_KU = S_QU + NST  # (128) unrotated k
@@ -156,10 +158,7 @@ struct M3Work(ImplicitlyCopyable):
     def __init__(out self, dims: M3Dims, b: Int, l: Int):
         self.b = b
         self.l = l
-        # MAX_CHUNK_ROWS rows per pass, but a whole chunk of tokens where
-        # that stays within MAX_PASS_ROWS: the scan batches its dot products
-        # over the tokens of a chunk
-        self.tc = max(1, min(l, max(MAX_CHUNK_ROWS // b, min(QC, MAX_PASS_ROWS // b))))
+        self.tc = max(1, min(l, MAX_CHUNK_ROWS // b))
         self.nchunks = ceil_div(l, self.tc)
         var rows = b * self.tc
         var o = 0
