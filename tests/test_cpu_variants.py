@@ -16,8 +16,9 @@ from mojolearn import _loader
 ROOT = Path(__file__).resolve().parent.parent
 
 # Each child hashes forward, decode steps, a ragged batch and backward of all
-# three blocks, at lengths that cross the chunk sizes (Q=256, Q=64); also on
-# bfloat16 / int8 packed weights (the GEMM widening them on load).
+# three blocks, at lengths that cross the chunk sizes (Q=256, Q=64), and
+# batch-8 steps; also on bfloat16 / int8 packed weights (the GEMM widening
+# them on load).
 CHILD = r"""
 import hashlib, json, sys
 import numpy as np
@@ -41,6 +42,9 @@ for name, make, cls, L in (("m1", mamba1_weights, mojolearn.Mamba1Block, 70),
         st = blk.allocate_state(3)
         for t in range(6):
             h.update(np.asarray(blk.step(np.ascontiguousarray(x[:, t]), st)).tobytes())
+        x8, st8 = random_input(8, 3, d, seed=7), blk.allocate_state(8)
+        for t in range(3):  # 8-row products: x86-64-v4 runs them as one 8-row pass
+            h.update(np.asarray(blk.step(np.ascontiguousarray(x8[:, t]), st8)).tobytes())
         if fmt == "float32":  # (backward on packed weights runs the float32 kernels)
             g = blk.backward(x[:, :40], random_input(3, 40, d, seed=6))
             for k in sorted(g):
