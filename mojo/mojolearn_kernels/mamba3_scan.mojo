@@ -29,7 +29,6 @@ def _phi_a(u: Float32) -> Float32:
     return min(-ph, -A_FLOOR)
 
 
-
 struct HeadState(ImplicitlyCopyable):
     """Pointers to one (row, head) slice of a Mamba3State."""
     var theta: F32Ptr  # (32,)
