@@ -17,7 +17,7 @@ import pytest
 
 FN = {"exp": 0, "log": 1, "log1p": 2, "softplus": 3, "sigmoid": 4, "silu": 5,
       "sqrt": 6, "rsqrt": 7, "tanh": 8, "sin": 9, "cos": 10, "floor": 11,
-      "mod2pi": 12}
+      "mod2pi": 12, "sincos.sin": 13, "sincos.cos": 14}
 TINY = 2.0 ** -126
 FLT_MAX = float(np.finfo(np.float32).max)
 TWO_PI_F32 = np.float32(2 * np.pi)  # 6.2831855, the modulus of mod2pi
@@ -261,6 +261,22 @@ def test_subnormal_policy(native_lib, name):
     negzero_in = (_bits(x) & 0x7F800000) == 0
     negzero_in &= (_bits(x) & 0x80000000) != 0
     assert np.all(negzero_in[gb == 0x80000000]), "-0.0 from a nonzero input"
+
+
+def test_sincos_gives_the_bits_of_sin_and_cos(native_lib):
+    """sincos_f32 (one range reduction for both, used by the Mamba-3 scan)
+    returns exactly sin_f32's and cos_f32's bits, specials included."""
+    specials = f32([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 4194304.0,
+                    -4194304.0, 5e6, -3e38, np.pi, TWO_PI_F32, 1e-8])
+    x = np.concatenate([_random_bits_inputs(), lin(-100, 100, 200_001), specials])
+    for part, ref in (("sincos.sin", "sin"), ("sincos.cos", "cos")):
+        for w in (16, 8, 1):
+            assert np.array_equal(_bits(run(native_lib, part, x, w)),
+                                  _bits(run(native_lib, ref, x, w))), (part, w)
+    # negative control: the comparison sees a one-ulp change of one output
+    s = _bits(run(native_lib, "sincos.sin", x))
+    s[7] ^= 1
+    assert not np.array_equal(s, _bits(run(native_lib, "sin", x)))
 
 
 def test_unknown_fn_id_writes_nan(native_lib):

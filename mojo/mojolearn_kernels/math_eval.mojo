@@ -4,17 +4,20 @@ math_eval(fn_id, inp, dst, n, width) writes dst[i] = f(inp[i]) for i < n,
 using SIMD width `width` (16, 8, else 1) and a scalar tail. The functions
 are width independent, so every width gives the same bits; the tests check it.
 fn_id: 0 exp, 1 log, 2 log1p, 3 softplus, 4 sigmoid, 5 silu, 6 sqrt,
-7 rsqrt, 8 tanh, 9 sin, 10 cos, 11 floor, 12 mod2pi; any other id writes NaN.
+7 rsqrt, 8 tanh, 9 sin, 10 cos, 11 floor, 12 mod2pi, 13 sincos's sine,
+14 sincos's cosine (one call giving both: the tests check that they are
+the bits of sin and cos); any other id writes NaN.
 """
 from std.memory import Pointer
 
 from .numerics import (
     exp_f32, log_f32, log1p_f32, softplus_f32, sigmoid_f32, silu_f32,
     sqrt_f32, rsqrt_f32, tanh_f32, sin_f32, cos_f32, floor_f32, mod2pi_f32,
+    sincos_f32,
 )
 
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
-comptime MATH_EVAL_COUNT = 13
+comptime MATH_EVAL_COUNT = 15
 
 
 @always_inline
@@ -45,6 +48,10 @@ def _apply[FN: Int, W: Int](x: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]
         return floor_f32[W](x)
     elif FN == 12:
         return mod2pi_f32[W](x)
+    elif FN == 13:
+        return sincos_f32[W](x)[0]
+    elif FN == 14:
+        return sincos_f32[W](x)[1]
     else:
         return SIMD[DType.float32, W](FloatLiteral.nan)
 
