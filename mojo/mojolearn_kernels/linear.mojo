@@ -143,9 +143,11 @@ def _rows_few[R: Int, WF: Int = WF_F32](
     x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
     y: F32Ptr, ldy: Int,
 ):
-    """R (< MR) rows over panels [p0, p1): several full panels at a time
-    (four, fewer where R rows of four would not fit the AVX-512 registers)."""
-    comptime NP = min(4, max(1, 24 // R)) if WIDE else 4
+    """R rows over panels [p0, p1), several full panels at a time: R < MR
+    (leftover rows: four panels, fewer where R rows of four would not fit
+    the AVX-512 registers), or R = 8 on AVX-512 (a batch-8 step in one pass
+    over the weights: 8 x 2 panels, measured faster than 8 x 3)."""
+    comptime NP = (min(4, max(1, 24 // R)) if R < MR else 2) if WIDE else 4
     var ps = panel_floats[WF](k)
     var p = p0
     while p + NP <= p1 and (p + NP) * NR <= m:
@@ -173,8 +175,9 @@ def matmul_block[WF: Int = WF_F32](
 ):
     """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k)."""
     comptime if WIDE:
-        if r1 - r0 == 8:
-            _rows8[WF](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1, y.unsafe_offset(r0 * ldy), ldy)
+        if r1 - r0 == 8:  # one pass over the weights, not a 6-row and a 2-row one
+            _rows_few[8, WF](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
+                             y.unsafe_offset(r0 * ldy), ldy)
             return
     var full = r0 + (r1 - r0) // MR * MR
     var p = p0
@@ -202,24 +205,6 @@ def matmul_block[WF: Int = WF_F32](
     comptime for R in range(1, MR):
         if rem == R:
             _rows_few[R, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
-
-
-def _rows8[WF: Int = WF_F32](
-    x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
-    y: F32Ptr, ldy: Int,
-):
-    """Exactly 8 rows (a batch-8 decode step) in one pass over the weights,
-    8 x 2 panels of accumulators, instead of a 6-row pass and a 2-row pass
-    that reads every panel again. Each output's fma chain is unchanged."""
-    var ps = panel_floats[WF](k)
-    var p = p0
-    while p + 2 <= p1 and (p + 2) * NR <= m:
-        _tile_panels[8, 2, WF](x, ldx, wp.unsafe_offset(p * ps), k, y.unsafe_offset(p * NR), ldy)
-        p += 2
-    while p < p1:
-        _tile[8, WF](x, ldx, wp.unsafe_offset(p * ps), k, y.unsafe_offset(p * NR), ldy,
-                     min(NR, m - p * NR))
-        p += 1
 
 
 # Task grid for one matmul phase: row blocks x panel blocks.

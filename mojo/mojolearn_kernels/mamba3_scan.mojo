@@ -315,6 +315,14 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
         t += ns
 
 
+@always_inline
+def _gates[W: Int](pr: F32Ptr, dims: M3Dims, dtb: F32Ptr, h: Int):
+    """dt and sg of heads h .. h + W - 1 (row_gates)."""
+    pr.unsafe_store(dims.c_dt + h, softplus_f32[W](
+        pr.unsafe_load[width=W](dims.c_dt + h) + dtb.unsafe_load[width=W](h)))
+    pr.unsafe_store(dims.c_tr + h, sigmoid_f32[W](pr.unsafe_load[width=W](dims.c_tr + h)))
+
+
 def row_gates(pr: F32Ptr, dims: M3Dims, blob: F32Ptr):
     """The per-token values every head's scan reads, once per row and in
     place of their raw projections: dt = softplus(dd_dt + dt_bias),
@@ -325,19 +333,13 @@ def row_gates(pr: F32Ptr, dims: M3Dims, blob: F32Ptr):
     var dtb = blob.unsafe_offset(dims.o_dtb)
     var h = 0
     while h + 16 <= nh:
-        pr.unsafe_store(dims.c_dt + h, softplus_f32[16](
-            pr.unsafe_load[width=16](dims.c_dt + h) + dtb.unsafe_load[width=16](h)))
-        pr.unsafe_store(dims.c_tr + h, sigmoid_f32[16](pr.unsafe_load[width=16](dims.c_tr + h)))
+        _gates[16](pr, dims, dtb, h)
         h += 16
     if h + 8 <= nh:
-        pr.unsafe_store(dims.c_dt + h, softplus_f32[8](
-            pr.unsafe_load[width=8](dims.c_dt + h) + dtb.unsafe_load[width=8](h)))
-        pr.unsafe_store(dims.c_tr + h, sigmoid_f32[8](pr.unsafe_load[width=8](dims.c_tr + h)))
+        _gates[8](pr, dims, dtb, h)
         h += 8
     while h < nh:
-        pr[unsafe_offset=dims.c_dt + h] = softplus_f32[1](
-            pr[unsafe_offset=dims.c_dt + h] + dtb[unsafe_offset=h])
-        pr[unsafe_offset=dims.c_tr + h] = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + h])
+        _gates[1](pr, dims, dtb, h)
         h += 1
     for hh in range(nh):
         pr[unsafe_offset=dims.c_a + hh] = (_phi_a(pr[unsafe_offset=dims.c_a + hh])

@@ -12,21 +12,11 @@ comptime RMS_EPS: Float32 = 1e-5
 
 
 @always_inline
-def rms_scale(v: F32Ptr, n: Int) -> Float32:
-    """1 / sqrt(mean(v^2) + eps), in the canonical order."""
-    var s: Float32 = 0.0
-    for j in range(n):
-        var vj = v[unsafe_offset=j]
-        s = vj.fma(vj, s)
-    var ms = s / Float32(n)
-    return Float32(1.0) / sqrt_f32[1](ms + RMS_EPS)
-
-
-@always_inline
 def rms_scales[R: Int](v: F32Ptr, stride: Int, n: Int) -> SIMD[DType.float32, R]:
-    """Lane r = rms_scale(v + r * stride, n): the R rows' sequential chains
-    advance side by side (each row's own order, so the same bits), which
-    hides the fma latency one chain alone is bound by."""
+    """Lane r = 1 / sqrt(mean(row_r^2) + eps) of the rows v + r * stride, in
+    the canonical order: each row is one sequential chain; R rows' chains
+    advance side by side, which hides the fma latency one chain alone is
+    bound by (same bits for any R)."""
     var s = SIMD[DType.float32, R](0.0)
     for j in range(n):
         var vj = SIMD[DType.float32, R](0.0)
@@ -35,6 +25,12 @@ def rms_scales[R: Int](v: F32Ptr, stride: Int, n: Int) -> SIMD[DType.float32, R]
         s = vj.fma(vj, s)
     var ms = s / SIMD[DType.float32, R](Float32(n))
     return SIMD[DType.float32, R](1.0) / sqrt_f32[R](ms + SIMD[DType.float32, R](RMS_EPS))
+
+
+@always_inline
+def rms_scale(v: F32Ptr, n: Int) -> Float32:
+    """1 / sqrt(mean(v^2) + eps), in the canonical order (one row of rms_scales)."""
+    return rms_scales[1](v, 0, n)[0]
 
 
 def scale_row(v: F32Ptr, n: Int, r: Float32, w: F32Ptr, dst: F32Ptr):
