@@ -10,6 +10,7 @@ from hypothesis import example, given, settings, strategies as st
 import mojolearn
 from tests.bits import assert_bits_differ, assert_same_bits, nudge
 from tests.reference.weights import mamba2_weights, random_input
+from tests.threads import run_in_threads
 
 D = 64  # two heads
 W = mamba2_weights(D, seed=21)
@@ -283,26 +284,11 @@ def test_conv_weight_2d_and_3d_identical_and_repeat():
 
 
 def test_concurrent_calls_on_one_block_give_the_same_bits():
-    """Two Python threads on one block: the second call gets its own
-    workspace; every result keeps its bits."""
-    import threading
+    """Eight Python threads on one block at once (each thread has its own
+    workspace): every result keeps its bits."""
     xs = [random_input(2, 270, D, seed=30 + k) for k in range(4)]
     want = [np.asarray(block().forward(x)) for x in xs]
-    got = [None] * 8
-    errors = []
-
-    def run(k):
-        try:
-            got[k] = np.asarray(block().forward(xs[k % 4]))
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    ts = [threading.Thread(target=run, args=(k,)) for k in range(8)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors
+    got = run_in_threads(lambda k: np.asarray(block().forward(xs[k % 4])), 8)
     for k in range(8):
         assert_same_bits(got[k], want[k % 4], f"thread {k}")
     assert_bits_differ(want[0], want[1], "different inputs")

@@ -2,8 +2,6 @@
 block that thread calls (a model of many blocks holds one, not one per
 block), and never shared between threads (concurrent calls keep their bits).
 """
-import threading
-
 import numpy as np
 
 import mojolearn
@@ -11,6 +9,7 @@ from mojolearn.mamba import _base
 from tests.bits import assert_bits_differ, assert_same_bits
 from tests.reference.mamba3_weights import mamba3_weights
 from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+from tests.threads import run_in_threads
 
 D = 64
 
@@ -43,25 +42,16 @@ def test_threads_have_their_own_workspace_and_keep_the_bits():
     blocks = _blocks()
     x = random_input(2, 130, D, seed=6)
     ref = _outputs(blocks, x)
-    got, works, errors = {}, {}, []
 
     def run(k):
-        try:
-            for _ in range(5):
-                got[k] = _outputs(blocks, x)
-            works[k] = id(_base._THREAD_WORK.array)
-        except Exception as e:  # reported below
-            errors.append(e)
+        for _ in range(5):
+            got = _outputs(blocks, x)
+        return got, _base._THREAD_WORK.array  # kept alive: distinct objects
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert len(set(works.values())) == 3
-    for k in got:
-        for b, (a, r) in enumerate(zip(got[k], ref)):
+    results = run_in_threads(run, 3)
+    assert len({id(work) for _, work in results}) == 3
+    for k, (got, _) in enumerate(results):
+        for b, (a, r) in enumerate(zip(got, ref)):
             assert_same_bits(a, r, f"thread {k}, block {b}")
     # negative control: the check sees a one-ulp change
     assert_bits_differ(np.nextafter(ref[2], np.inf, dtype=np.float32), ref[2], "control")

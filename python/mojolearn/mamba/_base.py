@@ -83,6 +83,16 @@ def _exponent_address(w) -> int:
     return w.exponents.address if _is_packed(w) and w.exponents is not None else 0
 
 
+def copy_bytes(dst, src) -> None:
+    """Copy the bytes of buffer src into buffer dst (same size)."""
+    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+
+
+def workspace_floats(lib, op, args) -> int:
+    """Floats (at least 1) of the workspace op needs for args."""
+    return max(1, -(-lib.workspace_bytes(op, args) // 4))
+
+
 # The calling thread's workspace (_MambaBase._workspace).
 _THREAD_WORK = threading.local()
 
@@ -127,7 +137,7 @@ class _MambaBase:
                 prep[name] = p
                 continue
             a = Array(v.shape, zero=False)
-            memoryview(a).cast("B")[:] = v.mv.cast("B")
+            copy_bytes(a, v.mv)
             prep[name] = a
             if name in self._packed_names:
                 self._packed_shapes[name] = tuple(v.shape)
@@ -135,27 +145,21 @@ class _MambaBase:
                 self._weights[name] = a
         return prep
 
-    def _packed_weight(self, name):
-        """Projection `name` read back from the blob: a new float32 Array
-        (float32 block) or a new PackedWeight with its codes."""
+    def _projection(self, name):
+        """Projection `name` read back out of the blob, as given: a new
+        float32 Array (float32 block) or a new PackedWeight with its codes."""
         from .._array import Array
         from ..lowbit import PackedWeight
         rows, cols = self._packed_shapes[name]
         fmt = self.weight_format
-        if fmt == "float32":
-            data = Array((rows, cols), zero=False)
-            if rows * cols:
-                self._lib.run(_abi.OP_PANELS_EXTRACT, [
-                    self._blob.address, self._packed_names.index(name), rows, cols,
-                    data.address, 0])
-            return data
-        data = Array((rows, cols), "uint16" if fmt == "bfloat16" else "int8", zero=False)
+        dtype = {"float32": "float32", "bfloat16": "uint16", "int8": "int8"}[fmt]
+        data = Array((rows, cols), dtype, zero=False)
         ex = Array((rows,), "int32", zero=False) if fmt == "int8" else None
         if rows * cols:
             self._lib.run(_abi.OP_PANELS_EXTRACT, [
                 self._blob.address, self._packed_names.index(name), rows, cols,
                 data.address, ex.address if ex is not None else 0])
-        return PackedWeight._wrap(fmt, (rows, cols), data, ex)
+        return data if fmt == "float32" else PackedWeight._wrap(fmt, (rows, cols), data, ex)
 
     def _build_blob(self, op, args, weights):
         """Run the prepare op `op`. args: its slots up to the blob slot (the
@@ -182,16 +186,20 @@ class _MambaBase:
         block keeps holding only its packed bytes: the bits are those of the
         block on the expanded weights."""
         if self.weight_format == "float32":
-            w = self._bwd_weights
-            if w is None:
-                w = dict(self._weights)
-                for n in self._packed_shapes:
-                    w[n] = self._packed_weight(n)
-                self._bwd_weights = w
-            return w, self._blob
-        w = {n: self._weights[n] if n in self._weights else self._packed_weight(n).to_float32()
-             for n in self._weight_names}
+            if self._bwd_weights is None:
+                self._bwd_weights = self._float32_weights()
+            return self._bwd_weights, self._blob
+        w = self._float32_weights()
         return w, self._make_blob(w)
+
+    def _float32_weights(self) -> dict:
+        """Every weight as a float32 Array: the kept small ones, and the
+        projections read out of the blob (packed ones expanded)."""
+        w = dict(self._weights)
+        for n in self._packed_shapes:
+            p = self._projection(n)
+            w[n] = p if self.weight_format == "float32" else p.to_float32()
+        return w
 
     def _held_bytes(self) -> int:
         """Bytes of the weight copies and the prepared blob the block holds
@@ -231,7 +239,7 @@ class _MambaBase:
         packed weights are returned packed, with the codes they were given
         (the projections are read back out of the prepared blob: the bytes
         the block was given)."""
-        weights = {n: self._weights[n].copy() if n in self._weights else self._packed_weight(n)
+        weights = {n: self._weights[n].copy() if n in self._weights else self._projection(n)
                    for n in self._weight_names}
         return {"weights": weights, "numeric_mode": self.numeric_mode}
 
@@ -337,7 +345,7 @@ class _MambaBase:
         may be called from several threads at once.
         """
         from .._array import Array
-        floats = max(1, -(-self._lib.workspace_bytes(op, args) // 4))
+        floats = workspace_floats(self._lib, op, args)
         work = getattr(_THREAD_WORK, "array", None)
         if work is None or work.size < floats:
             _THREAD_WORK.array = None  # free the smaller one first

@@ -27,6 +27,14 @@ class DecodeSessionBase:
         self._d = block.d_model
         self._open = False
 
+    def _own_workspace(self, args, slot, zero=False):
+        """Allocate the session's private workspace for args (kept from
+        open to close) and put its address in args[slot]."""
+        from .._array import Array
+        from ._base import workspace_floats
+        self._work = Array((workspace_floats(self._lib, self._OP, args),), zero=zero)
+        args[slot] = self._work.address
+
     def _activate(self):
         """Open: from now on the block refuses the state."""
         self._state._held_by = self

@@ -6,7 +6,7 @@ import struct
 
 from .. import _abi, _intake
 from ._session_base import DecodeSessionBase
-from ._base import _MambaBase, weight_address, weight_views
+from ._base import _MambaBase, copy_bytes, weight_address, weight_views
 
 D_STATE = 128
 HEAD_DIM = 64
@@ -54,10 +54,6 @@ _BACKWARD_GRAD_NAMES = ("block_norm.weight", "in_proj.weight", "conv1d.weight",
 
 _WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                  "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
-
-
-def _copy_into(dst, src_mv) -> None:
-    memoryview(dst).cast("B")[:] = src_mv.cast("B")
 
 
 def check_dt_limit(dt_limit) -> tuple:
@@ -491,9 +487,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
         self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
         self._args[5] = self._blob.address
-        self._work = Array((max(1, self._lib.workspace_bytes(
-            _abi.OP_M2_FORWARD, self._args) // 4),), zero=False)
-        self._args[_FWD_WORK] = self._work.address
+        self._own_workspace(self._args, _FWD_WORK)
         # transposed copies of h and of the open chunk's B rows, rebuilt by
         # the kernel whenever a marker is 0: same chains, vectorized
         per_row = (self._block.nheads * (_CACHE_HDR + D_STATE * HEAD_DIM)
@@ -504,7 +498,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
 
     def _copy_in(self, views):
         for a, v in zip(self._arrays, views):
-            _copy_into(a, v.mv)
+            copy_bytes(a, v.mv)
 
     def _before_step(self, args):
         args[10] = self._s
@@ -517,7 +511,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._check_open()
         st = self._state
         for name, a in zip(("conv_window", "h", "buffer_xbc", "buffer_dtraw"), self._arrays):
-            memoryview(getattr(st, name)).cast("B")[:] = memoryview(a).cast("B")
+            copy_bytes(getattr(st, name), a)
         st.buffered_tokens = self._s
         st._version += 1
         return st

@@ -11,7 +11,7 @@ import threading
 from array import array as _pyarray
 
 from .. import _abi, _intake
-from ._base import _MambaBase, weight_address, weight_views
+from ._base import _MambaBase, copy_bytes, weight_address, weight_views
 
 D_STATE = 128      # N
 HEAD_DIM = 64      # P
@@ -68,10 +68,6 @@ def _state_shapes(b: int, h: int) -> dict:
 def _count_after(n0: int, k: int) -> int:
     """buffered_tokens after k more tokens (chunks aligned to positions)."""
     return n0 if k == 0 else (n0 + k - 1) % CHUNK + 1
-
-
-def _copy_into(dst, src_mv) -> None:
-    memoryview(dst).cast("B")[:] = src_mv.cast("B")
 
 
 class Mamba3State:
@@ -151,7 +147,7 @@ class Mamba3State:
                                  f"{dst_name}), got {src.shape}")
             targets[dst_name] = (dst, src)
         for dst_name, (dst, src) in targets.items():
-            _copy_into(getattr(self, dst_name), src.mv)
+            copy_bytes(getattr(self, dst_name), src.mv)
         self.pending = True
         return self
 

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from .. import _abi, _intake
+from ._base import copy_bytes
 from ._session_base import DecodeSessionBase
 
 _SLOT_WORK, _SLOT_N0, _SLOT_PENDING = 7, 8, 9
-
-
-def _copy_into(dst, src) -> None:
-    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
 
 
 class Mamba3DecodeSession(DecodeSessionBase):
@@ -45,9 +42,7 @@ class Mamba3DecodeSession(DecodeSessionBase):
         self._arrays = {n: Array(v.shape, zero=False) for n, v in views.items()}
         self._copy_in(views, nb)
         self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
-        self._work = Array((max(1, self._lib.workspace_bytes(
-            _abi.OP_M3_FORWARD, self._args) // 4),), zero=False)
-        self._args[_SLOT_WORK] = self._work.address
+        self._own_workspace(self._args, _SLOT_WORK)
         self._activate()
 
     def _validated(self):
@@ -61,7 +56,7 @@ class Mamba3DecodeSession(DecodeSessionBase):
 
     def _copy_in(self, views, nb):
         for n, a in self._arrays.items():
-            _copy_into(a, views[n].mv)
+            copy_bytes(a, views[n].mv)
         self._nb = nb
         self._pending = self._state.pending
 
@@ -79,7 +74,7 @@ class Mamba3DecodeSession(DecodeSessionBase):
         self._check_open()
         st = self._state
         for n, a in self._arrays.items():
-            _copy_into(getattr(st, n), a)
+            copy_bytes(getattr(st, n), a)
         st.buffered_tokens = self._nb
         st.pending = self._pending
         st._calls += 1  # reports of earlier calls on this state are gone

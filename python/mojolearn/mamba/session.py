@@ -30,15 +30,12 @@ class Mamba1DecodeSession(DecodeSessionBase):
     _OP = _abi.OP_M1_FORWARD
 
     def __init__(self, block, state):
-        from .._array import Array
         cw, h = block._state_views(state, None)
         self._bind(block, state, cw.shape[0])
         # The state lives in this private workspace, in the kernel's layout,
         # from open to close; steps neither load nor save it.
         args = [self._b, 1, self._d, 0, 0, self._blob.address, 0, 0, 0, 0, 0]
-        self._work = Array((max(1, -(-self._lib.workspace_bytes(
-            _abi.OP_M1_FORWARD, args) // 4)),), zero=True)
-        args[9] = self._work.address
+        self._own_workspace(args, 9, zero=True)
         self._args = args
         self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
         args[10] = self._NO_LOAD | self._NO_SAVE
