@@ -151,25 +151,27 @@ def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
         split_extract(wf, sec, m, k, r0, r0 + nr, arg_int(args, EX_DST), arg_int(args, EX_EXP))
         return
     if wf == WF_F32:
-        var src = sec.unsafe_offset(task * panel_floats[WF_F32](k))
-        var dst = F32Ptr(unsafe_from_address=arg_int(args, EX_DST))
-        for j in range(nr):
-            for kk in range(k):
-                dst[unsafe_offset=(r0 + j) * k + kk] = src[unsafe_offset=kk * NR + j]
+        _rows_from_panel[DType.float32](Int(sec.unsafe_offset(task * panel_floats[WF_F32](k))),
+                                        arg_int(args, EX_DST), r0, nr, k)
     elif wf == WF_BF16:
-        var src = sec.unsafe_offset(task * panel_floats[WF_BF16](k)).unsafe_bitcast[UInt16]()
-        var dst = U16Ptr(unsafe_from_address=arg_int(args, EX_DST))
-        for j in range(nr):
-            for kk in range(k):
-                dst[unsafe_offset=(r0 + j) * k + kk] = src[unsafe_offset=kk * NR + j]
+        _rows_from_panel[DType.uint16](Int(sec.unsafe_offset(task * panel_floats[WF_BF16](k))),
+                                       arg_int(args, EX_DST), r0, nr, k)
     else:
         var panel = sec.unsafe_offset(task * panel_floats[WF_INT8](k))
-        var codes = panel.unsafe_offset(NR).unsafe_bitcast[Int8]()
-        var dst = I8Ptr(unsafe_from_address=arg_int(args, EX_DST))
         var exps = I32Ptr(unsafe_from_address=arg_int(args, EX_EXP))
         for j in range(nr):
             # the scale is 2^e exactly; float64 keeps it normal, so e is its exponent field
             var b = bitcast[DType.uint64, 1](Float64(panel[unsafe_offset=j]))
             exps[unsafe_offset=r0 + j] = Int32(Int((b >> 52) & 0x7FF) - 1023)
-            for kk in range(k):
-                dst[unsafe_offset=(r0 + j) * k + kk] = codes[unsafe_offset=kk * NR + j]
+        _rows_from_panel[DType.int8](Int(panel.unsafe_offset(NR)), arg_int(args, EX_DST),
+                                     r0, nr, k)
+
+
+def _rows_from_panel[T: DType](src: Int, dst: Int, r0: Int, nr: Int, k: Int):
+    """Rows r0 .. r0 + nr - 1 of a row-major (., k) matrix of T at dst, from
+    one panel's elements [kk][j] at src (values or codes, copied as they are)."""
+    var s = Pointer[Scalar[T], MutUntrackedOrigin](unsafe_from_address=src)
+    var d = Pointer[Scalar[T], MutUntrackedOrigin](unsafe_from_address=dst)
+    for j in range(nr):
+        for kk in range(k):
+            d[unsafe_offset=(r0 + j) * k + kk] = s[unsafe_offset=kk * NR + j]
