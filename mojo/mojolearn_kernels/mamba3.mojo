@@ -179,12 +179,14 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, t0: Int, nc: Int, task: Int,
     var r1 = min(b * nc, r0 + NORM_ROWS_PER_TASK)
     var r = r0
     while r < r1:
-        # NG rows of one batch row in a group: consecutive in x, so one
-        # stride; their scales come out side by side (norms.rms_scales)
-        var bb = r // nc
-        var t = t0 + r % nc
-        var xr = x.unsafe_offset((bb * l + t) * d)
-        var ng = min(NG, r1 - r, nc - r % nc)
+        # NG rows consecutive in x (one batch row's tokens, or whole batch
+        # rows when the pass holds every token, as in a decode step) in a
+        # group: one stride; their scales come out side by side
+        # (norms.rms_scales, the same chains as one row alone)
+        var xr = x.unsafe_offset(((r // nc) * l + t0 + r % nc) * d)
+        var ng = min(NG, r1 - r)
+        if nc != l:
+            ng = min(ng, nc - r % nc)
         var sc = SIMD[DType.float32, NG](0.0)
         if ng == NG:
             sc = rms_scales[NG](xr, d, d)
@@ -193,7 +195,8 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, t0: Int, nc: Int, task: Int,
                 sc[g] = rms_scale(xr.unsafe_offset(g * d), d)
         for g in range(ng):
             var dst = xn.unsafe_offset((r + g) * d)
-            if ragged and t + g >= Int(lens[unsafe_offset=bb]):
+            var bb = (r + g) // nc
+            if ragged and t0 + (r + g) % nc >= Int(lens[unsafe_offset=bb]):
                 for j in range(d):
                     dst[unsafe_offset=j] = 0.0
             else:
