@@ -47,21 +47,23 @@ def steps(b, x, state, t0, t1):
     return [np.asarray(b.step(x[:, t], state)) for t in range(t0, t1)]
 
 
-def test_decode_equals_prefill_across_chunk_boundary():
-    """prefill 60 then step to 70 == prefill 70 (crosses the 64 boundary)."""
-    x = random_input(2, 70, D, seed=1)
-    s_pre = block().allocate_state(2)
+@pytest.mark.parametrize("B", [2, 9])
+def test_decode_equals_prefill_across_chunk_boundary(B):
+    """prefill 60 then step to 70 == prefill 70 (crosses the 64 boundary).
+    B = 9: a step's input norms run 8 rows side by side, then one alone."""
+    x = random_input(B, 70, D, seed=1)
+    s_pre = block().allocate_state(B)
     y = np.asarray(block().forward(x, s_pre))
     rep = reports(block())
-    s = block().allocate_state(2)
+    s = block().allocate_state(B)
     parts = [np.asarray(block().forward(x[:, :60], s))] + steps(block(), x, s, 60, 70)
     assert_same_bits(np.concatenate(parts, 1), y, "prefill 60 + 10 steps vs prefill 70")
     assert valid_state(s) == valid_state(s_pre), "state after decode vs after prefill"
     for a, b_, n in zip(reports(block()), rep, ("h_last_", "k_last_", "v_last_", "theta_last_")):
         assert_same_bits(a, b_, n)
     # negative control: one ulp in one decoded token changes the outputs
-    s2 = block().allocate_state(2)
-    xn = nudge(x, index=2 * 70 * D - 1 - 5 * D)   # row 1, token 64
+    s2 = block().allocate_state(B)
+    xn = nudge(x, index=(70 + 64) * D + D - 1)   # row 1, token 64
     parts2 = [np.asarray(block().forward(xn[:, :60], s2))] + steps(block(), xn, s2, 60, 70)
     assert_bits_differ(np.concatenate(parts2, 1), y, "decode with a nudged token")
 
