@@ -144,6 +144,43 @@ def test_row_alone_equals_row_in_batch():
     assert_bits_differ(np.asarray(block().forward(nudge(x[2:3])))[0], y[2], "nudged row")
 
 
+def test_long_pass_leaves_every_state_byte_of_short_passes():
+    """A pass of 256+ tokens per row (B <= 4 here) scans on a contiguous copy
+    of each head's chunk rows; shorter passes work in the state itself. The
+    outputs and every byte of the state, invalid buffer rows included, are
+    the same either way: rows alone (B = 1, one pass of up to 300 tokens)
+    vs in a batch of 5 (passes of 204 tokens); and a ragged row of 10
+    tokens (no fold) in a 300-token pass vs alone."""
+    x = random_input(5, 300, D, seed=13)
+    s_all = block().allocate_state(5)
+    y = np.asarray(block().forward(x, s_all))
+    for i in range(5):
+        s = block().allocate_state(1)
+        if i == 4:  # a second call: 40 tokens, then a long pass from there
+            block().forward(x[i:i + 1, :40], s)
+            yi = np.asarray(block().forward(np.ascontiguousarray(x[i:i + 1, 40:]), s))
+            assert_same_bits(yi[0], y[i, 40:], f"row {i} continued alone")
+        else:
+            yi = np.asarray(block().forward(x[i:i + 1], s))
+            assert_same_bits(yi[0], y[i], f"row {i} alone")
+        for name in STATE_NAMES:
+            assert_same_bits(np.asarray(getattr(s, name))[0],
+                             np.asarray(getattr(s_all, name))[i], f"row {i} state.{name}")
+    y2 = np.asarray(block().forward(x[:2], lengths=[300, 10]))
+    rep = reports(block())
+    alone = np.asarray(block().forward(x[1:2, :10]))
+    assert_same_bits(y2[1, :10], alone[0], "ragged row of 10 in a long pass")
+    for a, b_, name in zip(reports(block()), rep, ("h", "k", "v", "theta")):
+        assert_same_bits(a[0], b_[1], f"ragged row report {name}")
+    # negative controls: the invalid rows (44..63 of a 300-token row) hold
+    # the last folded chunk's rows, so a scan that left them as they were
+    # (zeros) would fail the state check above; a nudged input is seen
+    assert s_all.buffered_tokens == 44
+    assert np.asarray(s_all.buffer_krot)[0, 44:].any()
+    assert_bits_differ(np.asarray(block().forward(nudge(x[:1], index=299 * D)))[0], y[0],
+                       "nudged last token")
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 70)])
 def test_thread_count_does_not_change_bits(threads, shape):
     B, L = shape

@@ -14,7 +14,8 @@ from .mamba3_layout import (
     M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, V16, FWD_L, FWD_LENGTHS, FWD_N0,
     FWD_PENDING, FWD_THETA, FWD_H, FWD_BQ, FWD_BK, FWD_BV, FWD_BDT, FWD_BSG, FWD_BADT,
     FWD_PK, FWD_PV, FWD_RH, FWD_RK, FWD_RV, FWD_RTHETA, FWD_WORK,
-    S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, FOLD_SCR, count_after, copy_floats,
+    S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, S_CHUNK, COPY_TOKENS, FOLD_SCR, count_after,
+    copy_floats,
 )
 
 
@@ -61,6 +62,19 @@ struct HeadState(ImplicitlyCopyable):
         self.pk = arg_f32(args, FWD_PK).unsafe_offset((bb * nh + hh) * NST)
         self.pv = arg_f32(args, FWD_PV).unsafe_offset((bb * nh + hh) * HP)
 
+    def on_chunk_copy(mut self, c: F32Ptr):
+        """Point the working-chunk rows at a contiguous copy at c
+        (mamba3_layout.CHUNK_COPY floats)."""
+        self.bq = c
+        self.bk = c.unsafe_offset(QC * NST)
+        self.bv = c.unsafe_offset(2 * QC * NST)
+        self.bdt = c.unsafe_offset(2 * QC * NST + QC * HP)
+        self.bsg = self.bdt.unsafe_offset(QC)
+        self.badt = self.bdt.unsafe_offset(2 * QC)
+        self.rs = NST
+        self.vs = HP
+        self.ss = 1
+
     @always_inline
     def dt(self, j: Int) -> Float32:
         return self.bdt[unsafe_offset=j * self.ss]
@@ -81,6 +95,17 @@ struct HeadState(ImplicitlyCopyable):
         if j < last:
             beta = self.dt(j + 1) * (Float32(1.0) - self.sg(j + 1))
         return gamma + beta
+
+
+def _copy_rows(a: HeadState, b: HeadState, n: Int):
+    """Working-chunk rows 0 .. n - 1 of a into b."""
+    for j in range(n):
+        copy_floats(a.bq.unsafe_offset(j * a.rs), b.bq.unsafe_offset(j * b.rs), NST)
+        copy_floats(a.bk.unsafe_offset(j * a.rs), b.bk.unsafe_offset(j * b.rs), NST)
+        copy_floats(a.bv.unsafe_offset(j * a.vs), b.bv.unsafe_offset(j * b.vs), HP)
+        b.bdt[unsafe_offset=j * b.ss] = a.bdt[unsafe_offset=j * a.ss]
+        b.bsg[unsafe_offset=j * b.ss] = a.bsg[unsafe_offset=j * a.ss]
+        b.badt[unsafe_offset=j * b.ss] = a.badt[unsafe_offset=j * a.ss]
 
 
 def _weights(hs: HeadState, last: Int, beta_last: Float32, sc: F32Ptr, w: F32Ptr) -> Float32:
@@ -229,6 +254,12 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
     var pending = arg_int(args, FWD_PENDING) != 0
     var cnt = count_after(n0, t0)
     var hs = HeadState(args, dims, bb, hh)
+    var st = hs  # the state's own rows
+    var copied = nc >= COPY_TOKENS  # M3Work sized the scratch for it
+    var folded = False
+    if copied:
+        hs.on_chunk_copy(scr.unsafe_offset(S_CHUNK))
+        _copy_rows(st, hs, cnt)
     var qu = scr.unsafe_offset(S_QU)
     var ku = scr.unsafe_offset(S_KU)
     var w = scr.unsafe_offset(S_W)
@@ -259,6 +290,7 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
         if cnt == QC:
             _fold(hs, QC, dt0 * (Float32(1.0) - sg0), sc, hqs, w, hs.h)
             cnt = 0
+            folded = True
         if pending and t == 0 and n0 == 0:
             var scal = dt0 * (Float32(1.0) - sg0)
             for p in range(HP):
@@ -313,6 +345,8 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
                 orow.unsafe_store(cc * 16, yy * silu_f32[16](zrow.unsafe_load[width=16](cc * 16)))
         cnt = i0 + ns
         t += ns
+    if copied:  # after a fold every row holds what the in-place scan leaves
+        _copy_rows(hs, st, QC if folded else cnt)
 
 
 @always_inline
