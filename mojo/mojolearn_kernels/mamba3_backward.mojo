@@ -36,8 +36,7 @@ from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task, TPanels
 from .norms import rmsnorm_row, rms_scale
 from .numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
-    mod2pi_f32,
+    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sincos_f32, mod2pi_f32,
 )
 from .mamba3_layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
 from .dot128 import dot128, dots128x4, dots128_block
@@ -345,8 +344,9 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
             var ang = tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + c * 16)) * V16(PI_F32)
             var th = mod2pi_f32[16](ang.fma(V16(dt), theta.unsafe_load[width=16](c * 16)))
             theta.unsafe_store(c * 16, th)
-            var cs = cos_f32[16](th)
-            var sn = sin_f32[16](th)
+            var sc2 = sincos_f32[16](th)
+            var sn = sc2[0]
+            var cs = sc2[1]
             csr.unsafe_store(c * 16, cs)
             csr.unsafe_store(NANG + c * 16, sn)
             # rotate 16 pairs at once (split even | odd, same per-lane ops)

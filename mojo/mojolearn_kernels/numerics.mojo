@@ -531,44 +531,9 @@ def _cos_poly[W: Int](rh: SIMD[F32, W], rl: SIMD[F32, W]) -> SIMD[F32, W]:
     return w + (((V(1.0) - w) - hz) + lo)
 
 
-def sin_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
-    """sin(x): max 0.78 ulp for |x| < 2^21, 1.02 ulp for |x| < 2^22; inputs beyond
-    +-2^22 are clamped to +-2^22 (meaningless there). sin(+-inf) = NaN."""
-    comptime V = SIMD[F32, W]
-    comptime I = SIMD[I32, W]
-    var xd = _daz[W](x)
-    var xs = _clamp[W](xd, -4194304.0, 4194304.0)
-    var red = _reduce_pio2[W](xs)
-    var sv = _sin_poly[W](red[0], red[1])
-    var cv = _cos_poly[W](red[0], red[1])
-    var q = red[2]
-    var res = (q & 1).eq(I(0)).select(sv, cv)
-    res = (q & 2).eq(I(0)).select(res, -res)
-    res = (_bits[W](xd) & _ABS).eq(I(_PINF)).select(_qnan[W](), res)
-    res = _is_zero[W](xd).select(xd, res)
-    return _is_nan[W](x).select(x, res)
-
-
-def cos_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
-    """cos(x): max 0.78 ulp for |x| < 2^21, 1.02 ulp for |x| < 2^22; inputs beyond
-    +-2^22 are clamped to +-2^22 (meaningless there). cos(+-inf) = NaN."""
-    comptime V = SIMD[F32, W]
-    comptime I = SIMD[I32, W]
-    var xd = _daz[W](x)
-    var xs = _clamp[W](xd, -4194304.0, 4194304.0)
-    var red = _reduce_pio2[W](xs)
-    var sv = _sin_poly[W](red[0], red[1])
-    var cv = _cos_poly[W](red[0], red[1])
-    var q = red[2]
-    var res = (q & 1).eq(I(0)).select(cv, sv)
-    res = ((q + 1) & 2).eq(I(0)).select(res, -res)
-    res = (_bits[W](xd) & _ABS).eq(I(_PINF)).select(_qnan[W](), res)
-    return _is_nan[W](x).select(x, res)
-
-
 def sincos_f32[W: Int](x: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W]]:
-    """(sin_f32(x), cos_f32(x)) from one range reduction: the same steps as
-    the two calls, so the same bits, at about half their cost."""
+    """(sin(x), cos(x)) from one range reduction (both polynomials are needed
+    for either: the quadrant picks which one is the sine)."""
     comptime I = SIMD[I32, W]
     var xd = _daz[W](x)
     var xs = _clamp[W](xd, -4194304.0, 4194304.0)
@@ -587,6 +552,18 @@ def sincos_f32[W: Int](x: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W]]:
     rs = _is_zero[W](xd).select(xd, rs)
     var nan = _is_nan[W](x)
     return (nan.select(x, rs), nan.select(x, rc))
+
+
+def sin_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
+    """sin(x): max 0.78 ulp for |x| < 2^21, 1.02 ulp for |x| < 2^22; inputs beyond
+    +-2^22 are clamped to +-2^22 (meaningless there). sin(+-inf) = NaN."""
+    return sincos_f32[W](x)[0]
+
+
+def cos_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
+    """cos(x): max 0.78 ulp for |x| < 2^21, 1.02 ulp for |x| < 2^22; inputs beyond
+    +-2^22 are clamped to +-2^22 (meaningless there). cos(+-inf) = NaN."""
+    return sincos_f32[W](x)[1]
 
 
 def floor_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
