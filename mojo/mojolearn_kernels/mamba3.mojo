@@ -29,7 +29,7 @@ from .linear import matmul_ntasks, matmul_task_wf
 from .weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
-from .norms import rms_scale, rms_scales, scale_row
+from .norms import rms_scales_of, scale_row
 from .mamba3_layout import *
 from .mamba3_scan import scan_task, row_gates, report_task
 
@@ -139,15 +139,8 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
         while r < r1:
             var ng = min(BC_ROWS_PER_TASK, r1 - r)
             var p0 = proj.unsafe_offset(r * dims.np)
-            var sb = SIMD[DType.float32, BC_ROWS_PER_TASK](0.0)
-            var scc = SIMD[DType.float32, BC_ROWS_PER_TASK](0.0)
-            if ng == BC_ROWS_PER_TASK:
-                sb = rms_scales[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_b), dims.np, NST)
-                scc = rms_scales[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_c), dims.np, NST)
-            else:
-                for g in range(ng):
-                    sb[g] = rms_scale(p0.unsafe_offset(g * dims.np + dims.c_b), NST)
-                    scc[g] = rms_scale(p0.unsafe_offset(g * dims.np + dims.c_c), NST)
+            var sb = rms_scales_of[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_b), dims.np, NST, ng)
+            var scc = rms_scales_of[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_c), dims.np, NST, ng)
             for g in range(ng):
                 var pr = p0.unsafe_offset(g * dims.np)
                 scale_row(pr.unsafe_offset(dims.c_b), NST, sb[g], blob.unsafe_offset(dims.o_bnw),
@@ -182,17 +175,12 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, t0: Int, nc: Int, task: Int,
         # NG rows consecutive in x (one batch row's tokens, or whole batch
         # rows when the pass holds every token, as in a decode step) in a
         # group: one stride; their scales come out side by side
-        # (norms.rms_scales, the same chains as one row alone)
+        # (norms.rms_scales_of, the same chains as one row alone)
         var xr = x.unsafe_offset(((r // nc) * l + t0 + r % nc) * d)
         var ng = min(NG, r1 - r)
         if nc != l:
             ng = min(ng, nc - r % nc)
-        var sc = SIMD[DType.float32, NG](0.0)
-        if ng == NG:
-            sc = rms_scales[NG](xr, d, d)
-        else:
-            for g in range(ng):
-                sc[g] = rms_scale(xr.unsafe_offset(g * d), d)
+        var sc = rms_scales_of[NG](xr, d, d, ng)
         for g in range(ng):
             var dst = xn.unsafe_offset((r + g) * d)
             var bb = (r + g) // nc

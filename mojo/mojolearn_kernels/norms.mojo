@@ -28,6 +28,18 @@ def rms_scales[R: Int](v: F32Ptr, stride: Int, n: Int) -> SIMD[DType.float32, R]
 
 
 @always_inline
+def rms_scales_of[R: Int](v: F32Ptr, stride: Int, n: Int, count: Int) -> SIMD[DType.float32, R]:
+    """rms_scales of the first count (<= R) rows: all R side by side when
+    count = R, else one row at a time (the same bits); lanes past count 0."""
+    if count == R:
+        return rms_scales[R](v, stride, n)
+    var s = SIMD[DType.float32, R](0.0)
+    for g in range(count):
+        s[g] = rms_scale(v.unsafe_offset(g * stride), n)
+    return s
+
+
+@always_inline
 def rms_scale(v: F32Ptr, n: Int) -> Float32:
     """1 / sqrt(mean(v^2) + eps), in the canonical order (one row of rms_scales)."""
     return rms_scales[1](v, 0, n)[0]
