@@ -306,11 +306,16 @@ class _MambaBase:
             raise ValueError(f"x has d_model {d}, the block has {self.d_model}")
         return v, b
 
-    def _run_op(self, op, args, work_slot):
-        """Run op with the thread's workspace address in args[work_slot]."""
+    def _run_op(self, op, args, work_slot, keep_bytes=None):
+        """Run op with the thread's workspace address in args[work_slot]; a
+        workspace over keep_bytes (if given) is dropped after the call."""
         work = self._workspace(op, args)
-        args[work_slot] = work.address
-        self._lib.run(op, args)
+        try:
+            args[work_slot] = work.address
+            self._lib.run(op, args)
+        finally:
+            if keep_bytes is not None and work.size * 4 > keep_bytes:
+                self._forget_workspace()
 
     @staticmethod
     def _grad_arrays(x_shape, w, names, written=()):

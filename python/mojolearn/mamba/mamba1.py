@@ -245,7 +245,7 @@ class Mamba1Block(_MambaBase):
         return y
 
     def _run(self, args):
-        """Run the forward op with the block's workspace in slot FWD_WORK."""
+        """Run the forward op with the thread's workspace in slot FWD_WORK."""
         self._run_op(_abi.OP_M1_FORWARD, args, 9)
 
     def backward(self, x, grad_output):

@@ -368,14 +368,9 @@ class Mamba2Block(_MambaBase):
             self._h_last_src = (state, state._version, sv, b, state.buffered_tokens)
 
     def _run(self, args):
-        """Run the forward op with the block's workspace in slot FWD_WORK."""
-        work = self._workspace(_abi.OP_M2_FORWARD, args)
-        try:
-            args[_FWD_WORK] = work.address
-            self._lib.run(_abi.OP_M2_FORWARD, args)
-        finally:
-            if work.size * 4 > _KEEP_WORK_BYTES:
-                self._forget_workspace()  # a big prefill's workspace is not kept
+        """Run the forward op with the thread's workspace in slot FWD_WORK."""
+        # a big prefill's workspace is not kept
+        self._run_op(_abi.OP_M2_FORWARD, args, _FWD_WORK, keep_bytes=_KEEP_WORK_BYTES)
 
     @property
     def h_last_(self):
@@ -431,13 +426,8 @@ class Mamba2Block(_MambaBase):
                 + [grads[n].address for n in _BACKWARD_GRAD_NAMES])
         panels = self._backward_panels(w)  # held until the op returns
         args.append(panels.address)
-        work = self._workspace(_abi.OP_M2_BACKWARD, args)
-        try:
-            args[6] = work.address
-            self._lib.run(_abi.OP_M2_BACKWARD, args)
-        finally:
-            if work.size * 4 > _KEEP_WORK_BYTES:
-                self._forget_workspace()  # a big backward workspace is not kept
+        # a big backward workspace is not kept
+        self._run_op(_abi.OP_M2_BACKWARD, args, 6, keep_bytes=_KEEP_WORK_BYTES)
         return grads
 
 

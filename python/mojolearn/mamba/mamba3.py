@@ -432,9 +432,8 @@ class Mamba3Block(_MambaBase):
         s["weight_reuses"] += 1
 
     def _run(self, args):
-        """Run the forward op with the block's workspace in slot 7."""
-        args[7] = self._workspace(_abi.OP_M3_FORWARD, args).address
-        self._lib.run(_abi.OP_M3_FORWARD, args)
+        """Run the forward op with the thread's workspace in slot 7."""
+        self._run_op(_abi.OP_M3_FORWARD, args, 7)
 
     # -- reports ------------------------------------------------------------
     def _reports(self):
