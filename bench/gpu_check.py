@@ -6,13 +6,16 @@ Runs on a GPU machine with Python, NumPy, PyTorch (+ transformers for the
 Mamba-1/2 timings) and no Mojo, from a copy of this repository that carries
 the built binaries (bench/README.md, "GPU check", says how to build and
 carry them). For every case of bench/gpu_cases.py (the own transcendentals
-alone first, then forward, decode steps, ragged rows and backward of all
-three blocks, and blocks on packed bfloat16/int8 weights) it compares:
+and the finiteness check first, then forward, reports, ragged rows, prefill,
+continuation, decode steps and sessions, batch-8 steps, states and backward
+of all three blocks, and blocks on packed bfloat16/int8 weights) it compares:
 
 * the GPU bytes with the CPU binary's bytes computed here, on this machine
   (the CPU binary is deterministic across x86 machines), and
-* their SHA-256 with bench/gpu_expected.json, written on the build machine
-  by ``--write-expected`` (the CPU bytes there).
+* their SHA-256 with tests/digests.json, the digests every binary must
+  reproduce (written by ``python -m bench.gpu_cases --write-digests`` on a
+  CPU machine, and checked there for every CPU binary by
+  tests/test_cpu_variants.py).
 
 All bytes equal is the bar. Timing rows (--no-timing to skip): prefill and
 one decode step of the mojolearn GPU path; prefill of transformers'
@@ -22,7 +25,6 @@ times include those copies.
 
 Usage (repository root):
     PYTHONPATH=python:. python bench/gpu_check.py [--vendor cuda] [--no-timing]
-    PYTHONPATH=python:. python bench/gpu_check.py --write-expected   # CPU machine
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
-EXPECTED = ROOT / "bench" / "gpu_expected.json"
+EXPECTED = ROOT / "tests" / "digests.json"
 
 # (block, d_model, B, L) for the timings: a prefill and decode steps.
 TIMED = [(1, 768, 1, 1024), (2, 768, 1, 1024), (3, 768, 1, 1024)]
@@ -114,16 +116,10 @@ def time_rows(vendor: str) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vendor", default="cuda", help="GPU vendor to check (default cuda)")
-    p.add_argument("--write-expected", action="store_true",
-                   help=f"write the CPU binary's digests to {EXPECTED.name} and exit")
     p.add_argument("--no-timing", action="store_true")
     a = p.parse_args(argv)
 
     cpu = run_bytes("cpu")
-    if a.write_expected:
-        EXPECTED.write_text(json.dumps(_digest(cpu), indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(cpu)} digests to {EXPECTED}")
-        return 0
     mojolearn = _use(a.vendor)
     try:
         used = mojolearn.vendor_used()
@@ -134,9 +130,9 @@ def main(argv=None) -> int:
     info = _loader.describe(_loader.library())
     print(f"GPU binary: {_loader.library().path} ({info}); device {_loader.library().device_arch}")
     gpu = run_bytes(a.vendor)
-    saved = json.loads(EXPECTED.read_text()) if EXPECTED.is_file() else {}
+    saved = json.loads(EXPECTED.read_text())["digests"] if EXPECTED.is_file() else {}
     gd, cd = _digest(gpu), _digest(cpu)
-    print(f"\n| case | bytes | GPU == CPU here | GPU == CPU saved |\n|---|---|---|---|")
+    print(f"\n| case | bytes | GPU == CPU here | GPU == tests/digests.json |\n|---|---|---|---|")
     ok = used == a.vendor
     for name in cpu:
         here = gpu.get(name) == cpu[name]

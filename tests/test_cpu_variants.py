@@ -1,69 +1,42 @@
-"""CPU binary variants: the portable baseline (x86-64-v3) and the faster
-x86-64-v4 build run the same formula code, so every output byte must match;
-and the loader picks the variant the CPU can run (or the one asked for)."""
-import hashlib
+"""CPU binary variants and the recorded digests (tests/digests.json).
+
+Every CPU binary this machine can run (the portable baseline always; a
+variant such as x86-64-v4 when installed and the CPU has its features)
+must reproduce every recorded digest of the bench/gpu_cases.py matrix
+byte for byte; and the loader picks the variant the CPU can run (or the
+one asked for). Regenerate the file only on purpose:
+``python -m bench.gpu_cases --write-digests``."""
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import mojolearn
-from mojolearn import _loader
+from mojolearn import _abi, _loader
+from bench import gpu_cases
+from tests.errors import raises_naming
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# Each child hashes forward, decode steps, a ragged batch and backward of all
-# three blocks, at lengths that cross the chunk sizes (Q=256, Q=64), and
-# batch-8 steps; also on bfloat16 / int8 packed weights (the GEMM widening
-# them on load).
-CHILD = r"""
-import hashlib, json, sys
-import numpy as np
-import mojolearn
-from mojolearn import _loader, lowbit
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
-from tests.reference.mamba3_weights import mamba3_weights
-bump = sys.argv[1] == "bump"
-out = {"arch": _loader.describe(_loader.library())["arch"]}
-for name, make, cls, L in (("m1", mamba1_weights, mojolearn.Mamba1Block, 70),
-                           ("m2", mamba2_weights, mojolearn.Mamba2Block, 260),
-                           ("m3", mamba3_weights, mojolearn.Mamba3Block, 70)):
-    for d, fmt in ((32, "float32"), (64, "float32"), (64, "bfloat16"), (64, "int8")):
-        blk = cls(lowbit.pack(make(d, seed=3), fmt))  # packed: kernels on bf16/int8 panels
-        x = random_input(3, L, d, seed=5)
-        if bump:   # negative control: one input one ulp away
-            x[1, 2, 0] = np.nextafter(x[1, 2, 0], np.float32(9))
-        h = hashlib.sha256()
-        h.update(np.asarray(blk.forward(x)).tobytes())
-        h.update(np.asarray(blk.forward(x, lengths=[L, 5, L - 3])).tobytes())
-        st = blk.allocate_state(3)
-        for t in range(6):
-            h.update(np.asarray(blk.step(np.ascontiguousarray(x[:, t]), st)).tobytes())
-        x8, st8 = random_input(8, 3, d, seed=7), blk.allocate_state(8)
-        for t in range(3):  # 8-row products: x86-64-v4 runs them as one 8-row pass
-            h.update(np.asarray(blk.step(np.ascontiguousarray(x8[:, t]), st8)).tobytes())
-        if fmt == "float32":  # (backward on packed weights runs the float32 kernels)
-            g = blk.backward(x[:, :40], random_input(3, 40, d, seed=6))
-            for k in sorted(g):
-                h.update(np.asarray(g[k]).tobytes())
-        out[f"{name}_d{d}_{fmt}"] = h.hexdigest()
-print(json.dumps(out))
-"""
+DIGESTS = ROOT / "tests" / "digests.json"
+# Op ids whose calls write nothing to compare (none so far): every other op
+# of _abi.py must be run by some recorded case.
+NO_OUTPUT_OPS: set = set()
+_runs: dict = {}
+# the cases draw their inputs with NumPy (tests/reference)
+needs_numpy = pytest.mark.skipif(importlib.util.find_spec("numpy") is None,
+                                 reason="the case matrix needs NumPy")
 
 
-def _hashes(target, mode="plain"):
-    # the child imports the mojolearn this test runs against (installed or
-    # the source tree), and tests.reference from the checkout
-    pkg_parent = Path(mojolearn.__file__).resolve().parent.parent
-    env = dict(os.environ, MOJOLEARN_CPU_TARGET=target, MOJOLEARN_NUM_THREADS="2",
-               PYTHONPATH=os.pathsep.join([str(pkg_parent), str(ROOT)]))
-    r = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def _recorded():
+    return json.loads(DIGESTS.read_text())
+
+
+def _run(target, perturb=False):
+    # one child per binary and mode, shared by the tests below
+    key = (target, perturb)
+    if key not in _runs:
+        _runs[key] = gpu_cases.run_binary(target, perturb=perturb)
+    return _runs[key]
 
 
 def _have_variant(target):
@@ -72,22 +45,86 @@ def _have_variant(target):
     return any(p.is_file() for p in names) and set(_loader.CPU_VARIANT_FLAGS[target]) <= flags
 
 
-@pytest.mark.skipif(not _have_variant("x86-64-v4"),
-                    reason="no x86-64-v4 binary installed or this CPU lacks AVX-512")
-def test_v4_binary_gives_the_baseline_bytes():
-    base = _hashes("baseline")
-    v4 = _hashes("x86-64-v4")
-    assert base.pop("arch") == "x86-64-v3" and v4.pop("arch") == "x86-64-v4"
-    assert v4 == base
-    # negative control: the hashes do see a one-ulp change of one input
-    bumped = _hashes("x86-64-v4", "bump")
-    bumped.pop("arch")
-    assert all(bumped[k] != v4[k] for k in v4)
+@needs_numpy
+@pytest.mark.parametrize("target", gpu_cases.runnable_cpu_targets())
+def test_binary_reproduces_the_recorded_digests(target):
+    got = _run(target)
+    want = "libmojolearn_cpu.so" if target == "baseline" else f"libmojolearn_cpu_{target}.so"
+    assert got["binary"] == want and got["threads"] == gpu_cases.THREADS
+    rec = _recorded()
+    diff = gpu_cases.compare(rec["digests"], got["digests"])
+    assert not any(diff.values()), (
+        f"{want} ({got['arch']}) differs from tests/digests.json: "
+        f"{gpu_cases.describe_diff(diff)}")
+    # the file's op coverage is what the cases run today
+    assert gpu_cases._ops_by_op(got["ops"]) == rec["ops"], (
+        f"the ops the cases run changed; {gpu_cases.REGENERATE}")
+
+
+@needs_numpy
+def test_recorded_digests_see_a_one_ulp_change():
+    # negative control: every input x one ulp away changes every case that
+    # reads x; the cases that read weights only keep their digests
+    target = gpu_cases.runnable_cpu_targets()[-1]
+    rec = _recorded()["digests"]
+    got = _run(target, perturb=True)["digests"]
+    assert list(got) == list(rec)
+    same = [k for k in rec if got[k] == rec[k] and not gpu_cases.perturbation_exempt(k)]
+    moved = [k for k in rec if got[k] != rec[k] and gpu_cases.perturbation_exempt(k)]
+    assert not same, f"unchanged by the perturbation: {same}"
+    assert not moved, f"read no perturbed input but changed: {moved}"
+    assert sum(not gpu_cases.perturbation_exempt(k) for k in rec) > 0.9 * len(rec)
+
+
+def test_every_op_has_recorded_digests():
+    rec = _recorded()
+    ops = {n for n in vars(_abi) if n.startswith("OP_")}
+    covered = {o for o, cases in rec["ops"].items()
+               if any(c in rec["digests"] for c in cases)}
+    missing = sorted(ops - NO_OUTPUT_OPS - covered)
+    assert not missing, f"ops no recorded case runs: {missing} ({gpu_cases.REGENERATE})"
+    assert set(rec["ops"]) <= ops, "the file names ops _abi.py no longer has"
+
+
+def test_every_math_function_has_recorded_digests():
+    # math_eval writes NaN for an id past the last function: a new function
+    # without a case fails here
+    np = pytest.importorskip("numpy")
+    lib = _loader.library()
+    x = np.linspace(-3, 3, 64, dtype=np.float32)
+    for fn in range(gpu_cases.MATH_FUNCTIONS):
+        y = np.frombuffer(gpu_cases.math_values(lib, x, fn, 1), np.float32)
+        assert not np.isnan(y).all(), fn
+        assert f"math fn{fn}" in _recorded()["digests"]
+    y = np.frombuffer(gpu_cases.math_values(lib, x, gpu_cases.MATH_FUNCTIONS, 1), np.float32)
+    assert np.isnan(y).all()
+
+
+def test_digests_are_written_only_when_the_binaries_agree(monkeypatch, tmp_path):
+    runs = {"baseline": {"binary": "a.so", "arch": "a", "threads": 2, "seconds": 0,
+                         "digests": {"c1": "00", "c2": "11"}, "ops": {"c1": ["OP_MATH_EVAL"]}}}
+    runs["v"] = dict(runs["baseline"], binary="b.so", digests={"c1": "00", "c2": "12"})
+    monkeypatch.setattr(gpu_cases, "runnable_cpu_targets", lambda: list(runs))
+    monkeypatch.setattr(gpu_cases, "run_binary", lambda t: runs[t])
+    path = tmp_path / "digests.json"
+    assert gpu_cases.main(["--write-digests", "--file", str(path)]) == 1
+    assert not path.exists()
+    runs["v"]["digests"] = runs["baseline"]["digests"]
+    assert gpu_cases.main(["--write-digests", "--file", str(path)]) == 0
+    rec = json.loads(path.read_text())
+    assert rec["digests"] == {"c1": "00", "c2": "11"} and rec["ops"] == {"OP_MATH_EVAL": ["c1"]}
+    assert set(rec["made_with"]) == {"baseline", "v"}
+
+
+def test_digest_file_says_how_to_regenerate():
+    rec = _recorded()
+    assert gpu_cases.REGENERATE in rec["regenerate"]
+    assert rec["cases"] == len(rec["digests"]) and "baseline" in rec["made_with"]
 
 
 def test_unknown_cpu_target_is_refused(monkeypatch):
     monkeypatch.setenv("MOJOLEARN_CPU_TARGET", "pentium")
-    with pytest.raises(ValueError, match="MOJOLEARN_CPU_TARGET"):
+    with raises_naming(ValueError, "MOJOLEARN_CPU_TARGET='pentium'"):
         _loader.library_path("cpu")
 
 
@@ -96,7 +133,8 @@ def test_variant_the_cpu_cannot_run_is_never_chosen(monkeypatch):
     monkeypatch.delenv("MOJOLEARN_CPU_TARGET", raising=False)
     assert _loader.library_path("cpu").name == "libmojolearn_cpu.so"
     monkeypatch.setenv("MOJOLEARN_CPU_TARGET", "x86-64-v4")
-    with pytest.raises(_loader.BinaryNotFoundError, match="avx512f"):
+    with raises_naming(_loader.BinaryNotFoundError, "MOJOLEARN_CPU_TARGET=x86-64-v4", "'avx512f'",
+                       "lacks"):
         _loader.library_path("cpu")
 
 
