@@ -5,7 +5,11 @@ copies exactly as a GPU binary does on the device (python/native/device.h):
 inputs copied in, output-only and scratch copies starting as NaN bytes,
 outputs copied back, a guard after each copy. Every case of the GPU check's
 matrix (bench/gpu_cases.py) must give the same bytes as the direct run; a
-missing slot, a short size or a wrong direction would change them or raise.
+short size or a wrong direction would change them or raise. A missing slot
+could go unseen that way (its pointer keeps the host address, which the
+CPU tasks can read), so the emulation also refuses any argument outside the
+table that points into caller memory, and the drop_op/drop_row hook plays a
+binary whose table misses a row: every row of every op must be caught.
 """
 import array
 
@@ -16,6 +20,7 @@ np = pytest.importorskip("numpy")
 import mojolearn  # noqa: E402
 from mojolearn import _abi, _loader  # noqa: E402
 from bench import gpu_cases  # noqa: E402
+from tests.errors import raises_naming  # noqa: E402
 from tests.reference.weights import random_input  # noqa: E402
 
 
@@ -84,5 +89,72 @@ def test_overlapping_buffers_are_refused_when_staged(emulated):
     emulated.emulate_device = False
     emulated.run(_abi.OP_MATH_EVAL, list(args))  # fine on the host
     emulated.emulate_device = True
-    with pytest.raises(RuntimeError, match="overlap"):
+    with raises_naming(RuntimeError, "overlap", "separate buffers"):
         emulated.run(_abi.OP_MATH_EVAL, list(args))
+
+
+def _every_path(kind, fmt="float32"):
+    """One small block run through every call that reaches a device op:
+    forward, ragged forward, forward with a state, step, a decode session
+    step, backward (float32 only)."""
+    def run():
+        d, b, l = 32, 2, 6
+        w = gpu_cases._weights(kind, d)
+        if fmt != "float32":
+            w = mojolearn.lowbit.pack(w, fmt)
+        block = gpu_cases.block_for(mojolearn, kind, d) if fmt == "float32" else \
+            {1: mojolearn.Mamba1Block, 2: mojolearn.Mamba2Block, 3: mojolearn.Mamba3Block}[kind](w)
+        x = random_input(b, l, d, seed=3)
+        block.forward(x, lengths=[l, 2])
+        state = block.allocate_state(b)
+        block.forward(x[:, :4], state)
+        block.step(x[:, 4], state)
+        with block.decode_session(state) as s:
+            s.step(np.ascontiguousarray(x[:, 5]))
+        if fmt == "float32":
+            block.backward(x, random_input(b, l, d, seed=4))
+    return run
+
+
+PATHS = [(k, f) for k in (1, 2, 3) for f in ("float32", "bfloat16", "int8")]
+
+
+@pytest.mark.parametrize("kind,fmt", PATHS, ids=lambda v: str(v))
+def test_every_missing_table_row_is_caught(kind, fmt, emulated):
+    # A binary whose table misses a row would hand that slot's host pointer
+    # to a device. The emulation must refuse it for every row of every op
+    # these calls reach (the drop_op/drop_row hook plays that binary).
+    run = _every_path(kind, fmt)
+    emulated.emulate_device = True
+    emulated.staged_rows = {}
+    run()
+    rows = dict(emulated.staged_rows)
+    assert rows, "no op was staged"
+    ops = {k: v for k, v in vars(_abi).items() if k.startswith("OP_")}
+    assert ops[f"OP_M{kind}_FORWARD"] in rows
+    if fmt == "float32":
+        assert ops[f"OP_M{kind}_BACKWARD"] in rows
+    try:
+        for op, n in rows.items():
+            for row in range(n):
+                emulated.drop_op, emulated.drop_row = op, row
+                with pytest.raises(RuntimeError, match=r"not in the op's buffer table"):
+                    run()
+    finally:
+        emulated.drop_op, emulated.drop_row = -1, -1
+
+
+def test_math_eval_missing_row_is_caught(emulated):
+    emulated.emulate_device = True  # (addresses taken before are not tracked)
+    src, dst = array.array("f", [0.5] * 8), array.array("f", [0.0] * 8)
+    args = _math_eval_args(_loader.native().address(src), _loader.native().address(dst, True), 8)
+    emulated.staged_rows = {}
+    emulated.run(_abi.OP_MATH_EVAL, list(args))
+    assert emulated.staged_rows == {_abi.OP_MATH_EVAL: 2}
+    try:
+        for row in range(2):
+            emulated.drop_op, emulated.drop_row = _abi.OP_MATH_EVAL, row
+            with pytest.raises(RuntimeError, match=r"slot %d holds the address" % (row + 1)):
+                emulated.run(_abi.OP_MATH_EVAL, list(args))
+    finally:
+        emulated.drop_op, emulated.drop_row = -1, -1

@@ -101,8 +101,8 @@ def _mamba1(op: Int, args: I64Ptr, mut t: BufTable):
     var di = dm.di
     var bx = _tokens(args) * F4
     if op == OP_M1_FORWARD:
-        # A decode session's state transfers (FLAG_NO_TOKENS) keep the last
-        # step's x and y addresses in their slots: untouched, so not staged.
+        # A decode session's state transfers (FLAG_NO_TOKENS) read and write
+        # no tokens: their x and y slots are not staged (the session passes 0).
         var flags = arg_int(args, m1.FWD_FLAGS)
         if (flags & m1.FLAG_NO_TOKENS) == 0:
             t.add(m1.FWD_X, bx, BUF_IN)

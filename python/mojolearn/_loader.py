@@ -272,12 +272,16 @@ def available_modes() -> list[str]:
 def set_num_threads(n: int) -> None:
     """Threads the kernels use (default: MOJOLEARN_NUM_THREADS or all cores).
 
-    Results are bit-identical for every thread count.
+    Results are bit-identical for every thread count. n must be an int from
+    1 to 1024 (ValueError otherwise); MOJOLEARN_NUM_THREADS, when set, must
+    be a whole number in the same range, or the first kernel call (and
+    get_num_threads) raises ValueError naming it.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"number of threads must be an int, got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"number of threads must be >= 1, got {n}")
+    top = native().MAX_THREADS
+    if not 1 <= n <= top:
+        raise ValueError(f"number of threads must be from 1 to {top}, got {n}")
     native().set_num_threads(n)
 
 

@@ -12,16 +12,24 @@
 // uses the pool at a time, the others run their tasks on their own thread
 // (same bits, since tasks are independent).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <dlfcn.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include "device.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
+#include <climits>
+#include <deque>
+#include <map>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -45,6 +53,30 @@ using IntArgFn = int64_t (*)(int64_t);
 
 constexpr int64_t kPhaseEnd = -1;
 constexpr int64_t kPlanWorkspace = -1;
+// More threads than this is a mistake (a pool that size cannot be started
+// reliably, and no machine this runs on has that many cores).
+constexpr int64_t kMaxThreads = 1024;
+
+// One spin-wait pause, on any architecture.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+  asm volatile("yield" ::: "memory");
+#else
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+#endif
+}
+
+// Test hook (MOJOLEARN_TEST_POOL_DELAY_US, read when a pool starts): the
+// caller pauses between publishing a job's fields and opening its tickets,
+// and each worker pauses after every task it runs. This widens the windows
+// in which a worker that is late for one job meets the next job's fields,
+// so tests/test_pool_stress.py can show the ticket protocol holding.
+int pool_test_delay_us() {
+  const char *s = std::getenv("MOJOLEARN_TEST_POOL_DELAY_US");
+  return s ? std::max(0, std::atoi(s)) : 0;
+}
 
 // ------------------------------------------------------------------ pool
 
@@ -68,15 +100,17 @@ struct Job {
 class Pool {
  public:
   explicit Pool(int nthreads)
-      : nthreads_(nthreads < 1 ? 1 : nthreads), tickets_(new Ticket[nthreads_]) {
-    for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this, i] { loop(i); });
+      : nthreads_(nthreads < 1 ? 1 : nthreads), tickets_(new Ticket[nthreads_]),
+        delay_us_(pool_test_delay_us()) {
+    try {
+      for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this, i] { loop(i); });
+    } catch (...) {  // the system refused a thread: stop the ones started
+      shutdown();
+      throw std::runtime_error("cannot start " + std::to_string(nthreads_) +
+                               " kernel threads; use fewer (mojolearn.set_num_threads)");
+    }
   }
-  ~Pool() {
-    stop_.store(true);
-    epoch_.fetch_add(1, std::memory_order_release);
-    epoch_.notify_all();
-    for (auto &t : workers_) t.join();
-  }
+  ~Pool() { shutdown(); }
   int threads() const { return nthreads_; }
 
   // Runs job.ntasks tasks; returns the first nonzero task status (or 0).
@@ -86,6 +120,8 @@ class Pool {
     job_ = job;
     status_.store(0, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
+    // (3x a worker's pause: a worker late for the last job wakes inside it)
+    if (delay_us_) std::this_thread::sleep_for(std::chrono::microseconds(3 * delay_us_));
     uint64_t e = epoch_.load(std::memory_order_relaxed) + 1;
     for (int r = 0; r < nthreads_; ++r)
       tickets_[r].v.store((e << 32) | static_cast<uint64_t>(lo(r, job.ntasks)),
@@ -93,7 +129,7 @@ class Pool {
     epoch_.store(e, std::memory_order_release);
     epoch_.notify_all();
     work(e, 0);
-    while (done_.load(std::memory_order_acquire) != job.ntasks) _mm_pause();
+    while (done_.load(std::memory_order_acquire) != job.ntasks) cpu_relax();
     // Close the tickets before the next job's fields are written: a worker
     // still holding this job's last ticket value would otherwise compare it
     // with the next job's ranges and claim one of its tasks.
@@ -139,6 +175,7 @@ class Pool {
         int64_t s = job_.task(job_.op, job_.args, job_.phase, static_cast<int64_t>(t & 0xffffffffu));
         if (s != 0) status_.store(s, std::memory_order_relaxed);
         done_.fetch_add(1, std::memory_order_acq_rel);
+        if (delay_us_ && self != 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
       }
     }
   }
@@ -150,7 +187,7 @@ class Pool {
       int spins = 0;
       // Spin briefly (decode issues phases microseconds apart), then sleep.
       while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
-        _mm_pause();
+        cpu_relax();
         if ((++spins & 63) == 0 &&
             std::chrono::steady_clock::now() - spin_start > std::chrono::microseconds(kSpinMicros)) {
           epoch_.wait(seen, std::memory_order_acquire);
@@ -160,6 +197,14 @@ class Pool {
       if (stop_.load()) return;
       work(e, self);
     }
+  }
+
+  void shutdown() {
+    stop_.store(true);
+    epoch_.fetch_add(1, std::memory_order_release);
+    epoch_.notify_all();
+    for (auto &t : workers_) t.join();
+    workers_.clear();
   }
 
   static constexpr int kSpinMicros = 50;
@@ -172,20 +217,78 @@ class Pool {
   std::atomic<int64_t> done_{0};
   std::atomic<int64_t> status_{0};
   std::atomic<bool> stop_{false};
+  int delay_us_;
 };
 
 std::mutex g_pool_mutex;  // guards g_pool replacement and use
 std::unique_ptr<Pool> g_pool;
 int g_threads = 0;  // 0: not chosen yet
 
+// MOJOLEARN_NUM_THREADS, when set, must be a whole number in 1..kMaxThreads
+// (surrounding spaces allowed); anything else is refused by name.
 int default_threads() {
-  if (const char *s = std::getenv("MOJOLEARN_NUM_THREADS")) {
-    int n = std::atoi(s);
-    if (n > 0) return n;
+  const char *s = std::getenv("MOJOLEARN_NUM_THREADS");
+  if (s != nullptr && *s != '\0') {  // (set but empty: as if unset)
+    std::string v(s);
+    auto a = v.find_first_not_of(" \t"), b = v.find_last_not_of(" \t");
+    std::string t = a == std::string::npos ? "" : v.substr(a, b - a + 1);
+    bool digits = !t.empty() && t.size() <= 9 &&
+                  std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+    long n = digits ? std::strtol(t.c_str(), nullptr, 10) : -1;
+    if (n < 1 || n > kMaxThreads)
+      throw std::invalid_argument("MOJOLEARN_NUM_THREADS must be a whole number from 1 to " +
+                                  std::to_string(kMaxThreads) + ", got '" + v + "'");
+    return static_cast<int>(n);
   }
   unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n);
+  return n == 0 ? 1 : static_cast<int>(std::min<unsigned>(n, kMaxThreads));
 }
+
+// ------------------------------------------------------------------ regions
+
+// Caller memory the emulation knows of: every live Storage (Arrays, states,
+// workspaces, weight blobs) and the buffers whose address was taken lately
+// (address(), the decode fast path). Under emulate_device an op argument that
+// points into one of them but is not in the op's buffer table is refused: a
+// device binary would hand the kernel a host pointer there.
+std::mutex g_regions_mutex;
+std::map<uintptr_t, size_t> g_storage_regions;        // start -> bytes
+std::deque<std::pair<uintptr_t, size_t>> g_recent_regions;  // bounded
+std::atomic<int> g_emulating{0};  // Libraries with emulate_device set
+constexpr size_t kRecentRegions = 256;
+
+void note_recent_region(const void *p, size_t n) {
+  if (g_emulating.load(std::memory_order_relaxed) == 0 || n == 0) return;
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  g_recent_regions.emplace_back(reinterpret_cast<uintptr_t>(p), n);
+  if (g_recent_regions.size() > kRecentRegions) g_recent_regions.pop_front();
+}
+
+// Whether address a lies inside a known caller buffer of at least one byte.
+bool in_known_region(uintptr_t a) {
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  auto it = g_storage_regions.upper_bound(a);
+  if (it != g_storage_regions.begin()) {
+    --it;
+    if (a < it->first + it->second) return true;
+  }
+  for (const auto &r : g_recent_regions)
+    if (a >= r.first && a < r.first + r.second) return true;
+  return false;
+}
+
+// Per-phase wall time of every op run (MOJOLEARN_PHASE_TIMES=1 or
+// mojolearn._debug.phase_times): a debug switch for the RESULTS tables.
+struct PhaseStat {
+  int64_t calls = 0;
+  double seconds = 0;
+};
+std::mutex g_phase_mutex;
+std::map<std::pair<int64_t, int64_t>, PhaseStat> g_phase_stats;
+std::atomic<bool> g_phase_timing{[] {
+  const char *s = std::getenv("MOJOLEARN_PHASE_TIMES");
+  return s != nullptr && std::strcmp(s, "1") == 0;
+}()};
 
 // ------------------------------------------------------------------ library
 
@@ -205,6 +308,16 @@ struct Library {
   DescribeFn device_arch_fn = nullptr;
   IntArgFn host_op_fn = nullptr;  // ml_host_op: ops a device binary runs on the host
   bool emulate_device = false;  // stage buffers on the host like a device (tests)
+  // Test hook: drop row `drop_row` of op `drop_op`'s buffer table when
+  // staging, as a binary with that row missing would (-1: none).
+  int64_t drop_op = -1, drop_row = -1;
+  // Most rows a staged table of each op has had (tests read and clear it).
+  mutable std::map<int64_t, int64_t> staged_rows;
+
+  void set_emulate(bool on) {
+    if (on != emulate_device) g_emulating.fetch_add(on ? 1 : -1);
+    emulate_device = on;
+  }
 
   explicit Library(const std::string &p) : path(p) {
     handle = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -234,7 +347,7 @@ struct Library {
     device_arch_fn = reinterpret_cast<DescribeFn>(dlsym(handle, "ml_device_arch"));
     host_op_fn = reinterpret_cast<IntArgFn>(dlsym(handle, "ml_host_op"));
     const char *emu = std::getenv("MOJOLEARN_EMULATE_DEVICE");
-    emulate_device = emu != nullptr && std::strcmp(emu, "1") == 0;
+    set_emulate(emu != nullptr && std::strcmp(emu, "1") == 0);
     if (vendor != 0 && (!buffers || !gpu_run || !device_count_fn || !host_op_fn))
       throw std::runtime_error(p + " is a device binary without ml_buffers/ml_gpu_run/"
                                "ml_device_count/ml_host_op");
@@ -285,6 +398,7 @@ struct Library {
               slot < args.size() && nonfinite(static_cast<float *>(view.buf), b * d) < 0;
     if (ok) {
       args[slot] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(view.buf));
+      note_recent_region(view.buf, static_cast<size_t>(view.len));
       try {
         run(op, args);
       } catch (...) {
@@ -315,16 +429,38 @@ struct Library {
   // host copies for emulate_device.
   void run_staged(int64_t op, std::vector<int64_t> &args) const {
     if (!buffers) throw std::runtime_error(path + " does not export ml_buffers");
-    auto bufs = mlstage::table(buffers, op, args);
+    auto bufs = mlstage::table(buffers, op, args, op == drop_op ? drop_row : -1);
     if (gpu_run) {
       nb::gil_scoped_release release;
       mlstage::run_gpu(gpu_run, op, args, bufs);
       return;
     }
+    int64_t &most = staged_rows[op];
+    most = std::max(most, static_cast<int64_t>(bufs.size()));
+    check_unlisted_addresses(op, args, bufs);
     std::vector<int64_t> dargs(args);
     mlstage::HostStage stage(bufs, dargs);
     run_host(op, args, dargs);
     stage.finish(op, bufs);
+  }
+
+  // Emulation: no argument outside the table may point into caller memory
+  // (a known buffer, or one the table lists under another slot).
+  static void check_unlisted_addresses(int64_t op, const std::vector<int64_t> &args,
+                                       const std::vector<mlstage::Buffer> &bufs) {
+    std::vector<bool> listed(args.size(), false);
+    for (const auto &b : bufs) listed[static_cast<size_t>(b.slot)] = true;
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (listed[i] || args[i] == 0) continue;
+      auto a = static_cast<uintptr_t>(args[i]);
+      bool inside = in_known_region(a);
+      for (const auto &b : bufs)
+        inside = inside || (a >= b.host && a < b.host + static_cast<uintptr_t>(b.bytes));
+      if (inside)
+        throw std::runtime_error("op " + std::to_string(op) + ": argument slot " + std::to_string(i) +
+                                 " holds the address of a buffer that is not in the op's buffer "
+                                 "table (ml_buffers); a device binary would pass it a host pointer");
+    }
   }
 
   // Phases planned on `args`, tasks run on `targs` (the same, or staged copies).
@@ -346,7 +482,17 @@ struct Library {
           break;
         }
         Job job{task, op, targs.data(), phase, n};
-        status = pool ? pool->run(job) : Pool::run_inline(job);
+        if (g_phase_timing.load(std::memory_order_relaxed)) {
+          auto t0 = std::chrono::steady_clock::now();
+          status = pool ? pool->run(job) : Pool::run_inline(job);
+          std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+          std::lock_guard<std::mutex> plock(g_phase_mutex);
+          PhaseStat &st = g_phase_stats[{op, phase}];
+          st.calls += 1;
+          st.seconds += dt.count();
+        } else {
+          status = pool ? pool->run(job) : Pool::run_inline(job);
+        }
         if (status != 0) break;
       }
     }
@@ -379,16 +525,28 @@ struct Storage {
     }
   }
   ~Storage() {
-    if (owns) std::free(data);
+    if (owns) {
+      {
+        std::lock_guard<std::mutex> lock(g_regions_mutex);
+        g_storage_regions.erase(reinterpret_cast<uintptr_t>(data));
+      }
+      std::free(data);
+    }
   }
 };
 
-size_t count_of(const std::vector<int64_t> &shape) {
+// Items in shape; refuses a shape whose byte count (at itemsize) does not
+// fit in a signed 64-bit size, so no size can wrap around to a small one.
+size_t count_of(const std::vector<int64_t> &shape, size_t itemsize = 1) {
   size_t n = 1;
   for (int64_t s : shape) {
     if (s < 0) throw std::invalid_argument("negative dimension in shape");
-    n *= static_cast<size_t>(s);
+    if (__builtin_mul_overflow(n, static_cast<size_t>(s), &n))
+      throw std::overflow_error("shape has too many items to address");
   }
+  size_t bytes = 0;
+  if (__builtin_mul_overflow(n, itemsize, &bytes) || bytes > static_cast<size_t>(PTRDIFF_MAX) - 64)
+    throw std::overflow_error("shape needs more bytes than can be addressed");
   return n;
 }
 
@@ -402,7 +560,7 @@ void storage_init(Storage *self, const std::vector<int64_t> &shape, const std::s
     self->itemsize = base.itemsize;
     self->format = base.format;
     self->set_shape(shape);
-    if (count_of(shape) * static_cast<size_t>(base.itemsize) != base.nbytes)
+    if (count_of(shape, static_cast<size_t>(base.itemsize)) * static_cast<size_t>(base.itemsize) != base.nbytes)
       throw std::invalid_argument("cannot view " + std::to_string(base.nbytes) + " bytes as shape of " +
                                   std::to_string(count_of(shape)) + " items");
     self->data = base.data;
@@ -410,16 +568,19 @@ void storage_init(Storage *self, const std::vector<int64_t> &shape, const std::s
     self->base = nb::borrow(base_obj);
     return;
   }
+  if (itemsize < 1 || itemsize > 64) throw std::invalid_argument("itemsize must be 1 to 64");
   self->format = format;
   self->itemsize = static_cast<Py_ssize_t>(itemsize);
+  self->nbytes = count_of(shape, static_cast<size_t>(itemsize)) * static_cast<size_t>(itemsize);
   self->set_shape(shape);
-  self->nbytes = count_of(shape) * static_cast<size_t>(itemsize);
   size_t alloc = (self->nbytes + 63) / 64 * 64;
   if (alloc == 0) alloc = 64;
   self->data = std::aligned_alloc(64, alloc);
   if (!self->data) throw std::bad_alloc();
   self->owns = true;
   if (zero) std::memset(self->data, 0, alloc);
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  g_storage_regions[reinterpret_cast<uintptr_t>(self->data)] = self->nbytes;
 }
 
 int storage_getbuffer(PyObject *exporter, Py_buffer *view, int flags) {
@@ -450,6 +611,7 @@ uintptr_t address_of(nb::handle obj, bool writable) {
   int flags = PyBUF_ANY_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
   if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw nb::python_error();
   uintptr_t a = reinterpret_cast<uintptr_t>(view.buf);
+  note_recent_region(view.buf, static_cast<size_t>(view.len));
   PyBuffer_Release(&view);
   return a;
 }
@@ -466,8 +628,14 @@ NB_MODULE(_native, m) {
       .def_ro("vendor", &Library::vendor)
       .def_ro("numeric_mode", &Library::numeric_mode)
       .def_ro("description", &Library::description)
-      .def_rw("emulate_device", &Library::emulate_device,
-              "Stage every op's buffers in host copies, as a device binary does (tests).")
+      .def_prop_rw(
+          "emulate_device", [](const Library &l) { return l.emulate_device; },
+          [](Library &l, bool on) { l.set_emulate(on); },
+          "Stage every op's buffers in host copies, as a device binary does (tests).")
+      .def_rw("drop_op", &Library::drop_op, "Test hook: the op whose table loses a row when staged.")
+      .def_rw("drop_row", &Library::drop_row, "Test hook: which row it loses (-1: none).")
+      .def_rw("staged_rows", &Library::staged_rows,
+              "Most rows a staged buffer table of each op has had (tests).")
       .def_prop_ro("device_count", &Library::device_count)
       .def_prop_ro("device_arch", &Library::device_arch)
       .def("symbol", &Library::symbol, nb::arg("name"))
@@ -501,13 +669,29 @@ NB_MODULE(_native, m) {
         "Data address of a contiguous buffer (the caller keeps it alive).");
   m.def(
       "set_num_threads",
-      [](int n) {
-        if (n < 1) throw std::invalid_argument("number of threads must be >= 1");
+      [](int64_t n) {
+        if (n < 1 || n > kMaxThreads)
+          throw std::invalid_argument("number of threads must be from 1 to " +
+                                      std::to_string(kMaxThreads) + ", got " + std::to_string(n));
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lock(g_pool_mutex);
-        g_threads = n;
+        g_threads = static_cast<int>(n);
         g_pool.reset();
       },
       nb::arg("n"));
+  m.attr("MAX_THREADS") = kMaxThreads;
   m.def("get_num_threads", [] { return g_threads > 0 ? g_threads : default_threads(); });
+  m.def("set_phase_timing", [](bool on) { g_phase_timing.store(on); }, nb::arg("on"),
+        "Record the wall time of every op phase (a debug switch; see phase_times).");
+  m.def("phase_times", [] {
+    std::lock_guard<std::mutex> lock(g_phase_mutex);
+    nb::list out;
+    for (const auto &kv : g_phase_stats)
+      out.append(nb::make_tuple(kv.first.first, kv.first.second, kv.second.calls, kv.second.seconds));
+    return out;
+  }, "(op, phase, calls, seconds) of every phase run since the last reset.");
+  m.def("reset_phase_times", [] {
+    std::lock_guard<std::mutex> lock(g_phase_mutex);
+    g_phase_stats.clear();
+  });
 }

@@ -45,6 +45,7 @@ class Mamba1DecodeSession(DecodeSessionBase):
         """Load (NO_SAVE) or save (NO_LOAD) the state through the kernel."""
         args = list(self._args)
         args[6], args[7], args[10] = cw.address, h.address, flags
+        args[3] = args[4] = 0  # no tokens: no x or y buffer (a device stages none)
         self._lib.run(_abi.OP_M1_FORWARD, args)
 
     def _after_step(self):

@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Phase times of decode steps (the per-phase tables of bench/RESULTS.md).
+
+Runs a decode session of each block (d_model, batch from the arguments)
+with mojolearn.debug's phase timing on and prints the mean microseconds per
+step of every phase, best of a few rounds. A debugging aid, not a
+comparison: the ratios in RESULTS.md come from the bench_*.py scripts.
+
+Usage (from the repository root)::
+
+    PYTHONPATH=python:. python bench/phases.py [--d 768] [--batch 8] [--steps 200]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import numpy as np
+
+import mojolearn
+from mojolearn import debug
+from tests.reference.mamba3_weights import mamba3_weights
+from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+
+BLOCKS = {1: (mamba1_weights, "Mamba1Block"), 2: (mamba2_weights, "Mamba2Block"),
+          3: (mamba3_weights, "Mamba3Block")}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def step_phases(kind: int, d: int, b: int, steps: int, rounds: int) -> list[dict]:
+    make, cls = BLOCKS[kind]
+    block = getattr(mojolearn, cls)(make(d, seed=1))
+    x = random_input(b, steps, d, seed=2)
+    best = None
+    for _ in range(rounds):
+        state = block.allocate_state(b)
+        with block.decode_session(state) as s:
+            for t in range(min(steps, 20)):  # warm the caches and the pool
+                s.step(np.ascontiguousarray(x[:, t]))
+            with debug.timing_phases() as timing:
+                for t in range(steps):
+                    s.step(np.ascontiguousarray(x[:, t]))
+        rows = [r for r in timing.result if r["calls"] >= steps]
+        total = sum(r["seconds"] for r in rows)
+        if best is None or total < best[0]:
+            best = (total, rows)
+    return best[1]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d", type=int, default=768)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--blocks", default="1,2,3")
+    a = p.parse_args(argv)
+    mojolearn.set_num_threads(a.threads)
+    info = mojolearn._loader.describe(mojolearn._loader.library())
+    print(f"CPU: {cpu_name()}; binary {info.get('arch', '?')}; {a.threads} threads; "
+          f"d={a.d} B={a.batch}, {a.steps} steps, best of {a.rounds}")
+    for kind in (int(k) for k in a.blocks.split(",")):
+        rows = step_phases(kind, a.d, a.batch, a.steps, a.rounds)
+        print(f"\nMamba-{kind} decode step (mean us per step):")
+        print(debug.format_phase_times(rows))
+        print(f"{'total':<42}{sum(r['seconds'] for r in rows) / a.steps * 1e6:>10.1f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MOJOLEARN_NUM_THREADS", "2")
+    main()
