@@ -147,8 +147,20 @@ class Array(native().Storage):
     def copy(self) -> "Array":
         """A new Array with the same shape, dtype and values."""
         out = Array(self._shape, self.dtype, zero=False)
-        memoryview(out).cast("B")[:] = memoryview(self).cast("B")
+        if self.nbytes:  # (a view with a 0 in its shape cannot be cast)
+            memoryview(out).cast("B")[:] = memoryview(self).cast("B")
         return out
+
+    def __copy__(self) -> "Array":
+        return self.copy()
+
+    def __deepcopy__(self, memo) -> "Array":
+        return self.copy()
+
+    def __reduce__(self):
+        # shape, dtype and the bytes as they are in memory (little-endian)
+        data = bytes(memoryview(self).cast("B")) if self.nbytes else b""
+        return (_from_bytes, (self._shape, self.dtype, data))
 
     def __repr__(self) -> str:
         return f"mojolearn.Array(shape={self._shape}, dtype={self.dtype})"
@@ -157,3 +169,14 @@ class Array(native().Storage):
         return NotImplemented
 
     __hash__ = None
+
+
+def _from_bytes(shape, dtype, data) -> Array:
+    """Unpickle an Array (see Array.__reduce__)."""
+    out = Array(shape, dtype, zero=False)
+    if len(data) != out.nbytes:
+        raise ValueError(f"pickled Array of shape {tuple(shape)} ({dtype}) needs "
+                         f"{out.nbytes} bytes, got {len(data)}")
+    if out.nbytes:
+        memoryview(out).cast("B")[:] = data
+    return out

@@ -78,6 +78,23 @@ def float32_view(obj, name: str, *, ndim=None, writable: bool = False,
     return View(mv, native().address(mv, writable), tuple(mv.shape), name)
 
 
+def refuse_overlap(written, read=()) -> None:
+    """ValueError naming two buffers of one call that share memory, where at
+    least one of them is written by the call (a state array): the kernels
+    read and write them in place, so a shared byte would give wrong
+    results. written and read are Views (None entries are skipped)."""
+    spans = [(v.address, v.address + v.mv.nbytes, v.name, True)
+             for v in written if v is not None and v.mv.nbytes]
+    spans += [(v.address, v.address + v.mv.nbytes, v.name, False)
+              for v in read if v is not None and v.mv.nbytes]
+    for i in range(len(spans)):
+        for j in range(i + 1, len(spans)):
+            a, b = spans[i], spans[j]
+            if (a[3] or b[3]) and a[0] < b[1] and b[0] < a[1]:
+                raise ValueError(f"{b[2]} and {a[2]} share memory; the call writes "
+                                 f"{a[2] if a[3] else b[2]} in place, so pass separate buffers")
+
+
 def check_shape(v: View, expected: tuple, what: str = "") -> None:
     if v.shape != tuple(expected):
         raise ValueError(f"{v.name} must have shape {tuple(expected)}{what}, got {v.shape}")

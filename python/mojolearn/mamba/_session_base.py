@@ -2,7 +2,26 @@
 one-native-call step with its full-intake fallback, and closing."""
 from __future__ import annotations
 
+import weakref
+
 from .. import _intake
+
+
+def holder_of(state):
+    """The open decode session holding state, or None. A state refers to
+    its session weakly: a session dropped without close() is collected (its
+    finaliser writes the state back), and never keeps the state locked."""
+    ref = getattr(state, "_held_by", None)
+    session = ref() if isinstance(ref, weakref.ref) else ref
+    return session if session is not None and getattr(session, "_open", False) else None
+
+
+def check_not_held(state):
+    """ValueError if an open decode session holds state."""
+    session = holder_of(state)
+    if session is not None:
+        raise ValueError(f"state is held by an open {type(session).__name__}; use the "
+                         "session's step, or close()/sync_state() it first")
 
 
 class DecodeSessionBase:
@@ -18,7 +37,11 @@ class DecodeSessionBase:
     _X_SLOT, _Y_SLOT = 3, 4
 
     def _bind(self, block, state, b):
-        """The fields every session has; not open yet."""
+        """The fields every session has; not open yet. A state already held
+        by an open session is refused (two sessions on one state would each
+        write their own tokens back, and one's would be lost)."""
+        self._open = False
+        check_not_held(state)
         self._block = block
         self._lib = block._lib
         self._blob = block._blob  # pinned: a later set_params is not seen
@@ -37,7 +60,8 @@ class DecodeSessionBase:
 
     def _activate(self):
         """Open: from now on the block refuses the state."""
-        self._state._held_by = self
+        check_not_held(self._state)
+        self._state._held_by = weakref.ref(self)
         self._open = True
 
     @property
@@ -56,7 +80,7 @@ class DecodeSessionBase:
 
     def _unheld_views(self, fetch):
         """fetch() with the state briefly not held (the block's checks)."""
-        holder, self._state._held_by = self._state._held_by, None
+        holder, self._state._held_by = getattr(self._state, "_held_by", None), None
         try:
             return fetch()
         finally:
@@ -98,13 +122,37 @@ class DecodeSessionBase:
         pass
 
     def close(self):
-        """Copy the state back, release the buffers and close. Idempotent."""
+        """Copy the state back, release the buffers and close. Idempotent.
+
+        If the state's arrays can no longer take the session's state (one
+        was replaced by a buffer of another shape, dtype or layout), close
+        raises ValueError naming it before writing anything, and the
+        session stays open: fix the array and close again. A session that
+        is dropped without close() closes itself when it is collected."""
         if not self._open:
             return
         self.sync_state()
         self._state._held_by = None
         self._open = False
         self._release()
+
+    @staticmethod
+    def _write_back(state, pairs):
+        """Copy (name, session array) pairs into state.<name>: every target
+        is checked first, so a refused write-back changes no byte."""
+        from ._base import copy_bytes
+        targets = []
+        for name, src in pairs:
+            v = _intake.float32_view(getattr(state, name), f"state.{name}", writable=True,
+                                     contiguous_only=True)
+            shape = tuple(memoryview(src).shape)
+            if v.shape != shape:
+                raise ValueError(f"state.{name} must have shape {shape} to take the "
+                                 f"session's state back, got {v.shape}")
+            targets.append(v)
+        _intake.refuse_overlap(targets)
+        for v, (_, src) in zip(targets, pairs):
+            copy_bytes(v.mv, src)
 
     def __enter__(self):
         return self
@@ -114,8 +162,13 @@ class DecodeSessionBase:
         return False
 
     def __del__(self):
+        # Dropped while open: write the state back (no tokens lost); if the
+        # state can no longer take it, just let the state go.
         try:
             if self._open:
-                self._state._held_by = None
+                try:
+                    self.close()
+                except Exception:
+                    self._open = False
         except AttributeError:
             pass

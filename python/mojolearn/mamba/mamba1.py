@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from .. import _abi, _intake
 from ._base import _MambaBase, weight_address, weight_views
+from ._state import StateBase
+from ._session_base import check_not_held
 
 D_STATE = 16
 D_CONV = 4
@@ -24,7 +26,7 @@ def mamba1_weight_shapes(d: int) -> dict:
     }
 
 
-class Mamba1State:
+class Mamba1State(StateBase):
     """Recurrent state of a Mamba1Block, owned by the caller.
 
     Make one with ``Mamba1Block.allocate_state``; it is all zeros before the
@@ -45,6 +47,9 @@ class Mamba1State:
     affine_boundary, affine_a, affine_b : None
         Reserved; anything but None raises ValueError.
     """
+
+    _ARRAYS = ("conv_window", "h")
+    _VALUES = ("profile_id", "absolute_position")
 
     def __init__(self, conv_window, h, *, profile_id=1, absolute_position=0,
                  affine_boundary=None, affine_a=None, affine_b=None):
@@ -167,9 +172,7 @@ class Mamba1Block(_MambaBase):
     def _state_views(self, state, batch, check_finite=True):
         if not isinstance(state, Mamba1State):
             raise TypeError(f"state must be a Mamba1State, got {type(state).__name__}")
-        if state._held_by is not None:
-            raise ValueError("state is held by an open Mamba1DecodeSession; use the "
-                             "session's step, or close()/sync_state() it first")
+        check_not_held(state)
         cw = _intake.float32_view(state.conv_window, "state.conv_window", ndim=(3,),
                                   writable=True, contiguous_only=True)
         h = _intake.float32_view(state.h, "state.h", ndim=(3,), writable=True,
@@ -183,6 +186,7 @@ class Mamba1Block(_MambaBase):
         if check_finite:
             _intake.check_finite(self._lib, cw)
             _intake.check_finite(self._lib, h)
+        _intake.refuse_overlap((cw, h))
         return cw, h
 
     # -- compute ------------------------------------------------------------
@@ -210,6 +214,7 @@ class Mamba1Block(_MambaBase):
         cw = h = None
         if state is not None:
             cw, h = self._state_views(state, b)
+            _intake.refuse_overlap((cw, h), (xv,))
         _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
         y = Array((b, l, d), zero=False)
         args = [b, l, d, xv.address, y.address, self._blob.address,
@@ -236,6 +241,7 @@ class Mamba1Block(_MambaBase):
             raise ValueError("step needs a state (use allocate_state)")
         xv, b = self._step_x_view(x)
         cw, h = self._state_views(state, b)
+        _intake.refuse_overlap((cw, h), (xv,))
         _intake.check_finite(self._lib, xv)
         y = Array((b, 1, self.d_model), zero=False)
         args = [b, 1, self.d_model, xv.address, y.address, self._blob.address,

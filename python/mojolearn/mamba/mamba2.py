@@ -5,7 +5,8 @@ import math
 import struct
 
 from .. import _abi, _intake
-from ._session_base import DecodeSessionBase
+from ._state import StateBase
+from ._session_base import DecodeSessionBase, check_not_held
 from ._base import _MambaBase, copy_bytes, weight_address, weight_views
 
 D_STATE = 128
@@ -92,7 +93,7 @@ def _f32_bits(v: float) -> int:
     return struct.unpack("<i", struct.pack("<f", v))[0]
 
 
-class Mamba2State:
+class Mamba2State(StateBase):
     """Recurrent state of a Mamba2Block, owned by the caller.
 
     With H = d_model / 32 heads and CD = 2 * d_model + 256 convolution
@@ -115,6 +116,9 @@ class Mamba2State:
     buffered_tokens : int in [0, 256)
         Valid rows in the open-chunk buffers (tokens so far mod 256).
     """
+
+    _ARRAYS = ("conv_window", "h", "buffer_xbc", "buffer_dtraw")
+    _VALUES = ("buffered_tokens",)
 
     def __init__(self, conv_window, h, buffer_xbc, buffer_dtraw, buffered_tokens=0):
         self.conv_window = conv_window
@@ -254,9 +258,7 @@ class Mamba2Block(_MambaBase):
     def _state_views(self, state, batch):
         if not isinstance(state, Mamba2State):
             raise TypeError(f"state must be a Mamba2State, got {type(state).__name__}")
-        if getattr(state, "_held_by", None) is not None:
-            raise ValueError("state is held by an open Mamba2DecodeSession; use the "
-                             "session's step, or close()/sync_state() it first")
+        check_not_held(state)
         bt = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
         if not 0 <= bt < CHUNK:
             raise ValueError(f"state.buffered_tokens = {bt} is outside [0, {CHUNK})")
@@ -282,6 +284,7 @@ class Mamba2Block(_MambaBase):
             addr = native().address(lmv)
             _intake.check_finite(self._lib, views[2], rows=(b, CHUNK), lengths_address=addr)
             _intake.check_finite(self._lib, views[3], rows=(b, CHUNK), lengths_address=addr)
+        _intake.refuse_overlap(views)
         return views
 
     def _state_shapes(self, b):
@@ -314,6 +317,7 @@ class Mamba2Block(_MambaBase):
         sv = None
         if state is not None:
             sv = self._state_views(state, b)
+            _intake.refuse_overlap(sv, (xv,))
         _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
         y = Array((b, l, d), zero=False)
         self._call(xv, y, b, l, state, sv, lens_addr)
@@ -336,6 +340,7 @@ class Mamba2Block(_MambaBase):
             raise ValueError("step needs a state (use allocate_state)")
         xv, b = self._step_x_view(x)
         sv = self._state_views(state, b)
+        _intake.refuse_overlap(sv, (xv,))
         _intake.check_finite(self._lib, xv)
         y = Array((b, 1, self.d_model), zero=False)
         self._call(xv, y, b, 1, state, sv, 0)
@@ -500,8 +505,8 @@ class Mamba2DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba2State; return it."""
         self._check_open()
         st = self._state
-        for name, a in zip(("conv_window", "h", "buffer_xbc", "buffer_dtraw"), self._arrays):
-            copy_bytes(getattr(st, name), a)
+        self._write_back(st, list(zip(("conv_window", "h", "buffer_xbc", "buffer_dtraw"),
+                                      self._arrays)))
         st.buffered_tokens = self._s
         st._version += 1
         return st

@@ -12,6 +12,8 @@ from array import array as _pyarray
 
 from .. import _abi, _intake
 from ._base import _MambaBase, copy_bytes, weight_address, weight_views
+from ._state import StateBase
+from ._session_base import check_not_held
 
 D_STATE = 128      # N
 HEAD_DIM = 64      # P
@@ -70,7 +72,7 @@ def _count_after(n0: int, k: int) -> int:
     return n0 if k == 0 else (n0 + k - 1) % CHUNK + 1
 
 
-class Mamba3State:
+class Mamba3State(StateBase):
     """Recurrent state of a Mamba3Block, owned by the caller.
 
     With H = d_model / 32 heads, N = 128, P = 64, R = 32 and Q = 64. Make one
@@ -106,6 +108,10 @@ class Mamba3State:
     pending : bool, default False
         Set by set_input_states, consumed by the next call.
     """
+
+    _ARRAYS = ("theta", "h", "buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt",
+               "buffer_sig", "buffer_adt", "pending_k", "pending_v")
+    _VALUES = ("buffered_tokens", "pending")
 
     def __init__(self, theta, h, buffer_qrot, buffer_krot, buffer_v, buffer_dt,
                  buffer_sig, buffer_adt, pending_k, pending_v, buffered_tokens=0,
@@ -291,9 +297,7 @@ class Mamba3Block(_MambaBase):
     def _state_views(self, state, batch, check_finite=True):
         if not isinstance(state, Mamba3State):
             raise TypeError(f"state must be a Mamba3State, got {type(state).__name__}")
-        if getattr(state, "_held_by", None) is not None:
-            raise ValueError("state is held by an open Mamba3DecodeSession; use the "
-                             "session's step, or close()/sync_state() it first")
+        check_not_held(state)
         views = {}
         for n in _STATE_BUFFERS:
             views[n] = _intake.float32_view(getattr(state, n), f"state.{n}",
@@ -319,6 +323,7 @@ class Mamba3Block(_MambaBase):
                              "only to a state's first call")
         if not check_finite:  # the block's own scratch state: zeros it wrote
             return views, nb
+        _intake.refuse_overlap(views.values())
         for n in ("theta", "h"):
             _intake.check_finite(self._lib, views[n])
         if state.pending:
@@ -361,6 +366,7 @@ class Mamba3Block(_MambaBase):
         own = state is None
         if not own:
             views, nb = self._state_views(state, b)
+            _intake.refuse_overlap(views.values(), (xv,))
         _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
         lock = None
         if own:
@@ -392,6 +398,7 @@ class Mamba3Block(_MambaBase):
             raise ValueError("step needs a state (use allocate_state)")
         xv, b = self._step_x_view(x)
         views, nb = self._state_views(state, b)
+        _intake.refuse_overlap(views.values(), (xv,))
         _intake.check_finite(self._lib, xv)
         y = Array((b, 1, self.d_model), zero=False)
         self._call(xv, y, b, 1, views, nb, state, None, "step")

@@ -73,8 +73,7 @@ class Mamba3DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba3State; return it."""
         self._check_open()
         st = self._state
-        for n, a in self._arrays.items():
-            copy_bytes(getattr(st, n), a)
+        self._write_back(st, list(self._arrays.items()))
         st.buffered_tokens = self._nb
         st.pending = self._pending
         st._calls += 1  # reports of earlier calls on this state are gone

@@ -1,0 +1,58 @@
+"""What the three state classes share: copying and pickling.
+
+A state is its arrays (``_ARRAYS``, in constructor order) and a few plain
+values (``_VALUES``, keyword arguments of the constructor). A copy or an
+unpickled state has the same bytes in new, independent mojolearn.Arrays,
+whatever buffers the original used. A state held by an open decode session
+is refused by name: its arrays are stale until the session syncs them.
+"""
+from __future__ import annotations
+
+from ._session_base import check_not_held
+
+
+def _as_array(buf, name):
+    """A new mojolearn.Array with the bytes of a float32 state buffer."""
+    from .. import _intake
+    from .._array import Array
+    v = _intake.float32_view(buf, name)
+    out = Array(v.shape, zero=False)
+    if v.mv.nbytes:
+        memoryview(out).cast("B")[:] = v.mv.tobytes()
+    return out
+
+
+def _rebuild(cls, arrays, values):
+    return cls(*arrays, **values)
+
+
+class StateBase:
+    """Base of Mamba{1,2,3}State (not public): copy() and pickling."""
+
+    _ARRAYS: tuple = ()
+    _VALUES: tuple = ()
+
+    def _parts(self):
+        check_not_held(self)
+        arrays = [_as_array(getattr(self, n), f"state.{n}") for n in self._ARRAYS]
+        values = {n: getattr(self, n) for n in self._VALUES}
+        return arrays, values
+
+    def copy(self):
+        """An independent state with the same bytes (new mojolearn.Arrays).
+
+        Use it to fork a decode state (beam search, speculative decoding,
+        saving a conversation). Raises ValueError if an open decode session
+        holds this state (sync_state() or close() it first)."""
+        arrays, values = self._parts()
+        return type(self)(*arrays, **values)
+
+    def __copy__(self):
+        return self.copy()
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+    def __reduce__(self):
+        arrays, values = self._parts()
+        return (_rebuild, (type(self), arrays, values))
