@@ -25,6 +25,14 @@ def info() -> int:
                   + ("" if d.get("vendor") == "cpu" else f" devices={lib.device_count}"))
         except Exception as e:  # report every binary, even a broken one
             print(f"  {path.name}: cannot load ({e})")
+    for name, why in _loader.skipped_variants():
+        print(f"skipped: {name} ({why})")
+    try:
+        target = _loader.requested_cpu_target()
+    except ValueError as e:
+        target = f"invalid: {e}"
+    if target:
+        print(f"MOJOLEARN_CPU_TARGET: {target}")
     try:
         lib = _loader.library()
         print(f"would use: {lib.path} (vendor {_loader.describe(lib).get('vendor')})")

@@ -105,9 +105,39 @@ def _cpu_names() -> list[tuple[str, str]]:
         names.append(("baseline", "libmojolearn_cpu.so"))
     if want not in (None, "baseline") and not names:
         raise BinaryNotFoundError(
-            f"mojolearn: MOJOLEARN_CPU_TARGET={want} asks for CPU features "
-            f"{list(CPU_VARIANT_FLAGS[want])} that this machine lacks")
+            f"mojolearn: MOJOLEARN_CPU_TARGET={want} needs CPU features "
+            f"{variant_missing_features(want)} that this machine lacks")
     return names
+
+
+def variant_missing_features(target: str) -> list[str]:
+    """The CPU features of variant `target` this machine lacks (all of them
+    when the features cannot be read)."""
+    flags = cpu_flags()
+    need = CPU_VARIANT_FLAGS[target]
+    return list(need) if flags is None else [f for f in need if f not in flags]
+
+
+def skipped_variants() -> list[tuple[str, str]]:
+    """(file name, reason) of each installed CPU variant binary that the
+    loader does not choose by default on this machine."""
+    out = []
+    for target in CPU_VARIANT_FLAGS:
+        name = f"libmojolearn_cpu_{target}.so"
+        if not any((d / name).is_file() for d in lib_dirs()):
+            continue
+        missing = variant_missing_features(target)
+        try:
+            want = requested_cpu_target()
+        except ValueError:
+            want = None
+        if want is not None and want != target:
+            out.append((name, f"MOJOLEARN_CPU_TARGET={want}"))
+        elif cpu_flags() is None:
+            out.append((name, "the CPU's features cannot be read (/proc/cpuinfo)"))
+        elif missing:
+            out.append((name, f"this CPU lacks {missing}"))
+    return out
 
 
 def library_path(vendor: str | None = None) -> Path:

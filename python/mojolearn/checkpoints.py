@@ -113,6 +113,26 @@ def _safetensors_header(f, path):
     return header, 8 + n, size
 
 
+def _entry(info, name, path):
+    """(dtype, shape, begin, end) of a header entry, each checked for its
+    kind; ValueError naming the file and the tensor otherwise."""
+    def bad(what):
+        return ValueError(f"{path}: tensor {name} has a malformed header entry ({what}): "
+                          f"{info!r}")
+    if not isinstance(info, dict):
+        raise bad("not a JSON object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape", []), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad("dtype must be a string")
+    if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise bad("shape must be a list of non-negative ints")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(
+            isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+        raise bad("data_offsets must be two ints")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
 def read_safetensors(path, names=None) -> dict:
     """Read tensors of a ``.safetensors`` file as float32 ``mojolearn.Array``.
 
@@ -137,9 +157,7 @@ def read_safetensors(path, names=None) -> dict:
             raise ValueError(f"{path}: no tensors named {missing}")
         out = {}
         for name in want:
-            info = header[name]
-            dtype, shape = info.get("dtype"), tuple(info.get("shape", ()))
-            begin, end = info.get("data_offsets", (0, -1))
+            dtype, shape, begin, end = _entry(header[name], name, path)
             if dtype not in _ST_DTYPES:
                 raise TypeError(f"tensor {name} has dtype {dtype}; only F32, BF16 and F16 "
                                 "(widened exactly to float32) can be loaded")
@@ -293,12 +311,23 @@ def _number(v) -> float:
     return float(v)
 
 
+def _read_json(path: Path, what: str) -> dict:
+    """A JSON object read from path; ValueError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _config_dict(config) -> dict:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
+        return _read_json(Path(config), "config")
     if hasattr(config, "to_dict"):
         return config.to_dict()
     if hasattr(config, "keys"):
@@ -458,8 +487,9 @@ def _folder_tensors(folder: Path) -> dict:
     if single.is_file():
         return read_safetensors(single)
     if index.is_file():
-        with open(index) as f:
-            wmap = json.load(f).get("weight_map", {})
+        wmap = _read_json(index, "the shard index").get("weight_map", {})
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to file names")
         by_file = {}
         for name, fname in wmap.items():
             by_file.setdefault(fname, []).append(name)
@@ -501,7 +531,12 @@ def load_checkpoint(source, config=None) -> Checkpoint:
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
         if not folder.is_dir():
-            raise ValueError(f"{folder} is not a folder")
+            hint = ""
+            if not folder.exists() and not folder.is_absolute() and \
+                    len(folder.parts) == 2 and not str(source).startswith("."):
+                hint = (" (Hub ids are not downloaded: fetch the repository first, e.g. with "
+                        "huggingface_hub.snapshot_download, and pass its local folder)")
+            raise ValueError(f"{folder} is not a folder{hint}")
         if config is None:
             cfg_path = folder / "config.json"
             if not cfg_path.is_file():
