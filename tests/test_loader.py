@@ -1,13 +1,19 @@
 """The loader: what a binary says about itself, refusal of a mismatch,
 `python -m mojolearn info`."""
+import ctypes
 import os
+import platform
+import re
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mojolearn
 from mojolearn import _loader
+from tests.errors import raises_naming
 
 
 def _run(code, **env):
@@ -16,14 +22,79 @@ def _run(code, **env):
                           env=e, timeout=120)
 
 
-def test_binary_describes_itself():
-    lib = _loader.library()
-    d = _loader.describe(lib)
-    assert d["vendor"] == "cpu" and d["mode"] == "identical"
-    assert d["arch"] and d["features"]
-    assert lib.abi_version == mojolearn._abi.ABI_VERSION
-    block_vendor = mojolearn.Mamba1Block.__name__  # import path works
-    assert block_vendor == "Mamba1Block"
+REPO = Path(__file__).resolve().parents[1]
+ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183}
+# CMakeLists.txt: the baseline binary's target and features per host CPU
+BASELINE = {62: ("x86-64-v3", "avx2,fma,bmi2,f16c"), 183: ("generic", "baseline")}
+
+
+def _raw_self_report(path):
+    """vendor, numeric mode, ABI version and description read straight from
+    the binary's exports with ctypes (not through the host layer)."""
+    so = ctypes.CDLL(str(path))
+    for name in ("ml_abi_version", "ml_vendor", "ml_numeric_mode"):
+        getattr(so, name).restype = ctypes.c_int64
+    so.ml_describe.restype = ctypes.c_int64
+    so.ml_describe.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    buf = ctypes.create_string_buffer(512)
+    n = so.ml_describe(buf, 512)
+    return (so.ml_vendor(), so.ml_numeric_mode(), so.ml_abi_version(),
+            buf.raw[:n].decode(), so)
+
+
+CPU_BINARIES = [p for p in _loader.find_binaries() if p.name.startswith("libmojolearn_cpu")]
+
+
+@pytest.mark.parametrize("path", CPU_BINARIES or [None], ids=lambda p: p and p.name)
+def test_binary_describes_itself(path):
+    """What each installed CPU binary says about itself against facts that do
+    not come from it: the ABI version in the Mojo source, the file's ELF
+    machine and build name (set by CMakeLists.txt from the target), this
+    CPU's flags, and the identical mode's promise (bits independent of the
+    SIMD width) measured on its own functions."""
+    assert path is not None, "no CPU binary installed"
+    vendor, mode, abi, desc, so = _raw_self_report(path)
+    d = dict(part.split("=", 1) for part in desc.split(";"))
+    assert set(d) == {"vendor", "arch", "features", "mode"}, desc
+    # the host layer reads the same values
+    lib = _loader.native().Library(str(path))
+    assert (lib.vendor, lib.numeric_mode, lib.abi_version, lib.description) == \
+        (vendor, mode, abi, desc)
+    # ABI version: the constant of mojo/mojolearn_kernels/abi.mojo
+    src = (REPO / "mojo" / "mojolearn_kernels" / "abi.mojo").read_text()
+    assert abi == int(re.search(r"ABI_VERSION\s*=\s*(\d+)", src).group(1))
+    assert abi == mojolearn._abi.ABI_VERSION
+    # vendor: the integer and the text agree; a host binary is the CPU one
+    assert mojolearn._abi.VENDORS[vendor] == d["vendor"] == "cpu"
+    # arch: the ELF header's machine is this machine's; the target is the
+    # file name's suffix (baseline: CMakeLists.txt's default for the CPU)
+    with open(path, "rb") as f:
+        head = f.read(20)
+    assert head[:4] == b"\x7fELF"
+    machine = int.from_bytes(head[18:20], "little")
+    assert machine == ELF_MACHINE[platform.machine().lower()]
+    target = path.name[len("libmojolearn_cpu"):-len(".so")].lstrip("_")
+    if target:
+        assert d["arch"] == target
+        assert d["features"] == ",".join(_loader.CPU_VARIANT_FLAGS[target])
+    else:
+        assert (d["arch"], d["features"]) == BASELINE[machine]
+    flags = _loader.cpu_flags()
+    if flags is not None and d["features"] != "baseline":
+        assert set(d["features"].split(",")) <= flags, "it runs here, so the CPU has them"
+    # numeric mode: 'identical' in both forms, and its promise holds on the
+    # binary's own exp/tanh/sin at SIMD widths 16, 8 and 1
+    assert mojolearn._abi.NUMERIC_MODES[mode] == d["mode"] == "identical"
+    so.ml_math_eval.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_int64]
+    x = np.linspace(-30, 30, 4099, dtype=np.float32)
+    for fn in (0, 8, 9):
+        outs = []
+        for width in (16, 8, 1):
+            out = np.full_like(x, np.nan)
+            so.ml_math_eval(fn, x.ctypes.data, out.ctypes.data, x.size, width)
+            outs.append(out.tobytes())
+        assert outs[0] == outs[1] == outs[2], fn
 
 
 def test_abi_mismatch_is_refused():
@@ -37,7 +108,7 @@ def test_abi_mismatch_is_refused():
 
 def test_mode_mismatch_is_refused():
     # the CPU binary runs 'identical'; asking the loader for 'fast' must fail
-    with pytest.raises(mojolearn.BinaryNotFoundError, match="numeric mode"):
+    with raises_naming(mojolearn.BinaryNotFoundError, "numeric mode 'identical'", "'fast'"):
         _loader._load(_loader.library_path("cpu"), "cpu", "fast")
 
 

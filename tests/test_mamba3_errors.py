@@ -8,13 +8,14 @@ the caller's x kept their bytes ("a failed call changes nothing").
 from __future__ import annotations
 
 import array as pyarray
-import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import mojolearn
 from mojolearn.mamba import Mamba3Block, Mamba3BlockInference, Mamba3State
+from tests.errors import assert_names, raises_naming
 from tests.reference.mamba3_weights import mamba3_weights, random_input
 
 D = 64            # H = 2 heads
@@ -70,15 +71,9 @@ def fails(exc, fn, *args, keep=(), match=(), **kwargs):
     before = snapshot(*keep)
     with pytest.raises(exc) as info:
         fn(*args, **kwargs)
-    msg = str(info.value)
-    for part in match:
-        assert part in msg, f"message {msg!r} does not name {part!r}"
+    msg = assert_names(str(info.value), *match)   # whole tokens: tests/errors.py
     assert snapshot(*keep) == before, "a failed call changed a caller buffer"
     return msg
-
-
-def names_x(msg):
-    assert re.search(r"(?<![\w.])x(?![\w])", msg), f"message {msg!r} does not name x"
 
 
 def _bf16_bits(shape):
@@ -91,22 +86,17 @@ BAD_DTYPES = [
     pytest.param(lambda s: np.ones(s, np.float16), ["float16"], id="float16"),
     pytest.param(_bf16_bits, ["uint16", "bfloat16"], id="bf16-bits"),
     pytest.param(lambda s: mojolearn.Array(s, "float64"), ["float64"], id="Array-float64"),
+    pytest.param(lambda s: np.ones(s, ml_dtypes.bfloat16), ["bfloat16"], id="bfloat16"),
 ]
-try:
-    import ml_dtypes
-    BAD_DTYPES.append(pytest.param(lambda s: np.ones(s, ml_dtypes.bfloat16), ["bfloat16"],
-                                   id="bfloat16"))
-except ImportError:
-    pass
 
 
 # ---------------------------------------------------------------- dtypes
 @pytest.mark.parametrize("make,words", BAD_DTYPES)
 def test_x_bad_dtype(block, make, words):
-    names_x(fails(TypeError, block.forward, make((B, L, D)), match=words))
+    fails(TypeError, block.forward, make((B, L, D)), match=["x"] + words)
     st = filled_state(block)
-    names_x(fails(TypeError, block.forward, make((B, L, D)), st, keep=[st], match=words))
-    names_x(fails(TypeError, block.step, make((B, D)), st, keep=[st], match=words))
+    fails(TypeError, block.forward, make((B, L, D)), st, keep=[st], match=["x"] + words)
+    fails(TypeError, block.step, make((B, D)), st, keep=[st], match=["x"] + words)
 
 
 @pytest.mark.parametrize("name", WEIGHT_NAMES)
@@ -133,9 +123,9 @@ def test_state_bad_dtype(block, x, which):
 @pytest.mark.parametrize("bad", [None, "text", 3.0, [[[0.0] * D] * L] * B],
                          ids=["None", "str", "float", "list"])
 def test_x_not_a_buffer(block, bad):
-    names_x(fails(ValueError, block.forward, bad))
+    fails(ValueError, block.forward, bad, match=["x", type(bad).__name__])
     st = filled_state(block)
-    fails(ValueError, block.step, bad, st, keep=[st])
+    fails(ValueError, block.step, bad, st, keep=[st], match=["x", type(bad).__name__])
 
 
 @pytest.mark.parametrize("shape", [(L, D), (1, B, L, D), (0, L, D), (B, 0, D), (B, L, D - 32),
@@ -143,37 +133,44 @@ def test_x_not_a_buffer(block, bad):
 def test_x_bad_shape(block, shape):
     st = filled_state(block)
     bad = np.zeros(shape, np.float32)
-    names_x(fails(ValueError, block.forward, bad, match=[str(shape[-1]) if len(shape) == 3
-                                                         and shape[0] and shape[1]
-                                                         else str(shape)]))
-    fails(ValueError, block.forward, bad, st, keep=[st, bad])
+    # a wrong d_model is reported as "d_model N", any other bad shape in full
+    match = ["x", f"d_model {shape[-1]}" if len(shape) == 3 and shape[0] and shape[1]
+             else str(shape)]
+    fails(ValueError, block.forward, bad, match=match)
+    fails(ValueError, block.forward, bad, st, keep=[st, bad], match=match)
 
 
 def test_step_shapes(block, x):
     st = filled_state(block)
-    fails(ValueError, block.step, x, st, keep=[st], match=["one token", str(x.shape)])
-    fails(ValueError, block.step, np.zeros((0, D), np.float32), st, keep=[st])
+    fails(ValueError, block.step, x, st, keep=[st],
+          match=["x", "one token", "(B, 1, d_model)", f"got {x.shape}"])
+    fails(ValueError, block.step, np.zeros((0, D), np.float32), st, keep=[st],
+          match=["x", "B >= 1", str((0, D))])
     fails(ValueError, block.step, x[:, 0], None, match=["state"])
-    fails(ValueError, block.step, x[:, 0, :D - 1].copy(), st, keep=[st], match=[str(D - 1)])
-    fails(ValueError, block.step, x[:1, 0], st, keep=[st], match=["batch"])
+    fails(ValueError, block.step, x[:, 0, :D - 1].copy(), st, keep=[st],
+          match=["x", f"d_model {D - 1}", f"block has {D}"])
+    fails(ValueError, block.step, x[:1, 0], st, keep=[st],
+          match=["batch mismatch", "x", "B=1", f"({B}, "])   # the state's shape (B, ...)
 
 
 @pytest.mark.parametrize("d", [16, 48, 33, 0])
 def test_d_model_not_multiple_of_32(d):
     w = mamba3_weights(32, seed=1)
     w["block_norm.weight"] = np.ones(d, np.float32)
-    fails(ValueError, Mamba3Block, w, match=["32"])
+    fails(ValueError, Mamba3Block, w, match=["multiple of 32", f"block_norm.weight has {d} entries"])
 
 
 def test_missing_and_unknown_weights(weights):
     w = {k: v for k, v in weights.items() if k not in ("D", "B_bias")}
-    msg = fails(ValueError, Mamba3Block, w, match=["missing", "'D'", "'B_bias'"])
+    msg = fails(ValueError, Mamba3Block, w, match=["missing"])
+    # in the reported list, not only in the "(expected [...])" list after it
+    assert_names(msg.split("(expected", 1)[0], "'D'", "'B_bias'")
     w = dict(weights)
     w["A_log"] = np.zeros(2, np.float32)
     fails(ValueError, Mamba3Block, w, match=["unknown", "A_log"])
-    fails(ValueError, Mamba3Block, {k: v for k, v in weights.items()
-                                    if k != "block_norm.weight"},
-          match=["block_norm.weight"])
+    msg = fails(ValueError, Mamba3Block, {k: v for k, v in weights.items()
+                                          if k != "block_norm.weight"}, match=["missing"])
+    assert_names(msg.split("(expected", 1)[0], "block_norm.weight")
     fails(ValueError, Mamba3Block, list(weights.values()), match=["weights"])
 
 
@@ -181,9 +178,10 @@ def test_missing_and_unknown_weights(weights):
 def test_weight_wrong_shape(weights, name):
     w = dict(weights)
     w[name] = np.zeros(weights[name].shape[:-1] + (weights[name].shape[-1] + 1,), np.float32)
-    fails(ValueError, Mamba3Block, w, match=[name, str(weights[name].shape)])
+    fails(ValueError, Mamba3Block, w, match=[name, str(weights[name].shape),
+                                             str(np.shape(w[name]))])
     w[name] = weights[name].tolist()
-    fails(ValueError, Mamba3Block, w, match=[name])
+    fails(ValueError, Mamba3Block, w, match=[name, "list"])
 
 
 @pytest.mark.parametrize("which", STATE_NAMES)
@@ -205,27 +203,29 @@ def test_state_wrong_shape_readonly_noncontiguous(block, x, which):
     parts[which] = big[..., 0]
     st = Mamba3State(**parts, buffered_tokens=good.buffered_tokens)
     fails(ValueError, block.step, x[:, 0], st, keep=[x, big], match=[f"state.{which}",
-                                                                     "contiguous"])
+                                                                     "C-contiguous"])
 
 
 def test_state_batch_mismatch_and_type(block, x):
     st = filled_state(block, batch=3)
-    fails(ValueError, block.forward, x, st, keep=[st, x], match=["batch"])
-    fails(ValueError, block.step, x[:, 0], st, keep=[st], match=["batch"])
-    fails(TypeError, block.forward, x, object(), match=["Mamba3State"])
+    match = ["batch mismatch", "x", f"B={B}", "(3, "]   # the state's shape (3, ...)
+    fails(ValueError, block.forward, x, st, keep=[st, x], match=match)
+    fails(ValueError, block.step, x[:, 0], st, keep=[st], match=match)
+    fails(TypeError, block.forward, x, object(), match=["state", "Mamba3State", "object"])
 
 
 @pytest.mark.parametrize("n", [-1, 65, 1000])
 def test_buffered_tokens_out_of_range(block, x, n):
     st = filled_state(block)
     st.buffered_tokens = n
-    fails(ValueError, block.forward, x, st, keep=[st], match=["buffered_tokens", str(n)])
+    fails(ValueError, block.forward, x, st, keep=[st],
+          match=[f"state.buffered_tokens = {n}", "[0, 64]"])
 
 
 def test_buffered_tokens_type():
-    with pytest.raises(TypeError, match="buffered_tokens"):
+    with raises_naming(TypeError, "buffered_tokens", "int", "float"):
         Mamba3State(*[None] * 10, buffered_tokens=1.5)
-    with pytest.raises(TypeError, match="pending"):
+    with raises_naming(TypeError, "pending", "bool", "int"):
         Mamba3State(*[None] * 10, pending=1)
 
 
@@ -234,10 +234,10 @@ def test_buffered_tokens_type():
 def test_nonfinite_x(block, x, value):
     bad = x.copy()
     bad.reshape(-1)[D + 37] = value          # row 0, token 1, element 37
-    names_x(fails(ValueError, block.forward, bad, match=[f"index {D + 37}"]))
+    fails(ValueError, block.forward, bad, match=["x", f"index {D + 37}"])
     st = filled_state(block)
-    fails(ValueError, block.forward, bad, st, keep=[st, bad], match=[f"index {D + 37}"])
-    fails(ValueError, block.step, bad[:, 1], st, keep=[st], match=["index 37"])
+    fails(ValueError, block.forward, bad, st, keep=[st, bad], match=["x", f"index {D + 37}"])
+    fails(ValueError, block.step, bad[:, 1], st, keep=[st], match=["x", "index 37"])
 
 
 @pytest.mark.parametrize("name", WEIGHT_NAMES)
@@ -274,13 +274,14 @@ def test_nonfinite_in_unused_buffer_rows_is_ignored(block, x):
 # ------------------------------------------------------------ lengths
 def test_lengths_errors(block, x):
     st = filled_state(block)
-    fails(ValueError, block.forward, x, st, lengths=[L, L], keep=[st], match=["lengths"])
-    fails(ValueError, block.forward, x, lengths=[L], match=["lengths"])
-    fails(ValueError, block.forward, x, lengths=[0, L], match=["lengths[0]"])
-    fails(ValueError, block.forward, x, lengths=[L, L + 1], match=["lengths[1]"])
-    fails(TypeError, block.forward, x, lengths=[True, L], match=["lengths[0]"])
-    fails(TypeError, block.forward, x, lengths=[2.0, L], match=["lengths[0]"])
-    fails(TypeError, block.forward, x, lengths=5, match=["lengths"])
+    fails(ValueError, block.forward, x, st, lengths=[L, L], keep=[st], match=["lengths", "state"])
+    fails(ValueError, block.forward, x, lengths=[L], match=["lengths", f"B={B}", "got 1"])
+    fails(ValueError, block.forward, x, lengths=[0, L], match=["lengths[0] = 0", f"L={L}"])
+    fails(ValueError, block.forward, x, lengths=[L, L + 1],
+          match=[f"lengths[1] = {L + 1}", f"L={L}"])
+    fails(TypeError, block.forward, x, lengths=[True, L], match=["lengths[0]", "int", "bool"])
+    fails(TypeError, block.forward, x, lengths=[2.0, L], match=["lengths[0]", "int", "float"])
+    fails(TypeError, block.forward, x, lengths=5, match=["lengths", "sequence"])
 
 
 # ------------------------------------------------------- input states
@@ -290,8 +291,8 @@ def test_set_input_states_on_used_state_fails_at_next_call(block, x):
            np.zeros((B, H, 128), np.float32), np.zeros((B, H, 64), np.float32)]
     st.set_input_states(*ins)
     assert st.pending
-    fails(ValueError, block.forward, x, st, keep=[st, x], match=["pending", "fresh"])
-    fails(ValueError, block.step, x[:, 0], st, keep=[st], match=["pending"])
+    fails(ValueError, block.forward, x, st, keep=[st, x], match=["state.pending", "fresh"])
+    fails(ValueError, block.step, x[:, 0], st, keep=[st], match=["state.pending", "fresh"])
 
 
 def test_set_input_states_bad_arguments(block):
@@ -304,7 +305,8 @@ def test_set_input_states_bad_arguments(block):
         bad[i] = good[i].astype(np.float64)
         fails(TypeError, st.set_input_states, *bad, keep=[st], match=[n, "float64"])
         bad[i] = np.zeros(good[i].shape[:-1] + (3,), np.float32)
-        fails(ValueError, st.set_input_states, *bad, keep=[st], match=[n])
+        fails(ValueError, st.set_input_states, *bad, keep=[st],
+              match=[n, f"got {bad[i].shape}"])
     assert not st.pending
 
 
@@ -324,7 +326,7 @@ def test_pending_consumed_and_nonfinite_pending(block, x):
 # --------------------------------------------------- construction, params
 @pytest.mark.parametrize("mode", ["fast", "exact", None, 0])
 def test_bad_numeric_mode(weights, mode):
-    fails(ValueError, Mamba3Block, weights, numeric_mode=mode, match=["numeric_mode"])
+    fails(ValueError, Mamba3Block, weights, numeric_mode=mode, match=["numeric_mode", repr(mode)])
 
 
 def test_inference_backward_not_implemented(weights, x):
@@ -353,10 +355,71 @@ def test_attributes_params_session_info(weights, x):
     w2["D"] = weights["D"] * np.float32(2)
     blk.set_params(weights=w2)
     assert np.asarray(blk.forward(x)).tobytes() != y.tobytes()
-    with pytest.raises(ValueError):
+    with raises_naming(ValueError, "unknown parameters", "dt_limit"):
         blk.set_params(dt_limit=(0, 1))
-    with pytest.raises(ValueError):
+    with raises_naming(ValueError, "missing ['D']"):
         blk.set_params(weights={k: v for k, v in w2.items() if k != "D"})
+
+
+def _bad_set_params(weights):
+    """(exception, set_params kwargs, names the message must give): one of
+    each kind of refusal, including good weights paired with a bad argument
+    (nothing may be applied) and a smaller block's weights with one bad."""
+    nan = dict(weights)
+    nan["C_bias"] = weights["C_bias"].copy()
+    nan["C_bias"].reshape(-1)[17] = np.nan
+    other = mamba3_weights(D, seed=8)          # valid on their own
+    small = mamba3_weights(32, seed=1)
+    small["D"] = np.zeros(3, np.float32)
+    return [
+        (ValueError, {"weights": nan}, ["C_bias", "index 17"]),
+        (TypeError, {"weights": dict(weights, D=weights["D"].astype(np.float64))},
+         ["D", "float64"]),
+        (ValueError, {"weights": dict(weights, **{"in_proj.weight": np.zeros((5, D), np.float32)})},
+         ["in_proj.weight", "(5, 64)"]),
+        (ValueError, {"weights": {k: v for k, v in weights.items() if k != "dt_bias"}},
+         ["missing ['dt_bias']"]),
+        (ValueError, {"weights": dict(weights, extra=np.zeros(1, np.float32))},
+         ["unknown ['extra']"]),
+        (ValueError, {"weights": small}, ["D", "(3,)"]),
+        (ValueError, {"weights": list(weights.values())}, ["weights", "list"]),
+        (ValueError, {"numeric_mode": "fast"}, ["numeric_mode", "'fast'"]),
+        (ValueError, {"numeric_mode": "bogus"}, ["numeric_mode", "'bogus'"]),
+        (ValueError, {"weights": other, "numeric_mode": "bogus"}, ["numeric_mode", "'bogus'"]),
+        (ValueError, {"weights": other, "dt_limit": (0, 1)}, ["unknown parameters", "dt_limit"]),
+        (ValueError, {"bogus_param": 1}, ["unknown parameters", "bogus_param"]),
+    ]
+
+
+def test_failed_set_params_keeps_old_block(weights, x):
+    """A refused set_params changes nothing: every parameter byte, the
+    attributes, the outputs (stateless, stateful, step) and a caller's state."""
+    blk = Mamba3Block(weights)
+    st = filled_state(blk)
+    y0 = _bytes(blk.forward(x))
+    p0 = {k: _bytes(v) for k, v in blk.get_params()["weights"].items()}
+    attrs0 = (blk.d_model, blk.d_inner, blk.nheads, blk.d_in_proj, blk.weight_format,
+              blk.numeric_mode)
+    s0 = snapshot(st)
+    for exc, params, words in _bad_set_params(weights):
+        fails(exc, blk.set_params, **params, keep=[st], match=words)
+        assert _bytes(blk.forward(x)) == y0, sorted(params)
+        p = blk.get_params()
+        assert p["numeric_mode"] == "identical", sorted(params)
+        assert {k: _bytes(v) for k, v in p["weights"].items()} == p0, sorted(params)
+        assert (blk.d_model, blk.d_inner, blk.nheads, blk.d_in_proj, blk.weight_format,
+                blk.numeric_mode) == attrs0, sorted(params)
+    assert snapshot(st) == s0
+    # the old weights still drive a carried forward and step
+    ref = Mamba3Block(weights)
+    st_ref = Mamba3State(**numpy_parts(st), buffered_tokens=st.buffered_tokens)
+    assert _bytes(blk.forward(x, st)) == _bytes(ref.forward(x, st_ref))
+    assert _bytes(blk.step(x[:, 0], st)) == _bytes(ref.step(x[:, 0], st_ref))
+    assert snapshot(st) == snapshot(st_ref)
+    # negative control: an accepted set_params does change the output and params
+    blk.set_params(weights=mamba3_weights(D, seed=8))
+    assert _bytes(blk.forward(x)) != y0
+    assert {k: _bytes(v) for k, v in blk.get_params()["weights"].items()} != p0
 
 
 def test_reports_unavailable_after_state_advanced(block, x):
@@ -364,5 +427,5 @@ def test_reports_unavailable_after_state_advanced(block, x):
     block.forward(x, st)
     other = Mamba3Block(block.get_params()["weights"])
     other.forward(x[:, :1].copy(), st)      # another block advances the state
-    with pytest.raises(ValueError, match="no longer available"):
+    with raises_naming(ValueError, "h_last_", "no longer available"):
         block.h_last_

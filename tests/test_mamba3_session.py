@@ -2,10 +2,10 @@
 chunk folds, from input states and after a reload; the held state is
 refused by the block; closed sessions refuse to step."""
 import numpy as np
-import pytest
 
 import mojolearn
 from tests.bits import assert_bits_differ, assert_same_bits
+from tests.errors import raises_naming
 from tests.reference.mamba3_weights import mamba3_weights, random_input
 
 D = 64
@@ -69,7 +69,7 @@ def test_reload_after_an_edit_and_held_state_refused():
     sess = BLOCK.decode_session(s2)
     y1 = session_steps(sess, x, 0, 40)
     assert_same_bits(y1, steps(s1, x, 0, 40), "first 40")
-    with pytest.raises(ValueError, match="Mamba3DecodeSession"):
+    with raises_naming(ValueError, "state", "Mamba3DecodeSession"):
         BLOCK.step(x[:, 40], s2)
     sess.sync_state()
     np.asarray(s2.h)[1, 0, 3, 7] += np.float32(0.5)
@@ -80,7 +80,7 @@ def test_reload_after_an_edit_and_held_state_refused():
     sess.close()  # idempotent
     assert_same_bits(y2, steps(s1, x, 40, 90), "after reload")
     assert_same_state(s2, s1)
-    with pytest.raises(ValueError, match="closed"):
+    with raises_naming(ValueError, "Mamba3DecodeSession", "closed"):
         sess.step(x[:, 0])
     BLOCK.step(x[:, 0], s2)  # released
 
@@ -92,9 +92,9 @@ def test_bad_x_is_refused_and_nothing_changes():
         before = {n: np.asarray(a).copy() for n, a in sess._arrays.items()}
         bad = random_input(2, 1, D, seed=7)
         bad[1, 0, 3] = np.nan
-        with pytest.raises(ValueError, match="x"):
+        with raises_naming(ValueError, "x", f"flat index {D + 3}"):
             sess.step(bad)
-        with pytest.raises(ValueError):
+        with raises_naming(ValueError, "x", "B=3", "2 rows"):
             sess.step(random_input(3, 1, D, seed=7))
         for n, a in sess._arrays.items():
             assert_same_bits(np.asarray(a), before[n], n)
