@@ -8,7 +8,10 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import mojolearn
-from tests.bits import assert_bits_differ, assert_same_bits, nudge
+from tests.bits import (
+    assert_bits_differ, assert_only_rounding_differs, assert_same_bits,
+    assert_shared_workspace_changes_bits, nudge, reordered_reduction,
+)
 from tests.reference.weights import mamba2_weights, random_input
 from tests.threads import run_in_threads
 
@@ -181,7 +184,14 @@ def test_thread_count_does_not_change_bits(threads, shape):
         assert_same_bits(y, y1, f"forward with {n} threads vs 1")
         assert_same_bits(d, d1, f"steps with {n} threads vs 1")
         assert_same_bits(h, h1, f"h_last_ with {n} threads vs 1")
-    assert_bits_differ(np.asarray(block().forward(nudge(x))), y1, "nudged input")
+    # negative control: the same function summed over d_model in another
+    # order (what a thread-dependent reduction would do) changes the bits
+    r = reordered_reduction(W, x, "mamba2")
+    other = mojolearn.Mamba2Block(r.weights)
+    assert_only_rounding_differs(r.output(other.forward(r.x)), y1, "reordered forward")
+    s2 = other.allocate_state(B)
+    assert_only_rounding_differs(r.output(steps(other, r.inputs(xs), s2, 0, 3)), d1,
+                                 "reordered steps")
 
 
 @pytest.mark.parametrize("garbage", [1e30, np.nan, -np.inf, 0.5])
@@ -199,9 +209,17 @@ def test_ragged_rows_equal_rows_alone_with_exact_zero_padding(garbage):
         assert_same_bits(y[i, :n], alone[0], f"ragged row {i}")
         assert_same_bits(h[i], np.asarray(block().h_last_)[0], f"ragged row {i} h_last_")
         assert (y[i, n:].view(np.uint32) == 0).all(), f"row {i}: padding is not exactly +0.0"
-    # negative control: a real position differs from a padding position
-    assert_bits_differ(y[1, 1:2], np.asarray(block().forward(clean[1:2, :2]))[0, 1:2],
-                       "padding vs a real position")
+    # negative control: padding that leaked into the rows, here run as real
+    # tokens (lengths all L), makes each short row differ from its row alone:
+    # in h_last_ and in the padded positions; (causal) its real positions
+    # keep their bits
+    leaked = np.asarray(block().forward(clean))
+    h_leaked = np.asarray(block().h_last_).copy()
+    for i, n in enumerate(lengths):
+        if n < L:
+            assert_same_bits(leaked[i, :n], y[i, :n], f"row {i} real positions")
+            assert_bits_differ(leaked[i], y[i], f"row {i} with its padding run as tokens")
+            assert_bits_differ(h_leaked[i], h[i], f"row {i} h_last_ with its padding as tokens")
 
 
 @settings(max_examples=8, deadline=None)
@@ -240,17 +258,24 @@ def test_state_bytes_in_numpy_buffers_continue_identically():
     x = random_input(2, 280, D, seed=9)
     state = block().allocate_state(2)
     block().forward(x[:, :200], state)
-    arrays = [np.frombuffer(np.asarray(getattr(state, n)).tobytes(), np.float32)
-              .reshape(np.asarray(getattr(state, n)).shape).copy() for n in STATE_NAMES]
-    fresh = mojolearn.Mamba2State(*arrays, buffered_tokens=state.buffered_tokens)
+    saved = [np.frombuffer(np.asarray(getattr(state, n)).tobytes(), np.float32)
+             .reshape(np.asarray(getattr(state, n)).shape) for n in STATE_NAMES]
+
+    def restored(bt=200):
+        # the state updates its arrays in place: each use gets its own copies
+        return mojolearn.Mamba2State(*[a_.copy() for a_ in saved], buffered_tokens=bt)
+
+    fresh = restored()
     a = np.asarray(block().forward(x[:, 200:], state))
     b = np.asarray(block().forward(x[:, 200:], fresh))
     assert_same_bits(b, a, "continuation from copied state bytes")
     assert_same_state(fresh, state, "states after the continuation")
-    # negative control: the same bytes with a different buffered_tokens
-    arrays2 = [a_.copy() for a_ in arrays]
-    wrong = mojolearn.Mamba2State(*arrays2, buffered_tokens=199)
-    assert_bits_differ(np.asarray(block().forward(x[:, 200:], wrong)), a, "buffered_tokens")
+    # negative control from the same saved bytes: untouched they continue
+    # identically (the bytes are the pre-continuation state), and only the
+    # deliberate change of buffered_tokens moves the bits
+    assert_same_bits(np.asarray(block().forward(x[:, 200:], restored())), a, "copy again")
+    assert_bits_differ(np.asarray(block().forward(x[:, 200:], restored(bt=199))), a,
+                       "buffered_tokens 199")
 
 
 def test_initial_h_decode_equals_prefill():
@@ -283,7 +308,7 @@ def test_conv_weight_2d_and_3d_identical_and_repeat():
     assert_bits_differ(np.asarray(mojolearn.Mamba2Block(w3).forward(x)), y, "nudged conv weight")
 
 
-def test_concurrent_calls_on_one_block_give_the_same_bits():
+def test_concurrent_calls_on_one_block_give_the_same_bits(monkeypatch):
     """Eight Python threads on one block at once (each thread has its own
     workspace): every result keeps its bits."""
     xs = [random_input(2, 270, D, seed=30 + k) for k in range(4)]
@@ -291,7 +316,11 @@ def test_concurrent_calls_on_one_block_give_the_same_bits():
     got = run_in_threads(lambda k: np.asarray(block().forward(xs[k % 4])), 8)
     for k in range(8):
         assert_same_bits(got[k], want[k % 4], f"thread {k}")
-    assert_bits_differ(want[0], want[1], "different inputs")
+    # negative control: the same run with one workspace shared by the
+    # threads changes some result's bits
+    assert_shared_workspace_changes_bits(
+        monkeypatch, lambda k: [np.asarray(block().forward(xs[k % 4]))],
+        [[want[k % 4]] for k in range(8)], 8)
 
 
 def test_decode_session_equals_block_step():
@@ -353,4 +382,8 @@ def test_large_batches_grouped_rows_equal_rows_alone(B, L):
     a = np.asarray(block().forward(x[:, :L - 3], st))
     b = steps(block(), x, st, L - 3, L)
     assert_same_bits(np.concatenate([a, b], 1), y, "grouped prefill + steps")
-    assert_bits_differ(y[1], y[2], "different rows")
+    # negative control: the row alone with its d_model sums in another order
+    # (what a grouping-dependent reduction would do) has other bits
+    r = reordered_reduction(W, x[1:2], "mamba2")
+    assert_only_rounding_differs(r.output(mojolearn.Mamba2Block(r.weights).forward(r.x))[0],
+                                 y[1], "row 1 alone, reordered sums")

@@ -8,37 +8,49 @@ import pytest
 import torch
 
 import mojolearn
+from tests import tolerance
 from tests.backward_bits import (
     assert_same_grads, check_repeated_calls, check_rows_alone, check_thread_count, grad_arrays,
 )
-from tests.bits import assert_bits_differ, assert_same_bits
+from tests.bits import (
+    assert_bits_differ, assert_only_rounding_differs, assert_reordered_backward_differs,
+    assert_same_bits, reordered_reduction,
+)
+from tests.errors import raises_naming
 from tests.reference.mamba3_weights import mamba3_dims, mamba3_weights, random_input
 from tests.reference.numpy_mamba3 import mamba3_numpy
 from tests.reference.torch_mamba3 import GRAD_NAMES as NAMES
 from tests.reference.torch_mamba3 import mamba3_grads, mamba3_torch
 
-REL = 1e-4  # max |err| <= REL * max |ref|, per array
-WORST = {}  # name -> (worst err / max|ref|, case), printed at the end
+WORST = {}  # name -> (worst |err| / scale, case), printed at the end
 
 
-def _compare(got, ref, case):
+def reference_and_scale(w, x, g, **kw):
+    """The float64 gradients and each element's error scale (tests/tolerance.py)."""
+    return tolerance.sensitivity(mamba3_grads, w, (x, g), **kw)
+
+
+def _compare(got, ref, scale, case, control=False):
+    """|err| <= tolerance.C * scale, elementwise, for every array. control:
+    negative control, each array with the smallest 20% of its nonzero
+    elements 1% off must fail the same check."""
     assert set(got) == set(NAMES)
     for name in NAMES:
-        a = np.asarray(got[name], dtype=np.float64)
-        r = ref[name].reshape(a.shape)
-        assert np.isfinite(a).all(), f"{case} {name}: non-finite gradient"
-        scale = float(np.abs(r).max())
-        ratio = float(np.abs(a - r).max()) / scale if scale > 0 else float(np.abs(a).max())
+        assert np.isfinite(np.asarray(got[name])).all(), f"{case} {name}: non-finite gradient"
+        ratio = tolerance.assert_within(got[name], ref[name], scale[name], f"{case} {name}")
         if ratio > WORST.get(name, (-1.0, ""))[0]:
             WORST[name] = (ratio, case)
-        assert ratio <= REL, f"{case} {name}: max|err| / max|ref| = {ratio:.3g} > {REL}"
+        if control:
+            with pytest.raises(AssertionError):
+                tolerance.assert_within(tolerance.smallest_changed(got[name]), ref[name],
+                                        scale[name], f"{case} {name} 1% off")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_worst():
     yield
     if WORST:
-        print("\nworst max|err|/max|ref| per array (Mamba-3 backward):")
+        print(f"\nworst |err|/scale per array (Mamba-3 backward, bound {tolerance.C}):")
         for name in NAMES:
             if name in WORST:
                 print(f"  {name:18s} {WORST[name][0]:.3e}  ({WORST[name][1]})")
@@ -105,14 +117,16 @@ def test_gradients_match_float64_autograd(d, L, B):
     for name in NAMES[1:]:
         assert got[name].shape == w[name].shape, name
     assert got["x"].shape == (B, L, d)
-    _compare(got, mamba3_grads(w, x, g), f"d={d} L={L} B={B}")
+    # L = 1: the angle rows of in_proj have no gradient (q and k turn by the
+    # same angle), their float32 values are rounding noise: no control
+    _compare(got, *reference_and_scale(w, x, g), f"d={d} L={L} B={B}", control=L > 1)
 
 
 def test_gradients_three_chunks():
     d, B, L = 32, 2, 150
     w = mamba3_weights(d, seed=7)
     x, g = random_input(B, L, d, seed=8), random_input(B, L, d, seed=9)
-    _compare(mojolearn.Mamba3Block(w).backward(x, g), mamba3_grads(w, x, g),
+    _compare(mojolearn.Mamba3Block(w).backward(x, g), *reference_and_scale(w, x, g),
              f"d={d} L={L} B={B}")
 
 
@@ -141,7 +155,13 @@ def test_gradients_in_extreme_regimes(case):
     else:
         w["in_proj.weight"][c + 3 * h:c + 3 * h + 32] *= np.float32(40.0)
         w["dt_bias"] = w["dt_bias"] * 0 + np.float32(1.0)
-    _compare(mojolearn.Mamba3Block(w).backward(x, g), mamba3_grads(w, x, g), case)
+    # softplus_identity: dt ~ 20 forgets all but the last tokens, whose q
+    # and k turn by nearly the same angle, so the angle rows' gradients are
+    # a near-exact cancellation of terms of the array's size; input
+    # perturbations cannot see it (plain float32 PyTorch autograd of the same
+    # recurrence misses them by a median 1%, ours 0.4%): tolerance.py cancels
+    ref, scale = reference_and_scale(w, x, g, cancels=case == "softplus_identity")
+    _compare(mojolearn.Mamba3Block(w).backward(x, g), ref, scale, case)
 
 
 # --------------------------------------------------------------------------- bits
@@ -160,6 +180,11 @@ def block():
 @pytest.mark.parametrize("shape", [(1, 1), (3, 70), (2, 64)])
 def test_thread_count_does_not_change_bits(threads, shape):
     check_thread_count(block(), NAMES, D, shape, (41, 42), (2, 3, 4), threads)
+    # negative control: the same function with its d_model sums in another
+    # order (what a thread-dependent reduction would do) has other bits
+    x, g = random_input(*shape, D, seed=41), random_input(*shape, D, seed=42)
+    assert_reordered_backward_differs(mojolearn.Mamba3Block, W, x, g, "mamba3",
+                                      grad_arrays(block().backward(x, g)))
 
 
 def test_repeated_calls_are_identical():
@@ -189,7 +214,11 @@ def test_row_alone_across_the_memory_budgets():
         alone = grad_arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
                                          np.ascontiguousarray(g[i:i + 1])))
         assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
-    assert_bits_differ(full["x"][0], full["x"][5], "two different rows")
+    # negative control: row 5 alone with its d_model sums in another order
+    # (what a budget-dependent reduction would do) has other bits
+    r = reordered_reduction(W, x[5:6], "mamba3")
+    other = r.grads(mojolearn.Mamba3Block(r.weights).backward(r.x, r.inputs(g[5:6])))
+    assert_only_rounding_differs(other["x"][0], full["x"][5], "row 5 alone, reordered sums")
 
 
 def test_zero_grad_output_gives_exact_zeros():
@@ -228,14 +257,14 @@ def test_backward_changes_nothing_it_reads():
 @pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int32])
 def test_grad_output_bad_dtype(dtype):
     x = random_input(1, 4, D, seed=1)
-    with pytest.raises(TypeError, match="grad_output"):
+    with raises_naming(TypeError, "grad_output", "float32", np.dtype(dtype).name):
         block().backward(x, np.ones(x.shape, dtype=dtype))
 
 
 @pytest.mark.parametrize("shape", [(1, 4, D + 32), (1, 5, D), (2, 4, D), (4, D), (1, 1, 4, D)])
 def test_grad_output_bad_shape(shape):
     x = random_input(1, 4, D, seed=1)
-    with pytest.raises(ValueError, match="grad_output"):
+    with raises_naming(ValueError, "grad_output", str(shape)):
         block().backward(x, np.ones(shape, dtype=np.float32))
 
 
@@ -245,23 +274,23 @@ def test_grad_output_nonfinite_named_with_first_index(value):
     g = np.ones_like(x)
     g[0, 2, 5] = value
     g[0, 3, 0] = value
-    with pytest.raises(ValueError, match=r"grad_output.*flat index %d" % (2 * D + 5)):
+    with raises_naming(ValueError, "grad_output", f"flat index {2 * D + 5}"):
         block().backward(x, g)
 
 
 def test_grad_output_not_a_buffer():
     x = random_input(1, 4, D, seed=1)
-    with pytest.raises(ValueError, match="grad_output"):
+    with raises_naming(TypeError, "grad_output", "list"):
         block().backward(x, [[1.0] * D] * 4)
 
 
 def test_x_errors_named():
     g = np.ones((1, 4, D), np.float32)
-    with pytest.raises(TypeError, match="x"):
+    with raises_naming(TypeError, "x", "float64"):
         block().backward(g.astype(np.float64), g)
     bad = g.copy()
     bad[0, 1, 2] = np.nan
-    with pytest.raises(ValueError, match="x contains"):
+    with raises_naming(ValueError, "x", f"flat index {D + 2}"):
         block().backward(bad, g)
 
 

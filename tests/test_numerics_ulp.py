@@ -273,10 +273,17 @@ def test_sincos_gives_the_bits_of_sin_and_cos(native_lib):
         for w in (16, 8, 1):
             assert np.array_equal(_bits(run(native_lib, part, x, w)),
                                   _bits(run(native_lib, ref, x, w))), (part, w)
-    # negative control: the comparison sees a one-ulp change of one output
-    s = _bits(run(native_lib, "sincos.sin", x))
-    s[7] ^= 1
-    assert not np.array_equal(s, _bits(run(native_lib, "sin", x)))
+    # negative controls, real outputs that must differ: the other part, and
+    # each part at the neighbouring inputs (the comparison sees a part that
+    # reads the wrong one of its two results, or a perturbed argument)
+    finite = np.isfinite(x) & (np.abs(x) >= 2.0 ** -126)
+    with np.errstate(invalid="ignore"):  # NaN inputs stay NaN
+        xn = np.nextafter(x, np.float32(np.inf))
+    for part, ref, other in (("sincos.sin", "sin", "cos"), ("sincos.cos", "cos", "sin")):
+        got = _bits(run(native_lib, part, x))
+        assert not np.array_equal(got, _bits(run(native_lib, other, x))), (part, other)
+        moved = got != _bits(run(native_lib, ref, xn))
+        assert moved[finite].mean() > 0.5, (part, "at the next float")
 
 
 def test_unknown_fn_id_writes_nan(native_lib):
