@@ -91,3 +91,54 @@ def test_info_says_why_a_variant_was_skipped(monkeypatch):
                        text=True, env={**__import__("os").environ,
                                        "MOJOLEARN_CPU_TARGET": "baseline"})
     assert "skipped: libmojolearn_cpu_x86-64-v4.so (MOJOLEARN_CPU_TARGET=baseline)" in r.stdout
+
+
+# One rule for the exception class (docs/guide/errors.rst), every block class.
+CLASSES = [f"Mamba{k}{s}" for k in (1, 2, 3) for s in ("Block", "BlockInference")]
+
+
+def _block(name):
+    from tests.reference.mamba3_weights import mamba3_weights
+    from tests.reference.weights import mamba1_weights, mamba2_weights
+    make = {"1": mamba1_weights, "2": mamba2_weights, "3": mamba3_weights}[name[5]]
+    return getattr(mojolearn, name)(make(32, seed=0))
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_not_a_buffer_is_a_type_error_for_every_class(name):
+    import numpy as np
+    torch = pytest.importorskip("torch")
+    block = _block(name)
+    state = block.allocate_state(1)
+    for bad in ([[[0.0] * 32]], None, torch.zeros((1, 2, 32), dtype=torch.float32),
+                torch.zeros((1, 2, 32), dtype=torch.float64)):
+        with raises_naming(TypeError, "x"):
+            block.forward(bad)
+        with raises_naming(TypeError, "x"):
+            block.step(bad, state)
+    with raises_naming(TypeError, "torch.Tensor", "tensor.numpy()"):
+        block.forward(torch.zeros((1, 2, 32), dtype=torch.float32))
+    # control: the same values as a float32 buffer are accepted
+    block.forward(np.zeros((1, 2, 32), np.float32))
+    with raises_naming(TypeError, "state"):
+        block.step(np.zeros((1, 32), np.float32), {"h": None})
+
+
+@pytest.mark.parametrize("name", [n for n in CLASSES if n[5] in "23"])
+def test_stale_report_is_a_value_error_for_every_class(name):
+    import numpy as np
+    from tests.reference.weights import random_input
+    block = _block(name)
+    state = block.allocate_state(1)
+    x = random_input(1, 3, 32, seed=1)
+    block.forward(x, state)
+    block.h_last_  # fine while the state is where the call left it
+    block.forward(x, state)
+    other = _block(name)
+    other.forward(x, state)  # another block advances the state
+    with raises_naming(ValueError, "h_last_", "no longer available"):
+        block.h_last_
+    fresh = _block(name)
+    with pytest.raises(AttributeError):
+        fresh.h_last_
+    assert np.asarray(other.h_last_).shape[0] == 1

@@ -53,9 +53,12 @@ def float32_view(obj, name: str, *, ndim=None, writable: bool = False,
     try:
         mv = memoryview(obj)
     except TypeError:
-        raise ValueError(f"{name} must be a float32 buffer (NumPy array, "
-                         f"array.array('f'), memoryview, mojolearn.Array), got "
-                         f"{type(obj).__name__}") from None
+        hint = ""
+        if type(obj).__module__.startswith("torch"):
+            hint = " (a torch.Tensor exports no buffer: pass tensor.numpy() for a CPU tensor)"
+        raise TypeError(f"{name} must be a float32 buffer (NumPy array, "
+                        f"array.array('f'), memoryview, mojolearn.Array), got "
+                        f"{type(obj).__name__}{hint}") from None
     fmt = mv.format.lstrip("@=<")
     if fmt != "f" or mv.itemsize != 4:
         got = _FORMAT_NAMES.get(fmt, f"buffer format {mv.format!r}")

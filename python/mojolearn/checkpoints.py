@@ -198,7 +198,7 @@ def _to_float32(value, name: str):
     try:
         mv = memoryview(value)
     except TypeError:
-        raise ValueError(f"tensor {name} must be a tensor or buffer, got "
+        raise TypeError(f"tensor {name} must be a tensor or buffer, got "
                          f"{type(value).__name__}") from None
     fmt = mv.format.lstrip("@=<")
     kind = {"f": "F32", "e": "F16"}.get(fmt)

@@ -65,8 +65,8 @@ def _buffer_view(obj, name, fmt_char, itemsize, dtype_name, shape=None):
     try:
         mv = memoryview(obj)
     except TypeError:
-        raise ValueError(f"{name} must be a {dtype_name} buffer, got "
-                         f"{type(obj).__name__}") from None
+        raise TypeError(f"{name} must be a {dtype_name} buffer, got "
+                        f"{type(obj).__name__}") from None
     if mv.format.lstrip("@=<") != fmt_char or mv.itemsize != itemsize:
         raise TypeError(f"{name} must be {dtype_name}, got buffer format {mv.format!r}")
     if shape is not None and tuple(mv.shape) != tuple(shape):
@@ -247,7 +247,7 @@ def pack(weights, fmt):
     """
     _check_format(fmt)
     if not hasattr(weights, "keys"):
-        raise ValueError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
+        raise TypeError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
     if fmt == "float32":
         return unpack(weights)[0]
     out = {}
@@ -303,7 +303,7 @@ def unpack(weights):
     formats, or packed and plain float32 projection weights).
     """
     if not hasattr(weights, "keys"):
-        raise ValueError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
+        raise TypeError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
     fmt = _common_format(weights)
     out = {}
     for name in weights.keys():

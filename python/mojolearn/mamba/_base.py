@@ -27,7 +27,7 @@ def weight_views(weights, shapes: dict, lib) -> dict:
     a non-finite weight and its first flat index.
     """
     if not hasattr(weights, "keys"):
-        raise ValueError(f"weights must be a dict of name -> float32 buffer, got "
+        raise TypeError(f"weights must be a dict of name -> float32 buffer, got "
                          f"{type(weights).__name__}")
     names = set(weights.keys())
     missing = sorted(set(shapes) - names)

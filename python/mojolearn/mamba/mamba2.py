@@ -192,7 +192,7 @@ class Mamba2Block(_MambaBase):
         report: on a chunk boundary it equals state.h bitwise; mid-chunk it
         is the fold formula applied to the partial chunk). After a call with
         a state it is computed on first access from that state, which must
-        not have been advanced by another call in between (RuntimeError).
+        not have been advanced by another call in between (ValueError).
 
     Examples
     --------
@@ -386,8 +386,8 @@ class Mamba2Block(_MambaBase):
             from .._array import Array
             state, version, sv, b, s = self._h_last_src
             if state._version != version:
-                raise RuntimeError("h_last_ of the last call is no longer available: its "
-                                   "state was advanced by another call since")
+                raise ValueError("h_last_ of the last call is no longer available: its "
+                                 "state was advanced by another call since")
             h_last = Array((b, self.nheads, HEAD_DIM, D_STATE), zero=False)
             args = self._args(b, 0, 0, 0, sv, s, 0, h_last.address, False)
             self._run(args)

@@ -204,16 +204,17 @@ class Mamba3Block(_MambaBase):
         Rows of in_proj.weight.
     weight_format : str
         Format the weights were given in ('float32', 'bfloat16' or 'int8').
-    h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128), or None
+    h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128)
         Report of the last call: the state after all its tokens (the last
         token at gamma only). Computed on first access from the state that
         call left, so read it (and the three below) before the state is
-        edited or advanced (afterwards access raises ValueError).
-    k_last_ : float32 mojolearn.Array, shape (B, H, 128), or None
+        edited or advanced (afterwards access raises ValueError; before the
+        first call, AttributeError).
+    k_last_ : float32 mojolearn.Array, shape (B, H, 128)
         Report of the last call: the last rotated k.
-    v_last_ : float32 mojolearn.Array, shape (B, H, 64), or None
+    v_last_ : float32 mojolearn.Array, shape (B, H, 64)
         Report of the last call: the last v.
-    theta_last_ : float32 mojolearn.Array, shape (B, H, 32), or None
+    theta_last_ : float32 mojolearn.Array, shape (B, H, 32)
         Report of the last call: the rotary angles.
 
     Examples
@@ -473,7 +474,9 @@ class Mamba3Block(_MambaBase):
 
     def _report_value(self, key):
         rep = self._reports()
-        return None if rep is None else rep[key]
+        if rep is None:  # (the rule for every block: hasattr() says whether it is set)
+            raise AttributeError(f"{key}_last_ is set by forward or step; call one first")
+        return rep[key]
 
     @property
     def h_last_(self):
