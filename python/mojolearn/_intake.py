@@ -81,21 +81,28 @@ def float32_view(obj, name: str, *, ndim=None, writable: bool = False,
     return View(mv, native().address(mv, writable), tuple(mv.shape), name)
 
 
+def _shared_memory(a: View, b: View, written: View) -> ValueError:
+    return ValueError(f"{a.name} and {b.name} share memory; the call writes "
+                      f"{written.name} in place, so pass separate buffers")
+
+
 def refuse_overlap(written, read=()) -> None:
-    """ValueError naming two buffers of one call that share memory, where at
-    least one of them is written by the call (a state array): the kernels
-    read and write them in place, so a shared byte would give wrong
-    results. written and read are Views (None entries are skipped)."""
-    spans = [(v.address, v.address + v.mv.nbytes, v.name, True)
-             for v in written if v is not None and v.mv.nbytes]
-    spans += [(v.address, v.address + v.mv.nbytes, v.name, False)
-              for v in read if v is not None and v.mv.nbytes]
-    for i in range(len(spans)):
-        for j in range(i + 1, len(spans)):
-            a, b = spans[i], spans[j]
-            if (a[3] or b[3]) and a[0] < b[1] and b[0] < a[1]:
-                raise ValueError(f"{b[2]} and {a[2]} share memory; the call writes "
-                                 f"{a[2] if a[3] else b[2]} in place, so pass separate buffers")
+    """ValueError naming two buffers of one call that share memory where the
+    call writes (state arrays are read and written in place, so a shared
+    byte gives wrong results): any two of `written`, or one of `read` with
+    one of `written`. Views; None entries are skipped."""
+    spans = sorted(((v.address, v.address + v.mv.nbytes, v) for v in written
+                    if v is not None and v.mv.nbytes), key=lambda t: t[:2])
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:  # (sorted by start: an overlap shows between neighbours)
+            raise _shared_memory(b, a, a)
+    for r in read:
+        if r is None or not r.mv.nbytes:
+            continue
+        lo, hi = r.address, r.address + r.mv.nbytes
+        for start, end, w in spans:
+            if lo < end and start < hi:
+                raise _shared_memory(r, w, w)
 
 
 def check_shape(v: View, expected: tuple, what: str = "") -> None:
