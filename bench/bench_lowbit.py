@@ -41,8 +41,7 @@ def parse_args(argv=None):
 
 
 def _weights(version, d):
-    from tests.reference.weights import mamba1_weights, mamba2_weights
-    from tests.reference.mamba3_weights import mamba3_weights
+    from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_weights
     return {1: mamba1_weights, 2: mamba2_weights, 3: mamba3_weights}[version](d, seed=0)
 
 

@@ -211,7 +211,7 @@ def hf_block(weights: dict, d: int):
 
 # --------------------------------------------------------------------------- measurements
 def bench_prefill(mojolearn, np, torch, d, B, L, blocks, quick):
-    from tests.reference.weights import random_input
+    from mojolearn.reference.weights import random_input
     ours, (hb, _cfg) = blocks
     x = random_input(B, L, d, seed=1)
     xt = torch.from_numpy(x)
@@ -250,7 +250,7 @@ def bench_prefill(mojolearn, np, torch, d, B, L, blocks, quick):
 
 
 def bench_decode(mojolearn, np, torch, d, B, blocks, steps, rounds, warm):
-    from tests.reference.weights import random_input
+    from mojolearn.reference.weights import random_input
     from transformers import DynamicCache
     ours, (hb, cfg) = blocks
     ctx_len = 128
@@ -425,7 +425,7 @@ def main(argv=None):
     import torch
     import transformers
     transformers.logging.set_verbosity_error()
-    from tests.reference.weights import mamba1_weights
+    from mojolearn.reference.weights import mamba1_weights
 
     torch.set_num_threads(args.threads)
     mojolearn.set_num_threads(args.threads)

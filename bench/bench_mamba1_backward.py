@@ -3,7 +3,7 @@
 MambaBlock (float32, CPU), time and peak memory.
 
 For each configuration and each side, a fresh child process:
-  * builds the block from ``tests.reference.weights.mamba1_weights(d, seed=0)``
+  * builds the block from ``mojolearn.reference.weights.mamba1_weights(d, seed=0)``
     and the inputs from ``random_input`` (x seed 1, grad_output seed 2);
   * mojolearn: times ``block.backward(x, dy)`` (which recomputes the forward);
   * transformers: times ``y = block(x); y.backward(dy)`` with x and every
@@ -40,7 +40,7 @@ QUICK = [(768, 1, 128), (256, 2, 256)]
 def _worker(spec: str) -> None:
     side, d, B, L, threads, reps = worker_spec(spec)
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
-    from tests.reference.weights import mamba1_weights, random_input
+    from mojolearn.reference.weights import mamba1_weights, random_input
     w = mamba1_weights(d, seed=0)
     x = random_input(B, L, d, seed=1)
     g = random_input(B, L, d, seed=2)

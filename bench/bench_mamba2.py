@@ -94,7 +94,7 @@ def main(argv=None):
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
     import numpy as np
     import mojolearn
-    from tests.reference.weights import mamba2_weights, random_input
+    from mojolearn.reference.weights import mamba2_weights, random_input
     torch = None
     if not args.no_hf:
         import torch

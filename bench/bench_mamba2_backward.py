@@ -3,7 +3,7 @@
 Mamba2Block (float32, CPU), time and peak memory.
 
 For each configuration and each side, a fresh child process:
-  * builds the block from ``tests.reference.weights.mamba2_weights(d, seed=0)``
+  * builds the block from ``mojolearn.reference.weights.mamba2_weights(d, seed=0)``
     and the inputs from ``random_input`` (x seed 1, grad_output seed 2);
   * mojolearn: times ``block.backward(x, dy)`` (which recomputes the forward);
   * transformers: times ``y = block(x); y.backward(dy)`` with x and every
@@ -39,7 +39,7 @@ QUICK = [(256, 1, 128), (256, 2, 300)]
 def _worker(spec: str) -> None:
     side, d, B, L, threads, reps = worker_spec(spec)
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
-    from tests.reference.weights import mamba2_weights, random_input
+    from mojolearn.reference.weights import mamba2_weights, random_input
     w = mamba2_weights(d, seed=0)
     extra = {}
     x = random_input(B, L, d, seed=1)

@@ -3,7 +3,7 @@
 
 There is no CPU Mamba-3 in transformers or mamba_ssm (their kernels are
 Triton/CUDA), so the other side is what a user would write in PyTorch from
-the same math (SPEC.md section 4), float32, eager, ``torch.inference_mode()``:
+the same math (docs/mamba3.md), float32, eager, ``torch.inference_mode()``:
 
 - prefill: the chunked form (Q = 64): quadratic attention-like intra-chunk
   term with the exp(segsum) decay mask, chunk states, a short loop over
@@ -189,7 +189,7 @@ def main(argv=None):
     import numpy as np
     import torch
     import mojolearn
-    from tests.reference.mamba3_weights import mamba3_weights, random_input
+    from mojolearn.reference.weights import mamba3_weights, random_input
     torch.set_num_threads(n)
     mojolearn.set_num_threads(n)
     try:

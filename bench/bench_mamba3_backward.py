@@ -4,7 +4,7 @@ PyTorch Mamba-3 (bench/bench_mamba3.py TorchMamba3.prefill, chunked, CPU),
 time and peak memory.
 
 For each configuration and each side, a fresh child process:
-  * builds the block from ``tests.reference.mamba3_weights.mamba3_weights(d,
+  * builds the block from ``mojolearn.reference.weights.mamba3_weights(d,
     seed=0)`` and the inputs from ``random_input`` (x seed 1, grad_output seed 2);
   * mojolearn: times ``block.backward(x, dy)`` (which recomputes the forward);
   * PyTorch: times ``y = m.prefill(x); y.backward(dy)`` with x and every weight
@@ -35,7 +35,7 @@ QUICK = [(256, 1, 128), (256, 2, 256)]
 def _worker(spec: str) -> None:
     side, d, B, L, threads, reps = worker_spec(spec)
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
-    from tests.reference.mamba3_weights import mamba3_weights, random_input
+    from mojolearn.reference.weights import mamba3_weights, random_input
     w = mamba3_weights(d, seed=0)
     x = random_input(B, L, d, seed=1)
     g = random_input(B, L, d, seed=2)

@@ -10,7 +10,7 @@ in two and continued, decode sessions, batch-8 steps, the state arrays after
 prefill and after decode, backward (every gradient), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
 backward). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
-256-row workspace chunks. Needs NumPy (weights from tests/reference).
+256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
 
 Users: tests/test_cpu_variants.py (every CPU binary against the file),
 bench/gpu_check.py (a GPU binary against the CPU one and the file),
@@ -72,14 +72,13 @@ def perturbation_exempt(name: str) -> bool:
 
 
 def _weights(kind: int, d: int):
-    from tests.reference.weights import mamba1_weights, mamba2_weights
-    from tests.reference.mamba3_weights import mamba3_weights
+    from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_weights
     return {1: mamba1_weights, 2: mamba2_weights, 3: mamba3_weights}[kind](d, seed=kind)
 
 
 def _input(b, l, d, seed):
     import numpy as np
-    from tests.reference.weights import random_input
+    from mojolearn.reference.weights import random_input
     x = random_input(b, l, d, seed=seed)
     if _PERTURB:  # every element: one element's ulp can vanish in a rounding
         x = np.nextafter(x, np.float32(np.inf))
@@ -87,7 +86,7 @@ def _input(b, l, d, seed):
 
 
 def _input_unperturbed(b, l, d, seed):  # gradients: the control moves x only
-    from tests.reference.weights import random_input
+    from mojolearn.reference.weights import random_input
     return random_input(b, l, d, seed=seed)
 
 

@@ -87,7 +87,7 @@ def _torch_block(kind, weights, d):
 def time_rows(vendor: str) -> list:
     import numpy as np
     from bench import gpu_cases
-    from tests.reference.weights import random_input
+    from mojolearn.reference.weights import random_input
     rows = []
     for kind, d, b, l in TIMED:
         mojolearn = _use(vendor)

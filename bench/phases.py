@@ -20,8 +20,8 @@ import numpy as np
 
 import mojolearn
 from mojolearn import debug
-from tests.reference.mamba3_weights import mamba3_weights
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
+                                         random_input)
 
 BLOCKS = {1: (mamba1_weights, "Mamba1Block"), 2: (mamba2_weights, "Mamba2Block"),
           3: (mamba3_weights, "Mamba3Block")}

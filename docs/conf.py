@@ -7,16 +7,13 @@ Build (warnings are errors)::
 
 mojolearn is imported as installed (or from PYTHONPATH); when it is not
 importable, from the working tree's python/ (the dev build of
-scripts/dev_build.sh). The examples' weights come from tests/reference.
+scripts/dev_build.sh). The examples' weights come from mojolearn.reference.weights.
 """
 import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _root = os.path.dirname(_here)
-# The repository root, for tests.reference (the examples' weights).
-if _root not in sys.path:
-    sys.path.insert(0, _root)
 # The installed package (./run.sh test, pixi), or the working tree's dev build
 # (scripts/dev_build.sh; PYTHONPATH=python) when nothing is installed.
 try:
@@ -49,7 +46,7 @@ html_title = f"mojolearn {release}"
 # One docstring style: numpydoc, rendered by napoleon (no extra package).
 napoleon_google_docstring = False
 napoleon_numpy_docstring = True
-napoleon_use_ivar = True          # "Attributes" render as "Variables", as on the seed pages
+napoleon_use_ivar = True          # "Attributes" render as "Variables"
 napoleon_use_rtype = False
 napoleon_use_param = True
 napoleon_preprocess_types = False
@@ -67,12 +64,11 @@ myst_heading_anchors = 3
 suppress_warnings = ["myst.header", "myst.xref_missing"]
 
 # Every example in the docs runs under `-b doctest` (tests/test_docs.py).
-# The setup builds small float32 weights with NumPy (tests/reference/weights.py).
+# The setup builds small float32 weights with NumPy (mojolearn.reference.weights).
 doctest_global_setup = """
 import numpy as np
 import mojolearn
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
-from tests.reference.mamba3_weights import mamba3_weights
+from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_weights, random_input
 weights = mamba1_weights(32, seed=0)      # Mamba1Block weights, d_model = 32
 weights2 = mamba2_weights(32, seed=0)     # Mamba2Block weights, d_model = 32
 weights3 = mamba3_weights(32, seed=0)     # Mamba3Block weights, d_model = 32

@@ -4,7 +4,7 @@ shapes and seeds; each keeps its own negative controls where they differ)."""
 import numpy as np
 
 from tests.bits import assert_bits_differ, assert_same_bits, nudge
-from tests.reference.weights import random_input
+from mojolearn.reference.weights import random_input
 
 
 def grad_arrays(grads):

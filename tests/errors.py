@@ -1,6 +1,6 @@
 """Error-message checks that can fail: a name must appear in the message as a
-whole token, not inside another word (issue 19: match="x" was satisfied by
-"explicitly" and "index" in every message).
+whole token, not inside another word (a plain match="x" was once satisfied
+by "explicitly" and "index" in every message).
 
     with raises_naming(ValueError, "x", "index 3"):
         block.forward(bad)

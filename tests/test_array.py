@@ -1,4 +1,4 @@
-"""mojolearn.Array (SPEC section 9): attributes, buffer protocol, NumPy
+"""mojolearn.Array (its API reference page): attributes, buffer protocol, NumPy
 zero-copy, reshape/copy, 64-byte alignment, and that blocks return Arrays."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import mojolearn
 from mojolearn import Array
 from tests.errors import raises_naming
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 
 ALIGN = 64
 

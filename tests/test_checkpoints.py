@@ -3,8 +3,8 @@
 A small random MambaForCausalLM (and Mamba2ForCausalLM) is saved with
 save_pretrained, loaded with mojolearn (no PyTorch in the loader), run as a
 stack of blocks on the embeddings and compared layer by layer with
-transformers' own model run in verified float64 (tests/reference/hf_mamba.py,
-SPEC section 11), then used for 32 greedy tokens by step() against
+transformers' own model run in verified float64 (tests/reference/hf_mamba.py),
+then used for 32 greedy tokens by step() against
 transformers' float32 generate().
 """
 from pathlib import Path

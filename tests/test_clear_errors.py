@@ -98,8 +98,7 @@ CLASSES = [f"Mamba{k}{s}" for k in (1, 2, 3) for s in ("Block", "BlockInference"
 
 
 def _block(name):
-    from tests.reference.mamba3_weights import mamba3_weights
-    from tests.reference.weights import mamba1_weights, mamba2_weights
+    from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_weights
     make = {"1": mamba1_weights, "2": mamba2_weights, "3": mamba3_weights}[name[5]]
     return getattr(mojolearn, name)(make(32, seed=0))
 
@@ -127,7 +126,7 @@ def test_not_a_buffer_is_a_type_error_for_every_class(name):
 @pytest.mark.parametrize("name", [n for n in CLASSES if n[5] in "23"])
 def test_stale_report_is_a_value_error_for_every_class(name):
     import numpy as np
-    from tests.reference.weights import random_input
+    from mojolearn.reference.weights import random_input
     block = _block(name)
     state = block.allocate_state(1)
     x = random_input(1, 3, 32, seed=1)

@@ -22,7 +22,7 @@ DIGESTS = ROOT / "tests" / "digests.json"
 # of _abi.py must be run by some recorded case.
 NO_OUTPUT_OPS: set = set()
 _runs: dict = {}
-# the cases draw their inputs with NumPy (tests/reference)
+# the cases draw their inputs with NumPy (mojolearn.reference)
 needs_numpy = pytest.mark.skipif(importlib.util.find_spec("numpy") is None,
                                  reason="the case matrix needs NumPy")
 

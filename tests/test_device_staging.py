@@ -21,7 +21,7 @@ import mojolearn  # noqa: E402
 from mojolearn import _abi, _loader  # noqa: E402
 from bench import gpu_cases  # noqa: E402
 from tests.errors import raises_naming  # noqa: E402
-from tests.reference.weights import random_input  # noqa: E402
+from mojolearn.reference.weights import random_input  # noqa: E402
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mojolearn
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCKS = [(p.name, i, code) for p in sorted(DOCS.glob("*.md"))

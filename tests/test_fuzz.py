@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mojolearn
-from tests.reference.mamba3_weights import mamba3_weights
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
+                                         random_input)
 
 EXAMPLES = int(os.environ.get("MOJOLEARN_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -248,7 +248,7 @@ def test_session_lifecycles(kind, ops):
 CRASHY = r"""
 import os, random, sys
 import mojolearn
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 rng = random.Random(int(sys.argv[1]))
 try:
     blk = mojolearn.Mamba1Block(mamba1_weights(16, 0))

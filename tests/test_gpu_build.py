@@ -226,7 +226,7 @@ def test_selection_falls_back_to_the_cpu_without_a_device(builds):
     if _native_lib(builds["sm_90"][0]).device_count > 0:
         pytest.skip("this machine has a CUDA device")
     code = ("import mojolearn\n"
-            "from tests.reference.weights import mamba1_weights, random_input\n"
+            "from mojolearn.reference.weights import mamba1_weights, random_input\n"
             "b = mojolearn.Mamba1Block(mamba1_weights(32, 0))\n"
             "b.forward(random_input(1, 3, 32, 1))\n"
             "print('USED', mojolearn.vendor_used(), b.vendor_used(), mojolearn.numeric_mode_used())\n")

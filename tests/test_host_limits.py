@@ -29,7 +29,7 @@ def test_thread_counts_out_of_range_are_refused(n, threads):
 def test_largest_thread_count_runs_and_gives_the_same_bits():
     # 1024 threads on a small machine: slow to start, never a crash
     r = _child("import numpy as np, mojolearn\n"
-               "from tests.reference.weights import mamba1_weights, random_input\n"
+               "from mojolearn.reference.weights import mamba1_weights, random_input\n"
                "b = mojolearn.Mamba1Block(mamba1_weights(16, 0)); x = random_input(2, 9, 16, 1)\n"
                "mojolearn.set_num_threads(1); a = np.asarray(b.forward(x)).tobytes()\n"
                "mojolearn.set_num_threads(1024); c = np.asarray(b.forward(x)).tobytes()\n"
@@ -39,7 +39,7 @@ def test_largest_thread_count_runs_and_gives_the_same_bits():
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "2abc", "1e3", "1025", "99999999999", "3.5"])
 def test_bad_thread_variable_is_refused_by_name(value):
-    r = _child("import mojolearn\nfrom tests.reference.weights import mamba1_weights\n"
+    r = _child("import mojolearn\nfrom mojolearn.reference.weights import mamba1_weights\n"
                "try:\n    mojolearn.Mamba1Block(mamba1_weights(16, 0)).forward"
                "(__import__('numpy').zeros((1, 2, 16), 'float32'))\n"
                "except ValueError as e:\n    print('refused:', e)\n",
@@ -71,8 +71,7 @@ def test_huge_but_countable_array_is_a_memory_error_in_a_child():
 
 @pytest.mark.parametrize("cls", ["Mamba1Block", "Mamba2Block", "Mamba3Block"])
 def test_state_for_an_overflowing_batch_is_refused(cls):
-    from tests.reference.mamba3_weights import mamba3_weights
-    from tests.reference.weights import mamba1_weights, mamba2_weights
+    from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_weights
     make = {"Mamba1Block": mamba1_weights, "Mamba2Block": mamba2_weights,
             "Mamba3Block": mamba3_weights}[cls]
     block = getattr(mojolearn, cls)(make(32, seed=0))

@@ -99,7 +99,7 @@ def test_binary_describes_itself(path):
 
 def test_abi_mismatch_is_refused():
     code = ("import mojolearn, mojolearn._abi as a; a.ABI_VERSION = 999\n"
-            "from tests.reference.weights import mamba1_weights\n"
+            "from mojolearn.reference.weights import mamba1_weights\n"
             "try:\n    mojolearn.Mamba1Block(mamba1_weights(4, 0))\n"
             "except mojolearn.BinaryNotFoundError as e:\n    print('REFUSED', e)\n")
     r = _run(code)
@@ -131,7 +131,7 @@ def test_info_command():
 
 
 def test_vendor_and_mode_used_come_from_the_binary():
-    from tests.reference.weights import mamba1_weights
+    from mojolearn.reference.weights import mamba1_weights
     b = mojolearn.Mamba1Block(mamba1_weights(4, 0))
     assert b.vendor_used() == "cpu"
     assert b.numeric_mode_used() == "identical"

@@ -1,4 +1,4 @@
-"""mojolearn.lowbit (SPEC section 8): exact bit-level packing, exact expansion,
+"""mojolearn.lowbit (docs/checkpoints.md): exact bit-level packing, exact expansion,
 blocks on packed weights byte-identical to blocks on the expanded weights."""
 import math
 import pickle
@@ -12,8 +12,8 @@ import mojolearn
 from mojolearn import lowbit
 from tests.bits import assert_same_bits
 from tests.errors import raises_naming
-from tests.reference.mamba3_weights import mamba3_weights
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
+                                         random_input)
 
 
 def f32(bits):

@@ -9,8 +9,8 @@ import pytest
 import mojolearn
 from mojolearn import lowbit
 from tests.bits import assert_bits_differ, assert_same_bits
-from tests.reference.mamba3_weights import mamba3_weights
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
+                                         random_input)
 
 FORMATS = ("bfloat16", "int8")
 # d=20 for Mamba-1: out_proj / x_proj row counts that are not a multiple of

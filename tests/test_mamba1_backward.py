@@ -21,7 +21,7 @@ from tests.bits import (
 from tests.errors import raises_naming
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba1_reference
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 
 NAMES = ("x", "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
          "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",

@@ -1,4 +1,5 @@
-"""Bit-equality properties of Mamba-1 in identical mode (DESIGN.md §1).
+"""Bit-equality properties of Mamba-1 in identical mode (docs/numerics.md,
+"The contract of identical mode").
 
 Each property is checked with exact byte equality and has a negative
 control showing the same check fails on a one-ulp change.
@@ -11,7 +12,7 @@ import mojolearn
 from tests.bits import (
     assert_bits_differ, assert_only_rounding_differs, assert_same_bits, nudge, reordered_reduction,
 )
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 
 D = 24  # not a multiple of 16: exercises the vector tails too
 W = mamba1_weights(D, seed=11)

@@ -1,4 +1,4 @@
-"""Mamba-1 bad input (SPEC section 6) and weights/params/sessions (section 7).
+"""Mamba-1 bad input (docs/guide/errors.rst) and weights/params/sessions.
 
 Every error test checks the exception class and that the message names the
 thing at fault (array or weight name, dtype name, flat index). Every failing
@@ -17,7 +17,7 @@ import pytest
 import mojolearn
 from mojolearn.mamba import Mamba1Block, Mamba1BlockInference, Mamba1State
 from tests.errors import assert_names, assert_not_names, name_pattern, raises_naming
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 
 D = 20            # dt_rank 2, d_inner 40: every weight has a distinct shape
 DI = 2 * D
@@ -89,7 +89,7 @@ def fails(exc, fn, *args, keep=(), match=(), **kwargs):
 
 def test_name_checks_want_whole_tokens():
     """The check itself can fail: "x" is not found in "explicitly" or
-    "index", "h" not in "state.h", "3" not in "37" (issue 19)."""
+    "index", "h" not in "state.h", "3" not in "37"."""
     msg = "y must be float32; convert it explicitly (index 37 of state.h)"
     for name in ("x", "h", "3", "index 3", "state"):
         with pytest.raises(AssertionError):
@@ -433,7 +433,7 @@ def test_nonfinite_x_strided_input_index(block):
 
 def test_nonfinite_x_with_lengths(block):
     """Real positions are checked (index of the full x); padding may hold
-    anything (SPEC 5)."""
+    anything (docs/numerics.md, "Ragged batches")."""
     x = random_input(B, L, D, seed=4)
     lengths = [3, L]
     x[1, 4, 2] = np.inf                       # real (row 1 is full length)

@@ -4,7 +4,7 @@ import pytest
 
 import mojolearn
 from tests.reference.hf_mamba import mamba1_reference
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 
 ATOL, RTOL = 1e-6, 1e-5
 WORST = {}  # worst err / bound ratio seen, reported at the end

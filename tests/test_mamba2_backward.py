@@ -21,7 +21,7 @@ from tests.bits import (
 from tests.errors import raises_naming
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba2_reference
-from tests.reference.weights import mamba2_weights, random_input
+from mojolearn.reference.weights import mamba2_weights, random_input
 
 REL = 1e-4  # test_single_token_single_head: D and dt_bias within REL or 2x PyTorch float32
 NAMES = ("x", "block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",

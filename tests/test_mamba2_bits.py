@@ -1,4 +1,5 @@
-"""Bit-equality properties of Mamba-2 in identical mode (DESIGN.md §1).
+"""Bit-equality properties of Mamba-2 in identical mode (docs/numerics.md,
+"The contract of identical mode").
 
 Each property is checked with exact byte equality and has a negative
 control showing the same check fails on a small change.
@@ -12,7 +13,7 @@ from tests.bits import (
     assert_bits_differ, assert_only_rounding_differs, assert_same_bits,
     assert_shared_workspace_changes_bits, nudge, reordered_reduction,
 )
-from tests.reference.weights import mamba2_weights, random_input
+from mojolearn.reference.weights import mamba2_weights, random_input
 from tests.threads import run_in_threads
 
 D = 64  # two heads

@@ -1,4 +1,4 @@
-"""Mamba-2 bad input (SPEC section 6) and weights/params (section 7).
+"""Mamba-2 bad input (docs/guide/errors.rst) and weights/params.
 
 Every error test checks the exception class and that the message names the
 thing at fault; every failing call that was given a state also checks that
@@ -17,7 +17,7 @@ import pytest
 import mojolearn
 from mojolearn.mamba import Mamba2Block, Mamba2BlockInference, Mamba2State
 from tests.errors import assert_names, raises_naming
-from tests.reference.weights import mamba2_weights, random_input
+from mojolearn.reference.weights import mamba2_weights, random_input
 
 D = 64
 DI, H, CD = 128, 2, 384
@@ -257,7 +257,7 @@ def test_state_not_a_buffer_or_wrong_type(block, x):
     with raises_naming(TypeError, "state", "Mamba2State", "dict"):
         block.forward(x, {"h": None})
     m1 = mojolearn.Mamba1Block  # a Mamba-1 state is not a Mamba-2 state
-    w1 = __import__("tests.reference.weights", fromlist=["x"]).mamba1_weights(4, 0)
+    w1 = __import__("mojolearn.reference.weights", fromlist=["x"]).mamba1_weights(4, 0)
     with raises_naming(TypeError, "state", "Mamba2State", "Mamba1State"):
         block.step(x[:, 0], m1(w1).allocate_state(B))
 

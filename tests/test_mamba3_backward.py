@@ -17,8 +17,8 @@ from tests.bits import (
     assert_same_bits, reordered_reduction,
 )
 from tests.errors import raises_naming
-from tests.reference.mamba3_weights import mamba3_dims, mamba3_weights, random_input
-from tests.reference.numpy_mamba3 import mamba3_numpy
+from mojolearn.reference.weights import mamba3_dims, mamba3_weights, random_input
+from mojolearn.reference.mamba3 import mamba3_numpy
 from tests.reference.torch_mamba3 import GRAD_NAMES as NAMES
 from tests.reference.torch_mamba3 import mamba3_grads, mamba3_torch
 

@@ -1,4 +1,5 @@
-"""Bit-equality properties of Mamba-3 in identical mode (DESIGN.md section 1).
+"""Bit-equality properties of Mamba-3 in identical mode (docs/numerics.md,
+"The contract of identical mode").
 
 Each property is checked with exact byte equality and has a negative control
 showing that the same check fails on a one-ulp (or otherwise small) change.
@@ -12,7 +13,7 @@ from mojolearn.mamba import Mamba3BlockInference
 from tests.bits import (
     assert_bits_differ, assert_only_rounding_differs, assert_same_bits, nudge, reordered_reduction,
 )
-from tests.reference.mamba3_weights import mamba3_weights, random_input
+from mojolearn.reference.weights import mamba3_weights, random_input
 
 D = 32
 W = mamba3_weights(D, seed=21)

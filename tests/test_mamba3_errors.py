@@ -1,5 +1,6 @@
-"""Mamba-3 bad input (SPEC section 6), weights/params (section 7) and the
-state rules of section 4 (set_input_states, buffered_tokens, pending).
+"""Mamba-3 bad input (docs/guide/errors.rst), weights/params and the
+state rules of docs/mamba3.md, "State" (set_input_states, buffered_tokens,
+pending).
 
 Every error test checks the exception class and that the message names the
 thing at fault; a failing call given a state also checks that the state and
@@ -16,7 +17,7 @@ import pytest
 import mojolearn
 from mojolearn.mamba import Mamba3Block, Mamba3BlockInference, Mamba3State
 from tests.errors import assert_names, raises_naming
-from tests.reference.mamba3_weights import mamba3_weights, random_input
+from mojolearn.reference.weights import mamba3_weights, random_input
 
 D = 64            # H = 2 heads
 H = 2

@@ -1,6 +1,6 @@
-"""Mamba-3 forward vs the float64 NumPy recurrence (tests/reference/numpy_mamba3.py).
+"""Mamba-3 forward vs the float64 NumPy recurrence (mojolearn.reference.mamba3).
 
-Bound (docs/mamba3.md, "Accuracy"): the brief's elementwise bound
+Bound (docs/mamba3.md, "Accuracy"): the elementwise bound
 1e-6 + 1e-5 |ref| is measured for every case (WORST, printed with -s) and
 only capped (6x at realistic init, 15x / 60x in the stress cases): the
 mixer output of a token is a sum of terms of size q.k ~ N = 128 (B_bias = C_bias = 1 at init), so float32
@@ -18,8 +18,8 @@ import pytest
 
 import mojolearn
 from tests import tolerance
-from tests.reference.mamba3_weights import mamba3_dims, mamba3_weights, random_input
-from tests.reference.numpy_mamba3 import mamba3_numpy
+from mojolearn.reference.weights import mamba3_dims, mamba3_weights, random_input
+from mojolearn.reference.mamba3 import mamba3_numpy
 
 ATOL, RTOL = 1e-6, 1e-5
 WORST = {}
@@ -142,7 +142,7 @@ def test_a_floor_binds():
     y = np.asarray(block.forward(x))
     ref = _check_conditioned(y, w, x, "A floor")["y"]
     # the floor binds for (nearly) every token and head in the reference
-    from tests.reference.numpy_mamba import rmsnorm
+    from mojolearn.reference.ops import rmsnorm
     xn = rmsnorm(x.astype(np.float64), w["block_norm.weight"].astype(np.float64))
     dd_a = xn @ w["in_proj.weight"][r0:r1].astype(np.float64).T
     assert (1.0 / (1.0 - np.minimum(dd_a, 0)) < 1e-4).mean() > 0.9
@@ -154,7 +154,7 @@ def test_angles_cross_two_pi():
     d = 32
     w, x = _stress(d, 12, rows={"ang": 50.0})
     w["dt_bias"][:] = np.float32(2.5)           # dt ~ 2.6: pi * dt > 2 pi
-    from tests.reference.numpy_mamba import rmsnorm, softplus
+    from mojolearn.reference.ops import rmsnorm, softplus
     xn = rmsnorm(x.astype(np.float64), w["block_norm.weight"].astype(np.float64))
     proj = xn @ w["in_proj.weight"].astype(np.float64).T
     dt = softplus(proj[..., slice(*_rows(d, "dd_dt"))] + w["dt_bias"])
@@ -171,7 +171,7 @@ def test_softplus_near_threshold(bias):
     d = 32
     w, x = _stress(d, 13)
     w["dt_bias"][:] = np.float32(bias)
-    from tests.reference.numpy_mamba import rmsnorm
+    from mojolearn.reference.ops import rmsnorm
     xn = rmsnorm(x.astype(np.float64), w["block_norm.weight"].astype(np.float64))
     arg = xn @ w["in_proj.weight"][slice(*_rows(d, "dd_dt"))].astype(np.float64).T + bias
     assert 0.1 < (arg > 20).mean() < 0.9

@@ -6,7 +6,7 @@ import numpy as np
 import mojolearn
 from tests.bits import assert_bits_differ, assert_same_bits
 from tests.errors import raises_naming
-from tests.reference.mamba3_weights import mamba3_weights, random_input
+from mojolearn.reference.weights import mamba3_weights, random_input
 
 D = 64
 BLOCK = mojolearn.Mamba3Block(mamba3_weights(D, seed=11))

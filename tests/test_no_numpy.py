@@ -20,7 +20,7 @@ import pytest
 
 import mojolearn
 from mojolearn.mamba import Mamba1State
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 
 PKG_DIR = Path(mojolearn.__file__).resolve().parent
 CHILD_TIMEOUT = 120
@@ -213,6 +213,17 @@ CHILD_LAZY = BLOCK_NUMPY + textwrap.dedent("""
     import mojolearn
     after_import = loaded()
     assert not any(after_import.values()), ("import mojolearn loaded a binary", after_import)
+    # the float64 references need NumPy only when one is used
+    import mojolearn.reference
+    assert mojolearn.reference is sys.modules["mojolearn.reference"]
+    assert "mamba1_numpy" in dir(mojolearn.reference)
+    try:
+        mojolearn.reference.mamba1_numpy
+    except ImportError as e:
+        assert "numpy" in str(e), e
+    else:
+        raise SystemExit("a NumPy reference resolved without NumPy")
+    assert not any(loaded().values()), ("mojolearn.reference loaded a binary", loaded())
     import mojolearn.mamba
     from mojolearn import Mamba1Block, Mamba1State, BinaryNotFoundError  # noqa: F401
     after_names = loaded()

@@ -17,7 +17,7 @@ import pytest
 CODE = r"""
 import sys
 import mojolearn
-from tests.reference.weights import mamba1_weights, random_input
+from mojolearn.reference.weights import mamba1_weights, random_input
 from tests.bits import assert_same_bits
 import numpy as np
 blk = mojolearn.Mamba1Block(mamba1_weights(16, 0))

@@ -10,8 +10,8 @@ import pytest
 import mojolearn
 from tests.bits import assert_same_bits, assert_bits_differ
 from tests.errors import raises_naming
-from tests.reference.mamba3_weights import mamba3_weights
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
+                                         random_input)
 
 MAKERS = {1: mamba1_weights, 2: mamba2_weights, 3: mamba3_weights}
 CLASSES = [(k, suffix) for k in (1, 2, 3) for suffix in ("Block", "BlockInference")]

@@ -7,8 +7,8 @@ import numpy as np
 import mojolearn
 from mojolearn.mamba import _base
 from tests.bits import assert_same_bits, assert_shared_workspace_changes_bits
-from tests.reference.mamba3_weights import mamba3_weights
-from tests.reference.weights import mamba1_weights, mamba2_weights, random_input
+from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
+                                         random_input)
 from tests.threads import run_in_threads
 
 D = 64

@@ -1,4 +1,4 @@
-"""Packed projection weights (mojolearn.lowbit, SPEC section 8).
+"""Packed projection weights (mojolearn.lowbit, docs/checkpoints.md).
 
 Two ops over a row-major (rows, cols) matrix, one phase, each task a block
 of whole rows (a pure function of its rows: the bits never depend on the

@@ -15,6 +15,9 @@ batch, the chunking of tokens into workspace rows, or the thread split:
     out = x + out_proj @ yg
 Tokens are processed in chunks of rows (B rows x Tc tokens) only to bound the
 workspace; the chunking never changes an operation's operands.
+Reference: mojolearn.reference.mamba1 (float64 NumPy); tests compare
+against transformers' MambaBlock run in float64 (tests/reference/hf_mamba.py),
+itself checked equal to it to 1e-10.
 """
 from std.collections import Array
 from .abi import (

@@ -21,6 +21,9 @@ Canonical orders (see docs/backward.md for the full list):
     the block partials in ascending block order.
 Threads only split independent outputs, so no bit depends on the thread
 count; a row's x gradient depends only on that row.
+Reference: torch autograd of transformers' MambaBlock run in float64
+(tests/reference/hf_mamba.py), whose forward equals mojolearn.reference.mamba1
+(float64 NumPy) to 1e-10.
 """
 from std.collections import Array
 from .linear_split import tree16  # the one fixed 16-lane halving tree

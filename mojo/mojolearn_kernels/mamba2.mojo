@@ -29,6 +29,9 @@ in_proj, conv (+ dt/dA rows and B transposed, per 64-channel block), CB
 (per row and 16 new rows), SSD (per row and head: outputs; the fold and the
 h_last report after the chunk's last group; mamba2_ssd.mojo), gated norm,
 out_proj + residual; last, the state is saved (one task per row).
+Reference: mojolearn.reference.mamba2 (float64 NumPy, the unchunked
+recurrence); tests compare against transformers' Mamba2Block run in float64
+(tests/reference/hf_mamba.py), itself checked equal to it to 1e-10.
 """
 from std.memory import bitcast
 from .abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div

@@ -27,6 +27,9 @@ chunks last to first, inside a chunk rows b ascending then tokens ascending
 (the chain continues in the output array between chunks). Threads only
 split independent outputs, so no bit depends on the thread count, and a
 row's x gradient depends only on that row.
+Reference: torch autograd of transformers' Mamba2Block run in float64
+(tests/reference/hf_mamba.py), whose forward equals mojolearn.reference.mamba2
+(float64 NumPy) to 1e-10.
 """
 from std.collections import Array
 from .abi import (

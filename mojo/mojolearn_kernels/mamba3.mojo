@@ -21,6 +21,8 @@ canonical order in full):
     out = x + out_proj @ o
 Dot products over N = 128 use a fixed 16-lane split (lane l sums n = l, l+16,
 ... in order) and a fixed halving tree, the same on every target.
+Reference: mojolearn.reference.mamba3 (float64 NumPy, the unchunked
+recurrence); tests/test_mamba3_forward.py compares against it.
 """
 from .abi import (
     F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,

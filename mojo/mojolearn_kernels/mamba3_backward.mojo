@@ -24,6 +24,9 @@ Canonical orders (docs/backward.md, section Mamba-3):
   * sums over heads (dBn, dCn, d angle per token): heads ascending.
 Threads only split independent outputs, so no bit depends on the thread
 count; a row's x gradient depends only on that row.
+Reference: torch autograd of the float64 recurrence of
+tests/reference/torch_mamba3.py, whose forward equals mojolearn.reference.mamba3
+(float64 NumPy) to 1e-12.
 """
 from std.collections import Array
 from std.sys import get_defined_int

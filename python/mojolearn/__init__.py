@@ -2,6 +2,8 @@
 
 Importing this package loads no binary: the host layer and a kernel binary
 are loaded on first use (constructing a block, or touching mojolearn.Array).
+mojolearn.reference holds float64 NumPy references of the blocks, to check
+results against (it needs NumPy, imported only when a reference is used).
 """
 from importlib import import_module
 
@@ -29,6 +31,7 @@ _LAZY = {
     "numeric_mode_used": "._loader",
     "lowbit": None,
     "checkpoints": None,
+    "reference": None,        # float64 NumPy references (NumPy imported on first use)
     "load_checkpoint": ".checkpoints",
     "read_safetensors": ".checkpoints",
 }

@@ -1,4 +1,4 @@
-"""mojolearn.lowbit: packed projection weights (SPEC section 8).
+"""mojolearn.lowbit: packed projection weights (docs/checkpoints.md).
 
 Formats
 -------

@@ -1,13 +1,14 @@
 """transformers' MambaBlock and Mamba2Block run in verified float64 on the CPU.
 
 These are the references the float32 blocks of ``mojolearn.mamba`` are checked against
-(SPEC.md sections 2, 3 and 11). The block code that runs is transformers' own torch
+(docs/numerics.md, "Mamba-1"; docs/mamba2.md). The block code that runs is transformers' own torch
 ("slow") path; we only change precision and never re-implement the math, except where
-stated below.
+stated below. They are checked against the independent float64 NumPy recurrences of
+``mojolearn.reference.mamba1`` / ``mamba2`` (tests/reference/test_references.py).
 
 Making transformers truly float64
 ---------------------------------
-``block.to(torch.float64)`` is not enough (SPEC.md section 11). Read from
+``block.to(torch.float64)`` is not enough: the blocks still compute parts in float32. Read from
 transformers 5.x ``models/mamba/modeling_mamba.py`` and ``models/mamba2/modeling_mamba2.py``,
 the float32 sources are:
 
@@ -254,8 +255,8 @@ def mamba1_reference(weights: dict, x, conv_state=None, ssm_state=None, *, _neut
     Parameters
     ----------
     weights : dict of str to array
-        Mamba1Block weights (names of ``weights.mamba1_weights``); loaded as
-        ``norm.weight`` and ``mixer.<name>``, widened exactly to float64.
+        Mamba1Block weights (names of ``mojolearn.reference.weights.mamba1_weights``);
+        loaded as ``norm.weight`` and ``mixer.<name>``, widened exactly to float64.
     x : array (B, L, d)
         float32 input, converted exactly to float64.
     conv_state : array (B, 2d, 4) or None
@@ -364,9 +365,10 @@ def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf),
     Parameters
     ----------
     weights : dict of str to array
-        Mamba2Block weights (names of ``weights.mamba2_weights``). ``block_norm.weight``
-        is loaded as the block's ``norm.weight``, our ``norm.weight`` (the gated norm) as
-        ``mixer.norm.weight``, the rest as ``mixer.<name>``; widened exactly to float64.
+        Mamba2Block weights (names of ``mojolearn.reference.weights.mamba2_weights``).
+        ``block_norm.weight`` is loaded as the block's ``norm.weight``, our ``norm.weight``
+        (the gated norm) as ``mixer.norm.weight``, the rest as ``mixer.<name>``; widened
+        exactly to float64.
     x : array (B, L, d), d a multiple of 32
     initial_h : array (B, H, 64, 128) or None
         Initial SSM states (zeros if None). The conv window always starts at zeros.
@@ -389,7 +391,7 @@ def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf),
     transformers' unmodified ``mamba2_chunk_scan`` that only sets these two arguments.
     We do not load ``initial_h`` through ``DynamicCache``: with a cached state and
     ``seq_len == 1`` transformers switches to ``mamba2_selective_state_update``, which
-    ignores ``time_step_limit`` (no clamp), unlike the chunk path and SPEC.md section 3.
+    ignores ``time_step_limit`` (no clamp), unlike the chunk path and our Mamba-2 (docs/mamba2.md).
     """
     lo, hi = _check_dt_limit(dt_limit)
     neutral = bool(_neutralise)

@@ -1,9 +1,10 @@
 """Checks of the float64 references themselves.
 
-(a) transformers-in-float64 (hf_mamba) == independent NumPy recurrence (numpy_mamba) to
-    1e-10 relative; (b) Mamba-1 continuation == one-shot run to 1e-12; (c) the float64
-    guard fires when neutralisation is off (negative control). Plus weight-dict checks
-    and a loose check against transformers' own float32 run.
+(a) transformers-in-float64 (hf_mamba) == independent NumPy recurrence
+    (mojolearn.reference.mamba1 / mamba2) to 1e-10 relative; (b) Mamba-1 continuation
+    == one-shot run to 1e-12; (c) the float64 guard fires when neutralisation is off
+    (negative control). Plus weight-dict checks and a loose check against
+    transformers' own float32 run.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 
 from . import hf_mamba
 from .hf_mamba import Float32LeakError, mamba1_reference, mamba2_reference
-from .numpy_mamba import mamba1_numpy, mamba2_numpy, rmsnorm, silu, softplus
-from .weights import mamba1_weights, mamba2_weights, random_input
+from mojolearn.reference.mamba1 import mamba1_numpy
+from mojolearn.reference.mamba2 import mamba2_numpy
+from mojolearn.reference.ops import rmsnorm, silu, softplus
+from mojolearn.reference.weights import mamba1_weights, mamba2_weights, random_input
 
 TOL_REF = 1e-10
 TOL_CONT = 1e-12
@@ -139,7 +142,7 @@ def test_mamba2_reference_matches_numpy(d, B, L, dt_limit, with_h):
 
 
 def _mamba2_dt(w, x):
-    """dt before the clamp, straight from SPEC.md section 3 steps 1 and 3."""
+    """dt before the clamp: in_proj of the normed x, then softplus(dtraw + dt_bias)."""
     W = {k: x64(v) for k, v in w.items()}
     d = x.shape[-1]
     proj = rmsnorm(x64(x), W["block_norm.weight"]) @ W["in_proj.weight"].T

@@ -1,8 +1,9 @@
-"""Float64 PyTorch Mamba-3 SISO block (SPEC.md section 4) in the token-by-token
-RECURRENCE form, for autograd (the gradient reference of Mamba3Block.backward).
+"""Float64 PyTorch Mamba-3 SISO block (docs/mamba3.md, "What the block computes")
+in the token-by-token RECURRENCE form, for autograd (the gradient reference of
+Mamba3Block.backward).
 
-Same math as tests/reference/numpy_mamba3.py (checked against it by
-tests/test_mamba3_backward.py), written with torch ops so that
+Same math as mojolearn.reference.mamba3 (the float64 NumPy reference; checked
+against it by tests/test_mamba3_backward.py), written with torch ops so that
 ``torch.autograd`` gives the vector-Jacobian product:
 
     S_t = exp(adt_t) S_{t-1} + exp(adt_t) dt_t (1 - sg_t) v_{t-1} k_{t-1}^T
@@ -23,9 +24,10 @@ import math
 import numpy as np
 import torch
 
+from mojolearn.reference.mamba3 import TWO_PI32
+
 __all__ = ["mamba3_torch", "mamba3_grads", "TWO_PI32", "GRAD_NAMES"]
 
-TWO_PI32 = float(np.float32(2 * math.pi))
 GRAD_NAMES = ("x", "block_norm.weight", "in_proj.weight", "dt_bias", "B_norm.weight",
               "C_norm.weight", "B_bias", "C_bias", "D", "out_proj.weight")
 

@@ -39,7 +39,7 @@ def weight_views(weights, shapes: dict, lib) -> dict:
         if unknown:
             parts.append(f"unknown {unknown}")
         raise ValueError("weights: " + "; ".join(parts) + f" (expected {sorted(shapes)})")
-    from .. import lowbit  # packed weights: expanded exactly to float32 (SPEC section 8)
+    from .. import lowbit  # packed weights: expanded exactly to float32 (docs/checkpoints.md)
     packed = {n: weights[n] for n in weights.keys() if lowbit.is_packed(weights[n])}
     weights, fmt = lowbit.unpack(weights)  # the expansion validates shapes and values
     views = _Views()

@@ -66,7 +66,7 @@ class DecodeSessionBase:
 
     @property
     def state(self):
-        """The state this session decodes from."""
+        """The state the session decodes from."""
         return self._state
 
     @property

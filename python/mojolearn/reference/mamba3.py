@@ -1,15 +1,22 @@
-"""Float64 NumPy Mamba-3 SISO block (SPEC.md section 4) in the token-by-token
-RECURRENCE form, written from the spec (not chunked, shares no code with
-the kernel):
+"""Float64 NumPy reference of the Mamba-3 SISO block (:class:`mojolearn.Mamba3Block`).
+
+Reference of the kernel module ``mojo/mojolearn_kernels/mamba3.mojo`` (the
+forward); the backward (``mamba3_backward.mojo``) is checked against torch
+autograd of the same recurrence written with torch ops
+(``tests/reference/torch_mamba3.py``), whose forward equals this function to
+1e-12. It is the token-by-token RECURRENCE form of the block (docs/mamba3.md,
+"What the block computes"), not chunked, sharing no code with the kernel::
 
     S_t = exp(adt_t) S_{t-1} + exp(adt_t) dt_t (1 - sg_t) v_{t-1} k_{t-1}^T
           + dt_t sg_t v_t k_t^T,     y_t = S_t q_t + D v_t,   o = y silu(z)
 
-with q, k rotated by the running angles. State in and out is the tuple
-(theta (B,H,32), S (B,H,64,128), k (B,H,128) rotated, v (B,H,64)), which is
-also the Input_States form of mamba_ssm: passing a state continues exactly.
-Everything is float64; the only float32 quantity is ``TWO_PI32``: the angle
-modulus is float32(2 pi), as in the kernel (and in a float32 framework).
+with q, k rotated by the running angles. The state in and out is the tuple
+``(theta (B, H, 32), S (B, H, 64, 128), k (B, H, 128) rotated, v (B, H, 64))``,
+also the Input_States form of mamba_ssm (and of
+:meth:`mojolearn.Mamba3State.set_input_states`): passing a state continues
+exactly. Everything is float64; the only float32 quantity is
+:data:`TWO_PI32`: the angle modulus is float32(2 pi), as in the kernel (and in
+a float32 framework).
 """
 from __future__ import annotations
 
@@ -17,10 +24,11 @@ import math
 
 import numpy as np
 
-from .numpy_mamba import rmsnorm, silu, softplus
+from .ops import rmsnorm, silu, softplus
 
 __all__ = ["mamba3_numpy", "TWO_PI32"]
 
+#: The angle modulus, float32(2 pi) widened to float64 (as in the kernel).
 TWO_PI32 = float(np.float32(2 * math.pi))
 
 
@@ -38,11 +46,33 @@ def _rotate(t, cos, sin):
 
 
 def mamba3_numpy(weights: dict, x, state=None, mod=TWO_PI32, theta_f32=False):
-    """Returns (y (B, L, d), (theta, S, k, v)) after the last token, float64.
+    """The Mamba-3 SISO block, token by token, in float64.
 
-    ``state`` None means zeros (equivalently: no input states).
-    ``theta_f32`` rounds the angles to float32 after every token, as a float32
-    state does (the rest stays float64); see docs/mamba3.md, accuracy."""
+    Parameters
+    ----------
+    weights : dict of str to array
+        :class:`mojolearn.Mamba3Block` weights (names and shapes of the
+        constructor, e.g. from :func:`mojolearn.reference.weights.mamba3_weights`);
+        widened to float64.
+    x : array (B, L, d_model)
+        Input activations (d_model a multiple of 32); widened to float64.
+    state : tuple (theta, S, k, v), optional
+        The state before the first token, H = 2 d_model / 64: theta
+        (B, H, 32), S (B, H, 64, 128), k (B, H, 128) (rotated), v (B, H, 64).
+        None means zeros (equivalently: no input states).
+    mod : float
+        The angle modulus (default :data:`TWO_PI32`, as the kernel).
+    theta_f32 : bool
+        Round the angles to float32 after every token, as a float32 state
+        does (the rest stays float64); see docs/mamba3.md, accuracy.
+
+    Returns
+    -------
+    y : ndarray (B, L, d_model), float64
+        The block output, residual included (what ``forward`` returns).
+    state : tuple (theta, S, k, v) of float64 ndarrays
+        The state after the last token (``S`` is the block's ``h_last_``).
+    """
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
     x = np.asarray(x, dtype=np.float64)
     Bsz, L, d = x.shape

@@ -1,8 +1,13 @@
-"""Deterministic float32 test weights and inputs for Mamba1Block and Mamba2Block.
+"""Deterministic float32 weights and inputs for Mamba1Block, Mamba2Block and Mamba3Block.
 
-Every array is drawn from ``numpy.random.default_rng(seed)`` in a fixed order, so the
-same ``(d_model, seed, ...)`` always gives the same bytes. Names and shapes are exactly
-the constructor names of ``mojolearn.mamba.Mamba1Block`` / ``Mamba2Block``.
+Use them to build a block and feed the same weights and inputs to the float64
+references (:mod:`mojolearn.reference.mamba1`, ``mamba2``, ``mamba3``); the
+test suite builds its blocks from them. Every array is drawn from
+``numpy.random.default_rng(seed)`` in a fixed order, so the same
+``(d_model, seed, ...)`` always gives the same bytes. Names and shapes are
+exactly the constructor names of :class:`mojolearn.Mamba1Block`,
+:class:`mojolearn.Mamba2Block` and :class:`mojolearn.Mamba3Block`; every
+array is float32 and C-contiguous.
 
 The initialisation follows mamba_ssm / transformers (``init_mamba_weights``):
 
@@ -13,7 +18,9 @@ The initialisation follows mamba_ssm / transformers (``init_mamba_weights``):
   floored at 1e-4;
 - Mamba-1 ``A_log[c, n] = log(n + 1)`` (S4D-real); Mamba-2 ``A_log[h] = log(U(1, 16))``;
 - norms ``1 + 0.05 N(0, 1)`` and ``D`` ``1 + 0.1 U(-1, 1)`` (near 1, with a little noise
-  so that a swapped or ignored element is visible).
+  so that a swapped or ignored element is visible);
+- Mamba-3 (mamba_ssm's ``Mamba3`` module): ``B_bias`` and ``C_bias`` are ones in
+  mamba_ssm, here ``1 + 0.1 N(0, 1)``, for the same reason.
 
 ``scale`` multiplies every projection matrix and the conv weight (``in_proj``,
 ``conv1d.weight``, ``x_proj``, ``dt_proj.weight``, ``out_proj``); norms, biases,
@@ -26,12 +33,15 @@ import math
 
 import numpy as np
 
-__all__ = ["mamba1_weights", "mamba2_weights", "random_input", "mamba1_dims", "mamba2_dims"]
+__all__ = ["mamba1_weights", "mamba2_weights", "mamba3_weights", "random_input",
+           "mamba1_dims", "mamba2_dims", "mamba3_dims"]
 
 D_STATE_1 = 16
 D_STATE_2 = 128
 HEAD_DIM = 64
 D_CONV = 4
+D_STATE_3 = 128
+N_ANGLES = 32
 
 
 def mamba1_dims(d_model: int) -> dict:
@@ -124,6 +134,50 @@ def mamba2_weights(d_model: int, seed: int, scale: float = 1.0, *,
     w["norm.weight"] = 1.0 + 0.05 * rng.standard_normal(di)
     w["out_proj.weight"] = _linear(rng, d, di, scale)
     return _f32(w)
+
+
+def mamba3_dims(d_model: int) -> dict:
+    """Derived Mamba-3 sizes: d_inner = 2 d, H = d_inner / 64, d_state 128, 32 angles,
+    d_in_proj = 2 d_inner + 256 + 3 H + 32."""
+    d_model = int(d_model)
+    if d_model < 32 or d_model % 32:
+        raise ValueError(f"Mamba-3 needs d_model a positive multiple of 32, got {d_model}")
+    di = 2 * d_model
+    h = di // HEAD_DIM
+    return {"d_model": d_model, "d_inner": di, "nheads": h, "head_dim": HEAD_DIM,
+            "d_state": D_STATE_3, "n_angles": N_ANGLES,
+            "d_in_proj": 2 * di + 2 * D_STATE_3 + 3 * h + N_ANGLES}
+
+
+def mamba3_weights(d_model: int, seed: int, scale: float = 1.0, *,
+                   dt_min: float = 0.001, dt_max: float = 0.1) -> dict:
+    """Float32 Mamba-3 block weights (names and shapes of Mamba3Block), deterministic in seed.
+
+    Shapes with d = d_model (multiple of 32), H = 2d/64: block_norm.weight (d,),
+    in_proj.weight (d_in_proj, d) in row order z | x | B | C | dd_dt | dd_A | trap |
+    angle, dt_bias (H,), B_norm.weight (128,), C_norm.weight (128,), B_bias (H, 128),
+    C_bias (H, 128), D (H,), out_proj.weight (d, 2d). ``scale`` multiplies the two
+    projection matrices.
+    """
+    dm = mamba3_dims(d_model)
+    d, di, h, npj = dm["d_model"], dm["d_inner"], dm["nheads"], dm["d_in_proj"]
+    rng = np.random.default_rng(seed)
+    w = {}
+    w["block_norm.weight"] = 1.0 + 0.05 * rng.standard_normal(d)
+    b = 1.0 / math.sqrt(d)
+    w["in_proj.weight"] = rng.uniform(-b, b, size=(npj, d)) * scale
+    u = rng.random(h)
+    dt = np.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = np.maximum(dt, 1e-4)
+    w["dt_bias"] = dt + np.log(-np.expm1(-dt))
+    w["B_norm.weight"] = 1.0 + 0.05 * rng.standard_normal(D_STATE_3)
+    w["C_norm.weight"] = 1.0 + 0.05 * rng.standard_normal(D_STATE_3)
+    w["B_bias"] = 1.0 + 0.1 * rng.standard_normal((h, D_STATE_3))
+    w["C_bias"] = 1.0 + 0.1 * rng.standard_normal((h, D_STATE_3))
+    w["D"] = 1.0 + 0.1 * rng.uniform(-1.0, 1.0, size=h)
+    b = 1.0 / math.sqrt(di)
+    w["out_proj.weight"] = rng.uniform(-b, b, size=(d, di)) * scale
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in w.items()}
 
 
 def random_input(B: int, L: int, d: int, seed: int, scale: float = 1.0) -> np.ndarray:

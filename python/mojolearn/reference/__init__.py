@@ -1,0 +1,69 @@
+"""Float64 NumPy references of the Mamba blocks, and deterministic weights.
+
+Use these to check your own results (or a build of mojolearn on a new
+machine) against an independent float64 computation of what the kernels
+compute. They are small per-token loops written from the block definitions
+in the docs (numerics.md, mamba2.md, mamba3.md), sharing no code with the
+kernels: fine for hundreds of tokens, not for benchmarks.
+
+Modules (each needs NumPy; importing :mod:`mojolearn.reference` itself does
+not, NumPy is imported when a function is first used):
+
+- :mod:`mojolearn.reference.mamba1`: :func:`~mojolearn.reference.mamba1.mamba1_numpy`,
+  the reference of :class:`mojolearn.Mamba1Block`
+  (``mojo/mojolearn_kernels/mamba1.mojo``);
+- :mod:`mojolearn.reference.mamba2`: :func:`~mojolearn.reference.mamba2.mamba2_numpy`,
+  the reference of :class:`mojolearn.Mamba2Block`
+  (``mojo/mojolearn_kernels/mamba2.mojo``);
+- :mod:`mojolearn.reference.mamba3`: :func:`~mojolearn.reference.mamba3.mamba3_numpy`,
+  the reference of :class:`mojolearn.Mamba3Block`
+  (``mojo/mojolearn_kernels/mamba3.mojo``);
+- :mod:`mojolearn.reference.ops`: the shared float64 pieces (``rmsnorm``,
+  ``silu``, ``softplus``);
+- :mod:`mojolearn.reference.weights`: deterministic float32 weight dicts
+  and inputs (``mamba1_weights``, ``mamba2_weights``, ``mamba3_weights``,
+  ``random_input``) under the constructors' names and shapes.
+
+The functions are also reachable from this package, e.g.
+``mojolearn.reference.mamba1_numpy``.
+"""
+from importlib import import_module
+
+_LAZY = {
+    "mamba1_numpy": ".mamba1",
+    "mamba2_numpy": ".mamba2",
+    "mamba3_numpy": ".mamba3",
+    "rmsnorm": ".ops",
+    "silu": ".ops",
+    "softplus": ".ops",
+    "mamba1_weights": ".weights",
+    "mamba2_weights": ".weights",
+    "mamba3_weights": ".weights",
+    "random_input": ".weights",
+    "mamba1_dims": ".weights",
+    "mamba2_dims": ".weights",
+    "mamba3_dims": ".weights",
+    "mamba1": None,
+    "mamba2": None,
+    "mamba3": None,
+    "ops": None,
+    "weights": None,
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mojolearn.reference' has no attribute {name!r}")
+    where = _LAZY[name]
+    if where is None:
+        value = import_module(f".{name}", __name__)
+    else:
+        value = getattr(import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,83 @@
+"""Float64 NumPy reference of the Mamba-2 block (:class:`mojolearn.Mamba2Block`).
+
+Reference of the kernel module ``mojo/mojolearn_kernels/mamba2.mojo`` (the
+forward). It is the exact-arithmetic per-token recurrence of the block
+(docs/mamba2.md, "What the block computes")::
+
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,    y_t = h_t C_t + D x_t
+
+with one group and the gate applied before the gated RMSNorm. It does not
+model the kernel's 256-token chunking, which changes only rounding. The test
+suite compares the kernel against transformers' ``Mamba2Block`` run in
+verified float64 (``tests/reference/hf_mamba.py``), which is itself checked
+equal to this function to 1e-10 relative
+(``tests/reference/test_references.py``); the backward
+(``mamba2_backward.mojo``) is checked against torch autograd of that
+float64 ``Mamba2Block``.
+
+Everything is float64: inputs and weights are widened exactly. The loop is
+over tokens in Python: fine for hundreds of tokens, not for benchmarks.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .ops import _conv_step, _w64, rmsnorm, silu, softplus
+
+__all__ = ["mamba2_numpy"]
+
+
+def mamba2_numpy(weights: dict, x, h0=None, dt_limit=(0.0, math.inf)):
+    """The Mamba-2 block as the per-token recurrence, in float64.
+
+    Parameters
+    ----------
+    weights : dict of str to array
+        :class:`mojolearn.Mamba2Block` weights (names and shapes of the
+        constructor, e.g. from :func:`mojolearn.reference.weights.mamba2_weights`);
+        widened to float64.
+    x : array (B, L, d_model)
+        Input activations (d_model a multiple of 32); widened to float64.
+    h0 : array (B, H, 64, 128), optional
+        SSM state before the first token, H = 2 d_model / 64; None means
+        zeros. The conv window always starts at zeros.
+    dt_limit : (float, float)
+        ``dt = clip(softplus(dtraw + dt_bias), lo, hi)``, as the block's
+        ``dt_limit``; the default clips nothing.
+
+    Returns
+    -------
+    y : ndarray (B, L, d_model), float64
+        The block output, residual included (what ``forward`` returns).
+    h_last : ndarray (B, H, 64, 128), float64
+        The SSM state after the last token (the block's ``h_last_``).
+    """
+    W = _w64(weights)
+    x = np.asarray(x, dtype=np.float64)
+    Bsz, L, d = x.shape
+    di = 2 * d
+    H, P, N = di // 64, 64, 128
+    CD = di + 2 * N
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    conv_w = W["conv1d.weight"].reshape(CD, 4)
+    A = -np.exp(W["A_log"])                                              # (H,)
+    window = np.zeros((Bsz, CD, 4))
+    hs = np.zeros((Bsz, H, P, N)) if h0 is None else np.array(h0, np.float64)
+    ys = np.empty((Bsz, L, d))
+    for t in range(L):
+        xt = x[:, t]
+        proj = rmsnorm(xt, W["block_norm.weight"]) @ W["in_proj.weight"].T
+        z, xbc, dtraw = proj[:, :di], proj[:, di:di + CD], proj[:, di + CD:]
+        window, cv = _conv_step(window, xbc, conv_w, W["conv1d.bias"])
+        xbc = silu(cv)
+        xv = xbc[:, :di].reshape(Bsz, H, P)
+        Bt, Ct = xbc[:, di:di + N], xbc[:, di + N:]
+        dt = np.clip(softplus(dtraw + W["dt_bias"]), lo, hi)              # (B, H)
+        hs = (np.exp(dt * A)[:, :, None, None] * hs
+              + (dt[:, :, None] * xv)[:, :, :, None] * Bt[:, None, None, :])
+        y = np.einsum("bhpn,bn->bhp", hs, Ct) + W["D"][None, :, None] * xv
+        g = rmsnorm(y.reshape(Bsz, di) * silu(z), W["norm.weight"])
+        ys[:, t] = xt + g @ W["out_proj.weight"].T
+    return ys, hs
