@@ -21,7 +21,10 @@ VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --disable-pip-version-check \
   "mojo==1.2.0" "scikit-build-core>=0.10" "nanobind>=2.0" "cmake>=3.18"
 if [ "$what" = test ]; then extra="[test]"; else extra=""; fi
+echo "run.sh: building and installing mojolearn (the first build compiles the Mojo" \
+     "kernels, one binary per CPU target: several minutes; later builds reuse build/)" >&2
 "$VPY" -m pip install -q --disable-pip-version-check --no-build-isolation ".$extra"
+echo "run.sh: installed; running $what" >&2
 
 if [ "$what" = demo ]; then
   exec "$VPY" examples/demo.py "$@"
