@@ -77,3 +77,27 @@ def test_state_for_an_overflowing_batch_is_refused(cls):
     block = getattr(mojolearn, cls)(make(32, seed=0))
     with pytest.raises((OverflowError, MemoryError, ValueError)):
         block.allocate_state(2**57)
+
+
+def test_arrays_states_and_sessions_leave_nothing_behind():
+    import gc
+    from mojolearn import _loader
+    from mojolearn.reference.weights import mamba2_weights, random_input
+    block = mojolearn.Mamba2Block(mamba2_weights(32, seed=0))
+    x = random_input(2, 3, 32, seed=1)
+
+    def churn():
+        for _ in range(50):
+            a = mojolearn.Array((7, 5))
+            a.reshape(35).copy()
+            state = block.allocate_state(2)
+            block.forward(x, state)
+            with block.decode_session(state.copy()) as s:
+                s.step(x[:, 0])
+            block.decode_session(state)  # dropped open
+    churn()
+    gc.collect()
+    before = _loader.native()._live_storages()
+    churn()
+    gc.collect()
+    assert _loader.native()._live_storages() == before

@@ -681,6 +681,10 @@ NB_MODULE(_native, m) {
       nb::arg("n"));
   m.attr("MAX_THREADS") = kMaxThreads;
   m.def("get_num_threads", [] { return g_threads > 0 ? g_threads : default_threads(); });
+  m.def("_live_storages", [] {
+    std::lock_guard<std::mutex> lock(g_regions_mutex);
+    return g_storage_regions.size();
+  }, "Storages alive now (tests: no leak).");
   m.def("set_phase_timing", [](bool on) { g_phase_timing.store(on); }, nb::arg("on"),
         "Record the wall time of every op phase (a debug switch; see phase_times).");
   m.def("phase_times", [] {
