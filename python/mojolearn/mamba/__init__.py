@@ -23,11 +23,10 @@ from importlib import import_module
 
 _LAZY = {
     "Mamba1Block": ".mamba1", "Mamba1BlockInference": ".mamba1", "Mamba1State": ".mamba1",
-    "Mamba1DecodeSession": ".session",
     "Mamba2Block": ".mamba2", "Mamba2BlockInference": ".mamba2", "Mamba2State": ".mamba2",
-    "Mamba2DecodeSession": ".mamba2",
-    "Mamba3DecodeSession": ".mamba3_session",
     "Mamba3Block": ".mamba3", "Mamba3BlockInference": ".mamba3", "Mamba3State": ".mamba3",
+    "Mamba1DecodeSession": ".sessions", "Mamba2DecodeSession": ".sessions",
+    "Mamba3DecodeSession": ".sessions",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,11 +1,14 @@
 """What every Mamba block shares: construction checks, numeric modes, the
-binary it runs on, params, and the intake of x and lengths."""
+binary it runs on, params, the intake of x and lengths, and the sequence of
+forward, step, backward and allocate_state, driven by each block's
+description (class attributes and a few methods, listed in _MambaBase)."""
 from __future__ import annotations
 
 import threading
 
 from .. import _abi, _intake
 from .._loader import available_modes, describe, library
+from ._state import array_view, check_not_held
 
 NUMERIC_MODES = ("identical", "fast")
 
@@ -98,9 +101,28 @@ _THREAD_WORK = threading.local()
 
 
 class _MambaBase:
-    """Shared behaviour of the Mamba block estimators."""
+    """Shared behaviour of the Mamba block estimators.
+
+    A block describes itself with class attributes: ``_STATE_CLASS``; the
+    forward op ``_FWD_OP`` and its workspace slot ``_FWD_WORK``; the prepare
+    op ``_PREPARE_OP`` and its weight slots ``_WEIGHT_ORDER`` (also the
+    order of backward's gradient slots); the backward op ``_BWD_OP``, the
+    gradients it writes in full ``_BWD_WRITTEN``, whether it takes the
+    transposed panels ``_BWD_PANELS``; ``_KEEP_WORK_BYTES`` (forward and
+    backward workspaces over it are not kept; None: always kept). And with
+    methods: ``_state_shapes(b)`` ({array name: shape}, in the state's
+    ``_ARRAYS`` order), ``_state_views(state, batch)`` (the validated state,
+    in the block's form), ``_written_views(sv)`` (its arrays), and
+    ``_launch(...)`` (the op's arguments, the run and the state's advance).
+    """
 
     _param_names: tuple = ("weights", "numeric_mode")
+    _STATE_CLASS = None
+    _FWD_OP = _FWD_WORK = _PREPARE_OP = _BWD_OP = None
+    _WEIGHT_ORDER: tuple = ()
+    _BWD_WRITTEN: tuple = ()
+    _BWD_PANELS = False
+    _KEEP_WORK_BYTES = None
 
     def _setup_common(self, numeric_mode):
         self.numeric_mode = check_numeric_mode(numeric_mode)
@@ -160,6 +182,16 @@ class _MambaBase:
                 self._blob.address, self._packed_names.index(name), rows, cols,
                 data.address, ex.address if ex is not None else 0])
         return data if fmt == "float32" else PackedWeight._wrap(fmt, (rows, cols), data, ex)
+
+    def _make_blob(self, w):
+        """The prepared weights (packed weights stay packed in it)."""
+        args = ([self.d_model] + [weight_address(w[n]) for n in self._WEIGHT_ORDER]
+                + self._prepare_extra() + [0])
+        return self._build_blob(self._PREPARE_OP, args, w)
+
+    def _prepare_extra(self) -> list:
+        """The prepare op's slots between the weights and the blob."""
+        return []
 
     def _build_blob(self, op, args, weights):
         """Run the prepare op `op`. args: its slots up to the blob slot (the
@@ -270,6 +302,113 @@ class _MambaBase:
     def binary_info(self) -> dict:
         """The self-description of the binary in use."""
         return describe(self._lib)
+
+    # -- the shared sequence of the public calls ---------------------------
+    def _allocate(self, batch_size):
+        """allocate_state: a zero state for batch_size sequences."""
+        from .._array import Array
+        b = _intake.as_int(batch_size, "batch_size")
+        if b < 1:
+            raise ValueError(f"batch_size must be >= 1, got {b}")
+        shapes = self._state_shapes(b)
+        return self._STATE_CLASS(*(Array(shapes[n]) for n in self._STATE_CLASS._ARRAYS))
+
+    def _forward(self, x, state, lengths):
+        """forward: intake of x and lengths, the state's views, overlap and
+        finiteness checks, the output, then _launch."""
+        from .._array import Array
+        xv = self._x_view(x)
+        b, l, d = xv.shape
+        lens = self._lengths(lengths, state, b, l)
+        sv = None
+        if state is not None:
+            sv = self._state_views(state, b)
+            _intake.refuse_overlap(self._written_views(sv), (xv,))
+        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens[1])
+        y = Array((b, l, d), zero=False)
+        self._launch(xv, y, b, l, state, sv, lens, "forward")
+        return y
+
+    def _step(self, x, state):
+        """step: forward at L = 1 with a state (required)."""
+        from .._array import Array
+        if state is None:
+            raise ValueError("step needs a state (use allocate_state)")
+        xv, b = self._step_x_view(x)
+        sv = self._state_views(state, b)
+        _intake.refuse_overlap(self._written_views(sv), (xv,))
+        _intake.check_finite(self._lib, xv)
+        y = Array((b, 1, self.d_model), zero=False)
+        self._launch(xv, y, b, 1, state, sv, (None, 0), "step")
+        return y
+
+    def _launch(self, xv, y, b, l, state, sv, lens, kind):
+        """Run the forward op on validated views (state None: a zero-state
+        prefill) and advance the state. lens: (keep-alive, address) of the
+        lengths; kind: 'forward' or 'step'."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _written_views(sv):
+        """The state arrays among _state_views' result."""
+        return sv
+
+    def _run(self, args):
+        """Run the forward op with the thread's workspace in slot _FWD_WORK."""
+        # a big prefill's workspace is not kept (if _KEEP_WORK_BYTES is set)
+        self._run_op(self._FWD_OP, args, self._FWD_WORK, keep_bytes=self._KEEP_WORK_BYTES)
+
+    def _backward(self, x, grad_output):
+        """backward: gradients of a zero-state prefill (slots: x, dy, blob,
+        work, dx, the float32 projections, the gradients in _WEIGHT_ORDER,
+        then the transposed panels if _BWD_PANELS)."""
+        xv, gv = self._backward_views(x, grad_output)
+        b, l, d = xv.shape
+        w, blob = self._backward_weights()
+        # the kernel writes the _BWD_WRITTEN gradients in full (no memset)
+        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
+        args = ([b, l, d, xv.address, gv.address, blob.address, 0, grads["x"].address]
+                + [w[n].address for n in self._packed_names]
+                + [grads[n].address for n in self._WEIGHT_ORDER])
+        if self._BWD_PANELS:
+            panels = self._backward_panels(w)  # held until the op returns
+            args.append(panels.address)
+        self._run_op(self._BWD_OP, args, 6, keep_bytes=self._KEEP_WORK_BYTES)
+        return grads
+
+    # -- state views --------------------------------------------------------
+    def _check_state_type(self, state):
+        """TypeError for a state of another class than _STATE_CLASS."""
+        cls = self._STATE_CLASS
+        if not isinstance(state, cls):
+            raise TypeError(f"state must be a {cls.__name__}, got {type(state).__name__}")
+
+    def _check_state(self, state):
+        """_check_state_type, then ValueError if an open decode session holds it."""
+        self._check_state_type(state)
+        check_not_held(state)
+
+    def _state_arrays(self, state, ndim=False) -> dict:
+        """{name: view} of the state's arrays, in _ARRAYS order (ndim: each
+        must have as many dimensions as its shape)."""
+        shapes = self._state_shapes(1) if ndim else None
+        return {n: array_view(state, n, (len(shapes[n]),) if ndim else None)
+                for n in state._ARRAYS}
+
+    def _check_state_shapes(self, views: dict, b):
+        for n, shape in self._state_shapes(b).items():
+            _intake.check_shape(views[n], shape)
+
+    def _check_rows_finite(self, views, b, rows, chunk):
+        """check_finite on rows [0, rows) of each (b, chunk, ...) view: only
+        the buffered rows of the working chunk are ever read."""
+        from array import array as _pyarray
+        from .._loader import native
+        lens = _pyarray("q", [rows] * b)
+        lmv = memoryview(lens)
+        addr = native().address(lmv)
+        for v in views:
+            _intake.check_finite(self._lib, v, rows=(b, chunk), lengths_address=addr)
 
     # -- intake -------------------------------------------------------------
     def _x_view(self, x, name="x"):

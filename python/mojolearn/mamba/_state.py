@@ -1,4 +1,5 @@
-"""What the three state classes share: copying and pickling.
+"""What the three state classes share: copying and pickling, the views of
+a state's arrays, and the hold check of decode sessions.
 
 A state is its arrays (``_ARRAYS``, in constructor order) and a few plain
 values (``_VALUES``, keyword arguments of the constructor). A copy or an
@@ -8,12 +9,37 @@ is refused by name: its arrays are stale until the session syncs them.
 """
 from __future__ import annotations
 
-from ._session_base import check_not_held
+import weakref
+
+from .. import _intake
+
+
+def holder_of(state):
+    """The open decode session holding state, or None. A state refers to
+    its session weakly: a session dropped without close() is collected (its
+    finaliser writes the state back), and never keeps the state locked."""
+    ref = getattr(state, "_held_by", None)
+    session = ref() if isinstance(ref, weakref.ref) else ref
+    return session if session is not None and getattr(session, "_open", False) else None
+
+
+def check_not_held(state):
+    """ValueError if an open decode session holds state."""
+    session = holder_of(state)
+    if session is not None:
+        raise ValueError(f"state is held by an open {type(session).__name__}; use the "
+                         "session's step, or close()/sync_state() it first")
+
+
+def array_view(state, name, ndim=None):
+    """The writable, C-contiguous float32 view of state.<name> (the kernels
+    update state arrays in place); ndim: allowed dimension counts, or None."""
+    return _intake.float32_view(getattr(state, name), f"state.{name}", ndim=ndim,
+                                writable=True, contiguous_only=True)
 
 
 def _as_array(buf, name):
     """A new mojolearn.Array with the bytes of a float32 state buffer."""
-    from .. import _intake
     from .._array import Array
     v = _intake.float32_view(buf, name)
     out = Array(v.shape, zero=False)

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from .. import _abi, _intake
-from ._base import _MambaBase, weight_address, weight_views
+from ._base import _MambaBase, weight_views
 from ._state import StateBase
-from ._session_base import check_not_held
+from .sessions import Mamba1DecodeSession
 
 D_STATE = 16
 D_CONV = 4
@@ -70,12 +70,11 @@ class Mamba1State(StateBase):
                f"absolute_position={self.absolute_position})"
 
 
-# Gradient arrays of Mamba1Block.backward, in the kernel's argument order.
-_BACKWARD_GRAD_NAMES = ("norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
-                        "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
-                        "out_proj.weight")
-# OP_M1_PREPARE weight slots, in order (the same order as the gradients).
-_WEIGHT_ORDER = _BACKWARD_GRAD_NAMES
+# OP_M1_PREPARE weight slots, in order; also the order of the gradient
+# arrays of OP_M1_BACKWARD.
+_WEIGHT_ORDER = ("norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
+                 "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
+                 "out_proj.weight")
 
 
 class Mamba1Block(_MambaBase):
@@ -139,6 +138,10 @@ class Mamba1Block(_MambaBase):
     """
 
     _packed_names = ("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight")
+    _STATE_CLASS = Mamba1State
+    _FWD_OP, _FWD_WORK = _abi.OP_M1_FORWARD, 9
+    _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M1_PREPARE, _WEIGHT_ORDER
+    _BWD_OP = _abi.OP_M1_BACKWARD
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
@@ -155,34 +158,23 @@ class Mamba1Block(_MambaBase):
         self.dt_rank = -(-d // 16)
         self._blob = self._make_blob(prep)
 
-    def _make_blob(self, w):
-        """The prepared weights (packed weights stay packed in it)."""
-        args = [self.d_model] + [weight_address(w[n]) for n in _WEIGHT_ORDER] + [0]
-        return self._build_blob(_abi.OP_M1_PREPARE, args, w)
-
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba1State:
         """Return a zero Mamba1State for batch_size sequences."""
-        from .._array import Array
-        b = _intake.as_int(batch_size, "batch_size")
-        if b < 1:
-            raise ValueError(f"batch_size must be >= 1, got {b}")
-        return Mamba1State(Array((b, self.d_inner, D_CONV)), Array((b, self.d_inner, D_STATE)))
+        return self._allocate(batch_size)
+
+    def _state_shapes(self, b):
+        return {"conv_window": (b, self.d_inner, D_CONV), "h": (b, self.d_inner, D_STATE)}
 
     def _state_views(self, state, batch, check_finite=True):
-        if not isinstance(state, Mamba1State):
-            raise TypeError(f"state must be a Mamba1State, got {type(state).__name__}")
-        check_not_held(state)
-        cw = _intake.float32_view(state.conv_window, "state.conv_window", ndim=(3,),
-                                  writable=True, contiguous_only=True)
-        h = _intake.float32_view(state.h, "state.h", ndim=(3,), writable=True,
-                                 contiguous_only=True)
+        self._check_state(state)
+        views = self._state_arrays(state, ndim=True)
+        cw, h = views.values()
         b = cw.shape[0] if batch is None else batch
         if cw.shape[0] != b or h.shape[0] != b:
             raise ValueError(f"batch mismatch: x has B={b}, state.conv_window has "
                              f"{cw.shape[0]} rows and state.h {h.shape[0]}")
-        _intake.check_shape(cw, (b, self.d_inner, D_CONV))
-        _intake.check_shape(h, (b, self.d_inner, D_STATE))
+        self._check_state_shapes(views, b)
         if check_finite:
             _intake.check_finite(self._lib, cw)
             _intake.check_finite(self._lib, h)
@@ -207,22 +199,7 @@ class Mamba1Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, L, d_model)
         """
-        from .._array import Array
-        xv = self._x_view(x)
-        b, l, d = xv.shape
-        lens_keep, lens_addr = self._lengths(lengths, state, b, l)
-        cw = h = None
-        if state is not None:
-            cw, h = self._state_views(state, b)
-            _intake.refuse_overlap((cw, h), (xv,))
-        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
-        y = Array((b, l, d), zero=False)
-        args = [b, l, d, xv.address, y.address, self._blob.address,
-                cw.address if cw else 0, h.address if h else 0, lens_addr, 0, 0]
-        self._run(args)
-        if state is not None:
-            state.absolute_position += l
-        return y
+        return self._forward(x, state, lengths)
 
     def step(self, x, state):
         """Run one decode token: forward at L = 1 with the state carried.
@@ -236,23 +213,15 @@ class Mamba1Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, 1, d_model)
         """
-        from .._array import Array
-        if state is None:
-            raise ValueError("step needs a state (use allocate_state)")
-        xv, b = self._step_x_view(x)
-        cw, h = self._state_views(state, b)
-        _intake.refuse_overlap((cw, h), (xv,))
-        _intake.check_finite(self._lib, xv)
-        y = Array((b, 1, self.d_model), zero=False)
-        args = [b, 1, self.d_model, xv.address, y.address, self._blob.address,
-                cw.address, h.address, 0, 0, 0]
-        self._run(args)
-        state.absolute_position += 1
-        return y
+        return self._step(x, state)
 
-    def _run(self, args):
-        """Run the forward op with the thread's workspace in slot FWD_WORK."""
-        self._run_op(_abi.OP_M1_FORWARD, args, 9)
+    def _launch(self, xv, y, b, l, state, sv, lens, kind):
+        cw, h = sv if sv is not None else (None, None)
+        args = [b, l, self.d_model, xv.address, y.address, self._blob.address,
+                cw.address if cw else 0, h.address if h else 0, lens[1], 0, 0]
+        self._run(args)
+        if state is not None:
+            state.absolute_position += l
 
     def backward(self, x, grad_output):
         """Gradients of a zero-state prefill (a vector-Jacobian product).
@@ -272,20 +241,10 @@ class Mamba1Block(_MambaBase):
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and in the shape the weight was given.
         """
-        xv, gv = self._backward_views(x, grad_output)
-        b, l, d = xv.shape
-        w, blob = self._backward_weights()
-        grads = self._grad_arrays((b, l, d), w, _BACKWARD_GRAD_NAMES)
-        args = [b, l, d, xv.address, gv.address, blob.address, 0,
-                grads["x"].address] + [w[n].address for n in (
-                    "in_proj.weight", "x_proj.weight", "dt_proj.weight",
-                    "out_proj.weight")] + [grads[n].address for n in _BACKWARD_GRAD_NAMES]
-        self._run_op(_abi.OP_M1_BACKWARD, args, 6)
-        return grads
+        return self._backward(x, grad_output)
 
     def decode_session(self, state):
         """Open a Mamba1DecodeSession for fast token-by-token decoding."""
-        from .session import Mamba1DecodeSession
         return Mamba1DecodeSession(self, state)
 
 

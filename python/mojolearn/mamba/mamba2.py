@@ -5,9 +5,9 @@ import math
 import struct
 
 from .. import _abi, _intake
+from ._base import _MambaBase, weight_views
 from ._state import StateBase
-from ._session_base import DecodeSessionBase, check_not_held
-from ._base import _MambaBase, copy_bytes, weight_address, weight_views
+from .sessions import Mamba2DecodeSession
 
 D_STATE = 128
 HEAD_DIM = 64
@@ -47,12 +47,8 @@ def mamba2_weight_shapes(d: int) -> dict:
     }
 
 
-# Gradient arrays of Mamba2Block.backward, in the kernel's argument order
-# (OP_M2_BACKWARD slots 10..18, mojo/mojolearn_kernels/mamba2_backward.mojo).
-_BACKWARD_GRAD_NAMES = ("block_norm.weight", "in_proj.weight", "conv1d.weight",
-                        "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
-                        "out_proj.weight")
-
+# OP_M2_PREPARE weight slots, in order; also the order of the gradient
+# arrays of OP_M2_BACKWARD (slots 10..18, mojo/mojolearn_kernels/mamba2_backward.mojo).
 _WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                  "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
 
@@ -207,6 +203,15 @@ class Mamba2Block(_MambaBase):
     _param_names = ("weights", "numeric_mode", "dt_limit")
 
     _packed_names = ("in_proj.weight", "out_proj.weight")
+    _STATE_CLASS = Mamba2State
+    _FWD_OP, _FWD_WORK = _abi.OP_M2_FORWARD, _FWD_WORK
+    _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M2_PREPARE, _WEIGHT_ORDER
+    # the kernel writes the projections' gradients in full (no memset)
+    _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M2_BACKWARD, _packed_names, True
+    _KEEP_WORK_BYTES = _KEEP_WORK_BYTES
+    # what a Mamba2DecodeSession needs: its cache slot and layout
+    _FWD_CACHE, _CACHE_HDR = _FWD_CACHE, _CACHE_HDR
+    _D_STATE, _HEAD_DIM, _CHUNK = D_STATE, HEAD_DIM, CHUNK
 
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
@@ -227,12 +232,9 @@ class Mamba2Block(_MambaBase):
         self._h_last = None
         self._h_last_src = None
 
-    def _make_blob(self, w):
-        """The prepared weights (packed weights stay packed in it)."""
+    def _prepare_extra(self) -> list:
         lo, hi = self.dt_limit
-        args = ([self.d_model] + [weight_address(w[n]) for n in _WEIGHT_ORDER]
-                + [_f32_bits(lo), _f32_bits(hi), 0])
-        return self._build_blob(_abi.OP_M2_PREPARE, args, w)
+        return [_f32_bits(lo), _f32_bits(hi)]
 
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters: weights (copies), numeric_mode, dt_limit."""
@@ -246,50 +248,33 @@ class Mamba2Block(_MambaBase):
 
         Set its h nonzero before the first call to supply initial_states.
         """
-        from .._array import Array
-        b = _intake.as_int(batch_size, "batch_size")
-        if b < 1:
-            raise ValueError(f"batch_size must be >= 1, got {b}")
-        return Mamba2State(Array((b, self.conv_dim, D_CONV)),
-                           Array((b, self.nheads, HEAD_DIM, D_STATE)),
-                           Array((b, CHUNK, self.conv_dim)),
-                           Array((b, CHUNK, self.nheads)), 0)
+        return self._allocate(batch_size)
 
     def _state_views(self, state, batch):
-        if not isinstance(state, Mamba2State):
-            raise TypeError(f"state must be a Mamba2State, got {type(state).__name__}")
-        check_not_held(state)
+        self._check_state(state)
         bt = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
         if not 0 <= bt < CHUNK:
             raise ValueError(f"state.buffered_tokens = {bt} is outside [0, {CHUNK})")
-        names = ("conv_window", "h", "buffer_xbc", "buffer_dtraw")
-        views = [_intake.float32_view(getattr(state, n), f"state.{n}", ndim=(len(s),),
-                                      writable=True, contiguous_only=True)
-                 for n, s in zip(names, self._state_shapes(1))]
+        named = self._state_arrays(state, ndim=True)
+        views = list(named.values())
         b = views[0].shape[0] if batch is None else batch
-        rows = [v.shape[0] for v in views]
-        if any(r != b for r in rows):
+        if any(v.shape[0] != b for v in views):
             who = f"x has B={b}" if batch is not None else "the state arrays disagree"
             raise ValueError(f"batch mismatch: {who}; state rows: "
-                             + ", ".join(f"{n} {r}" for n, r in zip(names, rows)))
-        for v, shape in zip(views, self._state_shapes(b)):
-            _intake.check_shape(v, shape)
+                             + ", ".join(f"{n} {v.shape[0]}" for n, v in named.items()))
+        self._check_state_shapes(named, b)
         _intake.check_finite(self._lib, views[0])
         _intake.check_finite(self._lib, views[1])
         if bt:  # only the buffered rows are read
-            from array import array as _pyarray
-            from .._loader import native
-            lens = _pyarray("q", [bt] * b)
-            lmv = memoryview(lens)
-            addr = native().address(lmv)
-            _intake.check_finite(self._lib, views[2], rows=(b, CHUNK), lengths_address=addr)
-            _intake.check_finite(self._lib, views[3], rows=(b, CHUNK), lengths_address=addr)
+            self._check_rows_finite(views[2:], b, bt, CHUNK)
         _intake.refuse_overlap(views)
         return views
 
     def _state_shapes(self, b):
-        return ((b, self.conv_dim, D_CONV), (b, self.nheads, HEAD_DIM, D_STATE),
-                (b, CHUNK, self.conv_dim), (b, CHUNK, self.nheads))
+        return {"conv_window": (b, self.conv_dim, D_CONV),
+                "h": (b, self.nheads, HEAD_DIM, D_STATE),
+                "buffer_xbc": (b, CHUNK, self.conv_dim),
+                "buffer_dtraw": (b, CHUNK, self.nheads)}
 
     # -- compute ------------------------------------------------------------
     def forward(self, x, state=None, *, lengths=None):
@@ -310,18 +295,7 @@ class Mamba2Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, L, d_model)
         """
-        from .._array import Array
-        xv = self._x_view(x)
-        b, l, d = xv.shape
-        lens_keep, lens_addr = self._lengths(lengths, state, b, l)
-        sv = None
-        if state is not None:
-            sv = self._state_views(state, b)
-            _intake.refuse_overlap(sv, (xv,))
-        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
-        y = Array((b, l, d), zero=False)
-        self._call(xv, y, b, l, state, sv, lens_addr)
-        return y
+        return self._forward(x, state, lengths)
 
     def step(self, x, state):
         """Run one decode token: forward at L = 1 with the state carried.
@@ -335,16 +309,7 @@ class Mamba2Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, 1, d_model)
         """
-        from .._array import Array
-        if state is None:
-            raise ValueError("step needs a state (use allocate_state)")
-        xv, b = self._step_x_view(x)
-        sv = self._state_views(state, b)
-        _intake.refuse_overlap(sv, (xv,))
-        _intake.check_finite(self._lib, xv)
-        y = Array((b, 1, self.d_model), zero=False)
-        self._call(xv, y, b, 1, state, sv, 0)
-        return y
+        return self._step(x, state)
 
     def _args(self, b, l, x_addr, y_addr, sv, s, lens_addr, hlast_addr, save):
         args = [0] * _FWD_SLOTS
@@ -354,11 +319,11 @@ class Mamba2Block(_MambaBase):
         args[11:14] = [lens_addr, hlast_addr, 1 if save else 0]
         return args
 
-    def _call(self, xv, y, b, l, state, sv, lens_addr):
+    def _launch(self, xv, y, b, l, state, sv, lens, kind):
         from .._array import Array
         if state is None:
             h_last = Array((b, self.nheads, HEAD_DIM, D_STATE), zero=False)
-            args = self._args(b, l, xv.address, y.address, None, 0, lens_addr,
+            args = self._args(b, l, xv.address, y.address, None, 0, lens[1],
                               h_last.address, False)
             self._run(args)
             self._h_last, self._h_last_src = h_last, None
@@ -371,11 +336,6 @@ class Mamba2Block(_MambaBase):
             # h_last_ is computed on first access from the state this call left
             self._h_last = None
             self._h_last_src = (state, state._version, sv, b, state.buffered_tokens)
-
-    def _run(self, args):
-        """Run the forward op with the thread's workspace in slot FWD_WORK."""
-        # a big prefill's workspace is not kept
-        self._run_op(_abi.OP_M2_FORWARD, args, _FWD_WORK, keep_bytes=_KEEP_WORK_BYTES)
 
     @property
     def h_last_(self):
@@ -419,21 +379,7 @@ class Mamba2Block(_MambaBase):
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and in the shape the weight was given.
         """
-        xv, gv = self._backward_views(x, grad_output)
-        b, l, d = xv.shape
-        w, blob = self._backward_weights()
-        # the kernel writes the projections' gradients in full (no memset)
-        grads = self._grad_arrays((b, l, d), w, _BACKWARD_GRAD_NAMES,
-                                  written=("in_proj.weight", "out_proj.weight"))
-        args = ([b, l, d, xv.address, gv.address, blob.address, 0,
-                 grads["x"].address, w["in_proj.weight"].address,
-                 w["out_proj.weight"].address]
-                + [grads[n].address for n in _BACKWARD_GRAD_NAMES])
-        panels = self._backward_panels(w)  # held until the op returns
-        args.append(panels.address)
-        # a big backward workspace is not kept
-        self._run_op(_abi.OP_M2_BACKWARD, args, 6, keep_bytes=_KEEP_WORK_BYTES)
-        return grads
+        return self._backward(x, grad_output)
 
 
 class Mamba2BlockInference(Mamba2Block):
@@ -447,78 +393,3 @@ class Mamba2BlockInference(Mamba2Block):
     def backward(self, x, grad_output):
         raise NotImplementedError("Mamba2BlockInference is forward-only; use "
                                   "Mamba2Block for gradients")
-
-
-class Mamba2DecodeSession(DecodeSessionBase):
-    """Token-by-token decoding on one Mamba2Block and one Mamba2State.
-
-    Made by ``Mamba2Block.decode_session(state)``. Every output is byte for
-    byte what ``Mamba2Block.step`` gives. The session holds its own copies of
-    the state and a preallocated workspace, so a step validates only x (the
-    state is validated once, when the session opens or reloads). Until
-    close() or sync_state() the state's arrays and buffered_tokens are
-    stale, and the block refuses that state; weight edits (set_params) after
-    opening are not seen; edits to the state arrays are not seen until
-    load_state(). The block's ``h_last_`` is not updated by session steps. Not
-    thread-safe. Use it as a context manager.
-
-    Examples
-    --------
-    >>> state = block.allocate_state(2)
-    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
-    >>> with block.decode_session(state) as session:
-    ...     for x_t in tokens:
-    ...         y_t = session.step(x_t)
-    """
-
-    _OP = _abi.OP_M2_FORWARD
-
-    def __init__(self, block, state):
-        from .._array import Array
-        views = block._state_views(state, None)
-        self._bind(block, state, views[0].shape[0])
-        self._arrays = [Array(v.shape, zero=False) for v in views]
-        self._copy_in(views)
-        self._s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
-        self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
-        self._args[5] = self._blob.address
-        self._own_workspace(self._args, _FWD_WORK)
-        # transposed copies of h and of the open chunk's B rows, rebuilt by
-        # the kernel whenever a marker is 0: same chains, vectorized
-        per_row = (self._block.nheads * (_CACHE_HDR + D_STATE * HEAD_DIM)
-                   + _CACHE_HDR + D_STATE * CHUNK)
-        self._cache = Array((self._b * per_row,), zero=True)
-        self._args[_FWD_CACHE] = self._cache.address
-        self._activate()
-
-    def _copy_in(self, views):
-        for a, v in zip(self._arrays, views):
-            copy_bytes(a, v.mv)
-
-    def _before_step(self, args):
-        args[10] = self._s
-
-    def _after_step(self):
-        self._s = (self._s + 1) % CHUNK
-
-    def sync_state(self):
-        """Copy the session's state into the Mamba2State; return it."""
-        self._check_open()
-        st = self._state
-        self._write_back(st, list(zip(("conv_window", "h", "buffer_xbc", "buffer_dtraw"),
-                                      self._arrays)))
-        st.buffered_tokens = self._s
-        st._version += 1
-        return st
-
-    def load_state(self):
-        """Reload the session from the Mamba2State (after you edit it); return it."""
-        self._check_open()
-        views = self._unheld_views(lambda: self._block._state_views(self._state, self._b))
-        self._copy_in(views)
-        self._s = _intake.as_int(self._state.buffered_tokens, "state.buffered_tokens")
-        memoryview(self._cache).cast("B")[:] = bytes(self._cache.nbytes)  # all stale
-        return self._state
-
-    def _release(self):
-        self._arrays = self._work = self._cache = None

@@ -8,12 +8,11 @@ continuation and token-by-token decode give the same bits.
 from __future__ import annotations
 
 import threading
-from array import array as _pyarray
 
 from .. import _abi, _intake
-from ._base import _MambaBase, copy_bytes, weight_address, weight_views
+from ._base import _MambaBase, copy_bytes, weight_views
 from ._state import StateBase
-from ._session_base import check_not_held
+from .sessions import Mamba3DecodeSession
 
 D_STATE = 128      # N
 HEAD_DIM = 64      # P
@@ -24,8 +23,6 @@ _WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "dt_bias", "B_norm.weigh
                  "C_norm.weight", "B_bias", "C_bias", "D", "out_proj.weight")
 # backward gradients the kernel writes in full (no zeroing needed)
 _WRITTEN_GRADS = ("in_proj.weight", "out_proj.weight")
-_STATE_BUFFERS = ("theta", "h", "buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt",
-                  "buffer_sig", "buffer_adt", "pending_k", "pending_v")
 _N_SLOTS = 25
 
 
@@ -53,6 +50,7 @@ def mamba3_weight_shapes(d: int) -> dict:
 
 
 def _state_shapes(b: int, h: int) -> dict:
+    """{array name: shape} of a Mamba3State, in its _ARRAYS order."""
     return {
         "theta": (b, h, N_ANGLES),
         "h": (b, h, HEAD_DIM, D_STATE),
@@ -163,6 +161,9 @@ class Mamba3State(StateBase):
                 f"buffered_tokens={self.buffered_tokens}, pending={self.pending})")
 
 
+_STATE_BUFFERS = Mamba3State._ARRAYS
+
+
 class Mamba3Block(_MambaBase):
     """One Mamba-3 (SISO) block: RMSNorm, mixer and residual.
 
@@ -229,6 +230,11 @@ class Mamba3Block(_MambaBase):
     """
 
     _packed_names = ("in_proj.weight", "out_proj.weight")
+    _STATE_CLASS = Mamba3State
+    _FWD_OP, _FWD_WORK = _abi.OP_M3_FORWARD, 7
+    _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M3_PREPARE, _WEIGHT_ORDER
+    _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M3_BACKWARD, _WRITTEN_GRADS, True
+    _count_after = staticmethod(_count_after)  # (a Mamba3DecodeSession's too)
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
@@ -254,20 +260,13 @@ class Mamba3Block(_MambaBase):
         self._scratch = None
         self._scratch_lock = threading.Lock()
 
-    def _make_blob(self, w):
-        """The prepared weights (packed weights stay packed in it)."""
-        args = [self.d_model] + [weight_address(w[n]) for n in _WEIGHT_ORDER] + [0]
-        return self._build_blob(_abi.OP_M3_PREPARE, args, w)
-
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba3State:
         """Return a zero Mamba3State for batch_size sequences."""
-        from .._array import Array
-        b = _intake.as_int(batch_size, "batch_size")
-        if b < 1:
-            raise ValueError(f"batch_size must be >= 1, got {b}")
-        shapes = _state_shapes(b, self.nheads)
-        return Mamba3State(*(Array(shapes[n]) for n in _STATE_BUFFERS))
+        return self._allocate(batch_size)
+
+    def _state_shapes(self, b):
+        return _state_shapes(b, self.nheads)
 
     def _scratch_state(self, b):
         """A fresh state for a stateless call: only theta and h need zeros
@@ -296,20 +295,13 @@ class Mamba3Block(_MambaBase):
         return st, self._scratch_lock
 
     def _state_views(self, state, batch, check_finite=True):
-        if not isinstance(state, Mamba3State):
-            raise TypeError(f"state must be a Mamba3State, got {type(state).__name__}")
-        check_not_held(state)
-        views = {}
-        for n in _STATE_BUFFERS:
-            views[n] = _intake.float32_view(getattr(state, n), f"state.{n}",
-                                            writable=True, contiguous_only=True)
+        self._check_state(state)
+        views = self._state_arrays(state)
         for n, v in views.items():
             if len(v.shape) < 1 or v.shape[0] != batch:
                 raise ValueError(f"batch mismatch: x has B={batch}, state.{n} has shape "
                                  f"{v.shape}")
-        shapes = _state_shapes(batch, self.nheads)
-        for n, v in views.items():
-            _intake.check_shape(v, shapes[n])
+        self._check_state_shapes(views, batch)
         nb = state.buffered_tokens
         if isinstance(nb, bool) or not isinstance(nb, int):
             nb = _intake.as_int(nb, "state.buffered_tokens")
@@ -332,15 +324,14 @@ class Mamba3Block(_MambaBase):
             _intake.check_finite(self._lib, views["pending_v"])
         if nb:
             # only the valid rows [0, buffered_tokens) are ever read
-            lens = _pyarray("q", [nb] * batch)
-            lmv = memoryview(lens)
-            from .._loader import native
-            addr = native().address(lmv, False)
-            for n in ("buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt",
-                      "buffer_sig", "buffer_adt"):
-                _intake.check_finite(self._lib, views[n], rows=(batch, CHUNK),
-                                     lengths_address=addr)
+            self._check_rows_finite([views[n] for n in ("buffer_qrot", "buffer_krot",
+                                     "buffer_v", "buffer_dt", "buffer_sig", "buffer_adt")],
+                                    batch, nb, CHUNK)
         return views, nb
+
+    @staticmethod
+    def _written_views(sv):
+        return sv[0].values()
 
     # -- compute ------------------------------------------------------------
     def forward(self, x, state=None, *, lengths=None):
@@ -360,27 +351,7 @@ class Mamba3Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, L, d_model)
         """
-        from .._array import Array
-        xv = self._x_view(x)
-        b, l, d = xv.shape
-        lens_keep, lens_addr = self._lengths(lengths, state, b, l)
-        own = state is None
-        if not own:
-            views, nb = self._state_views(state, b)
-            _intake.refuse_overlap(views.values(), (xv,))
-        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens_addr)
-        lock = None
-        if own:
-            state, lock = self._held_scratch(b)
-        try:
-            if own:
-                views, nb = self._state_views(state, b, check_finite=False)
-            y = Array((b, l, d), zero=False)
-            self._call(xv, y, b, l, views, nb, state, lens_keep, "forward")
-        finally:
-            if lock is not None:
-                lock.release()
-        return y
+        return self._forward(x, state, lengths)
 
     def step(self, x, state):
         """Run one decode token: forward at L = 1 with the state carried.
@@ -394,21 +365,24 @@ class Mamba3Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, 1, d_model)
         """
-        from .._array import Array
-        if state is None:
-            raise ValueError("step needs a state (use allocate_state)")
-        xv, b = self._step_x_view(x)
-        views, nb = self._state_views(state, b)
-        _intake.refuse_overlap(views.values(), (xv,))
-        _intake.check_finite(self._lib, xv)
-        y = Array((b, 1, self.d_model), zero=False)
-        self._call(xv, y, b, 1, views, nb, state, None, "step")
-        return y
+        return self._step(x, state)
+
+    def _launch(self, xv, y, b, l, state, sv, lens, kind):
+        lock = None
+        if state is None:  # a stateless call runs on the block's scratch state
+            state, lock = self._held_scratch(b)
+        try:
+            if sv is None:  # zeros the block wrote: not checked again
+                sv = self._state_views(state, b, check_finite=False)
+            views, nb = sv
+            self._call(xv, y, b, l, views, nb, state, lens, kind)
+        finally:
+            if lock is not None:
+                lock.release()
 
     def decode_session(self, state):
         """Open a Mamba3DecodeSession: token-by-token decoding that gives the
         bytes of ``step`` without re-validating the state at every token."""
-        from .mamba3_session import Mamba3DecodeSession
         return Mamba3DecodeSession(self, state)
 
     def _args(self, b, l, xaddr, yaddr, views, nb, pending, lens_addr, mode):
@@ -419,15 +393,14 @@ class Mamba3Block(_MambaBase):
             args[11 + i] = views[n].address
         return args
 
-    def _call(self, xv, y, b, l, views, nb, state, lens_keep, kind):
-        lens_addr = lens_keep[2] if lens_keep is not None else 0
+    def _call(self, xv, y, b, l, views, nb, state, lens, kind):
         args = self._args(b, l, xv.address, y.address, views, nb, state.pending,
-                          lens_addr, 0)
+                          lens[1], 0)
         self._run(args)
         state.buffered_tokens = _count_after(nb, l)
         state.pending = False
         state._calls += 1
-        self._report = {"state": state, "calls": state._calls, "lengths": lens_keep,
+        self._report = {"state": state, "calls": state._calls, "lengths": lens[0],
                         "b": b, "cache": None}
         s = self._session
         if s is None:
@@ -438,10 +411,6 @@ class Mamba3Block(_MambaBase):
         s[f"{kind}_calls"] += 1
         s["tokens"] += b * l
         s["weight_reuses"] += 1
-
-    def _run(self, args):
-        """Run the forward op with the thread's workspace in slot 7."""
-        self._run_op(_abi.OP_M3_FORWARD, args, 7)
 
     # -- reports ------------------------------------------------------------
     def _reports(self):
@@ -456,9 +425,7 @@ class Mamba3Block(_MambaBase):
                                  "its state was advanced by a later call; read h_last_, "
                                  "k_last_, v_last_, theta_last_ right after the call")
             b, h = r["b"], self.nheads
-            views = {n: _intake.float32_view(getattr(state, n), f"state.{n}",
-                                             writable=True, contiguous_only=True)
-                     for n in _STATE_BUFFERS}
+            views = self._state_arrays(state)
             out = {"h": Array((b, h, HEAD_DIM, D_STATE), zero=False),
                    "k": Array((b, h, D_STATE), zero=False),
                    "v": Array((b, h, HEAD_DIM), zero=False),
@@ -520,19 +487,7 @@ class Mamba3Block(_MambaBase):
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and shape.
         """
-        xv, gv = self._backward_views(x, grad_output)
-        b, l, d = xv.shape
-        w, blob = self._backward_weights()
-        # the kernel writes the projections' gradients in full (no memset)
-        grads = self._grad_arrays((b, l, d), w, _WEIGHT_ORDER, written=_WRITTEN_GRADS)
-        args = ([b, l, d, xv.address, gv.address, blob.address, 0,
-                 grads["x"].address, w["in_proj.weight"].address,
-                 w["out_proj.weight"].address]
-                + [grads[n].address for n in _WEIGHT_ORDER])
-        panels = self._backward_panels(w)  # held until the op returns
-        args.append(panels.address)
-        self._run_op(_abi.OP_M3_BACKWARD, args, 6)
-        return grads
+        return self._backward(x, grad_output)
 
 
 class Mamba3BlockInference(Mamba3Block):

@@ -1,0 +1,384 @@
+"""The decode sessions: Mamba1DecodeSession, Mamba2DecodeSession and
+Mamba3DecodeSession, and their base (open/closed bookkeeping, the
+one-native-call step with its full-intake fallback, closing).
+
+A session takes everything block-specific from its block (the forward op
+and its slots, the state class, the layout constants), so this module
+imports no block module: the block modules import it.
+"""
+from __future__ import annotations
+
+import weakref
+
+from .. import _intake
+from ._base import copy_bytes, workspace_floats
+from ._state import array_view, check_not_held
+
+
+class DecodeSessionBase:
+    """Base of Mamba{1,2,3}DecodeSession (not public).
+
+    A subclass calls ``_bind``, builds ``self._args`` (the block's forward
+    op's arguments: x in slot 3, y in slot 4), calls ``_activate``, and
+    implements ``sync_state()``, ``_release()`` and, where the step needs
+    them, ``_before_step(args)`` and ``_after_step()``.
+    """
+
+    _X_SLOT, _Y_SLOT = 3, 4
+
+    def _bind(self, block, state, b):
+        """The fields every session has; not open yet. A state already held
+        by an open session is refused (two sessions on one state would each
+        write their own tokens back, and one's would be lost)."""
+        self._open = False
+        check_not_held(state)
+        self._block = block
+        self._lib = block._lib
+        self._op = block._FWD_OP
+        self._blob = block._blob  # pinned: a later set_params is not seen
+        self._state = state
+        self._b = b
+        self._d = block.d_model
+        self._open = False
+
+    def _own_workspace(self, args, zero=False):
+        """Allocate the session's private workspace for args (kept from
+        open to close) and put its address in the block's workspace slot."""
+        from .._array import Array
+        self._work = Array((workspace_floats(self._lib, self._op, args),), zero=zero)
+        args[self._block._FWD_WORK] = self._work.address
+
+    def _activate(self):
+        """Open: from now on the block refuses the state."""
+        check_not_held(self._state)
+        self._state._held_by = weakref.ref(self)
+        self._open = True
+
+    @property
+    def state(self):
+        """The state the session decodes from."""
+        return self._state
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the session is open."""
+        return self._open
+
+    def _check_open(self):
+        if not self._open:
+            raise ValueError(f"the {type(self).__name__} is closed")
+
+    def _unheld_views(self, fetch):
+        """fetch() with the state briefly not held (the block's checks)."""
+        holder, self._state._held_by = getattr(self._state, "_held_by", None), None
+        try:
+            return fetch()
+        finally:
+            self._state._held_by = holder
+
+    def step(self, x):
+        """Decode one token per row.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, 1, d_model)
+        """
+        from .._array import Array
+        self._check_open()
+        y = Array((self._b, 1, self._d), zero=False)
+        args = self._args
+        args[self._Y_SLOT] = y.address
+        self._before_step(args)
+        # A plain C-contiguous float32 x is checked and run in one native
+        # call; anything else goes through the full intake (and its errors).
+        if not self._lib.run_step(self._op, args, x, self._b, self._d, self._X_SLOT):
+            xv, b = self._block._step_x_view(x)
+            if b != self._b:
+                raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
+            _intake.check_finite(self._lib, xv)
+            args[self._X_SLOT] = xv.address
+            self._lib.run(self._op, args)
+        self._after_step()
+        return y
+
+    def _before_step(self, args):
+        pass
+
+    def _after_step(self):
+        pass
+
+    def close(self):
+        """Copy the state back, release the buffers and close. Idempotent.
+
+        If the state's arrays can no longer take the session's state (one
+        was replaced by a buffer of another shape, dtype or layout), close
+        raises ValueError naming it before writing anything, and the
+        session stays open: fix the array and close again. A session that
+        is dropped without close() closes itself when it is collected."""
+        if not self._open:
+            return
+        self.sync_state()
+        self._state._held_by = None
+        self._open = False
+        self._release()
+
+    @staticmethod
+    def _write_back(state, pairs):
+        """Copy (name, session array) pairs into state.<name>: every target
+        is checked first, so a refused write-back changes no byte."""
+        targets = []
+        for name, src in pairs:
+            v = array_view(state, name)
+            shape = tuple(memoryview(src).shape)
+            if v.shape != shape:
+                raise ValueError(f"state.{name} must have shape {shape} to take the "
+                                 f"session's state back, got {v.shape}")
+            targets.append(v)
+        _intake.refuse_overlap(targets)
+        for v, (_, src) in zip(targets, pairs):
+            copy_bytes(v.mv, src)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        # Dropped while open: write the state back (no tokens lost); if the
+        # state can no longer take it, just let the state go.
+        try:
+            if self._open:
+                try:
+                    self.close()
+                except Exception:
+                    self._open = False
+        except AttributeError:
+            pass
+
+
+class Mamba1DecodeSession(DecodeSessionBase):
+    """Token-by-token decoding on one Mamba1Block and one Mamba1State.
+
+    Made by ``Mamba1Block.decode_session(state)``. Every output is byte for
+    byte what ``Mamba1Block.step`` gives. On a CPU-only install the session
+    keeps the state in its own workspace, in the kernel's layout, so a step
+    validates only x and converts nothing. Until close() or sync_state() the state's arrays
+    are stale and the block refuses that state; weight edits (set_params)
+    after opening are not seen; edits to the state arrays are not seen until
+    load_state(). Not thread-safe. Use it as a context manager.
+
+    Examples
+    --------
+    >>> state = block.allocate_state(2)
+    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
+    >>> with block.decode_session(state) as session:
+    ...     for x_t in tokens:
+    ...         y_t = session.step(x_t)
+    """
+
+    # FWD_FLAGS bits (mojo/mojolearn_kernels/mamba1.mojo)
+    _NO_LOAD, _NO_SAVE, _NO_TOKENS = 1, 2, 4
+
+    def __init__(self, block, state):
+        cw, h = block._state_views(state, None)
+        self._bind(block, state, cw.shape[0])
+        # The state lives in this private workspace, in the kernel's layout,
+        # from open to close; steps neither load nor save it.
+        args = [self._b, 1, self._d, 0, 0, self._blob.address, 0, 0, 0, 0, 0]
+        self._own_workspace(args, zero=True)
+        self._args = args
+        self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
+        args[10] = self._NO_LOAD | self._NO_SAVE
+        self._activate()
+
+    def _transfer(self, cw, h, flags):
+        """Load (NO_SAVE) or save (NO_LOAD) the state through the kernel."""
+        args = list(self._args)
+        args[6], args[7], args[10] = cw.address, h.address, flags
+        args[3] = args[4] = 0  # no tokens: no x or y buffer (a device stages none)
+        self._lib.run(self._op, args)
+
+    def _after_step(self):
+        self._state.absolute_position += 1
+
+    def _views(self):
+        return self._unheld_views(
+            lambda: self._block._state_views(self._state, self._b, check_finite=False))
+
+    def sync_state(self):
+        """Copy the session's state into the Mamba1State arrays; return it."""
+        self._check_open()
+        cw, h = self._views()
+        self._transfer(cw, h, self._NO_LOAD | self._NO_TOKENS)
+        return self._state
+
+    def load_state(self):
+        """Reload the session from the Mamba1State arrays; return it."""
+        self._check_open()
+        cw, h = self._unheld_views(lambda: self._block._state_views(self._state, self._b))
+        self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
+        return self._state
+
+    def _release(self):
+        self._work = None
+
+
+class Mamba2DecodeSession(DecodeSessionBase):
+    """Token-by-token decoding on one Mamba2Block and one Mamba2State.
+
+    Made by ``Mamba2Block.decode_session(state)``. Every output is byte for
+    byte what ``Mamba2Block.step`` gives. The session holds its own copies of
+    the state and a preallocated workspace, so a step validates only x (the
+    state is validated once, when the session opens or reloads). Until
+    close() or sync_state() the state's arrays and buffered_tokens are
+    stale, and the block refuses that state; weight edits (set_params) after
+    opening are not seen; edits to the state arrays are not seen until
+    load_state(). The block's ``h_last_`` is not updated by session steps. Not
+    thread-safe. Use it as a context manager.
+
+    Examples
+    --------
+    >>> state = block.allocate_state(2)
+    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
+    >>> with block.decode_session(state) as session:
+    ...     for x_t in tokens:
+    ...         y_t = session.step(x_t)
+    """
+
+    def __init__(self, block, state):
+        from .._array import Array
+        views = block._state_views(state, None)
+        self._bind(block, state, views[0].shape[0])
+        self._arrays = [Array(v.shape, zero=False) for v in views]
+        self._copy_in(views)
+        self._s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
+        self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
+        self._args[5] = self._blob.address
+        self._own_workspace(self._args)
+        # transposed copies of h and of the open chunk's B rows, rebuilt by
+        # the kernel whenever a marker is 0: same chains, vectorized
+        # (mamba2_layout.mojo, CACHE_HDR)
+        n, hdr = block._D_STATE, block._CACHE_HDR
+        per_row = (block.nheads * (hdr + n * block._HEAD_DIM) + hdr + n * block._CHUNK)
+        self._cache = Array((self._b * per_row,), zero=True)
+        self._args[block._FWD_CACHE] = self._cache.address
+        self._activate()
+
+    def _copy_in(self, views):
+        for a, v in zip(self._arrays, views):
+            copy_bytes(a, v.mv)
+
+    def _before_step(self, args):
+        args[10] = self._s
+
+    def _after_step(self):
+        self._s = (self._s + 1) % self._block._CHUNK
+
+    def sync_state(self):
+        """Copy the session's state into the Mamba2State; return it."""
+        self._check_open()
+        st = self._state
+        self._write_back(st, list(zip(st._ARRAYS, self._arrays)))
+        st.buffered_tokens = self._s
+        st._version += 1
+        return st
+
+    def load_state(self):
+        """Reload the session from the Mamba2State (after you edit it); return it."""
+        self._check_open()
+        views = self._unheld_views(lambda: self._block._state_views(self._state, self._b))
+        self._copy_in(views)
+        self._s = _intake.as_int(self._state.buffered_tokens, "state.buffered_tokens")
+        memoryview(self._cache).cast("B")[:] = bytes(self._cache.nbytes)  # all stale
+        return self._state
+
+    def _release(self):
+        self._arrays = self._work = self._cache = None
+
+
+class Mamba3DecodeSession(DecodeSessionBase):
+    """Token-by-token decoding on one Mamba3Block and one Mamba3State.
+
+    Made by ``Mamba3Block.decode_session(state)``. Every output is byte for
+    byte what ``Mamba3Block.step`` gives. The session holds its own copies of
+    the state and a preallocated workspace, so a step validates only x (the
+    state is validated once, when the session opens or reloads). Until
+    close() or sync_state() the state's arrays, buffered_tokens and pending
+    are stale, and the block refuses that state; weight edits (set_params)
+    after opening are not seen; edits to the state arrays are not seen until
+    load_state(). The block's reports (``h_last_``, ...) and
+    ``session_info()`` are not updated by session steps. Not thread-safe.
+    Use it as a context manager.
+
+    Examples
+    --------
+    >>> state = block.allocate_state(2)
+    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
+    >>> with block.decode_session(state) as session:
+    ...     for x_t in tokens:
+    ...         y_t = session.step(x_t)
+    """
+
+    # OP_M3_FORWARD slots of the buffered-token count and the pending flag
+    _SLOT_N0, _SLOT_PENDING = 8, 9
+
+    def __init__(self, block, state):
+        from .._array import Array
+        self._bind(block, state, 0)
+        views, nb = self._validated()
+        self._b = views["h"].shape[0]
+        self._arrays = {n: Array(v.shape, zero=False) for n, v in views.items()}
+        self._copy_in(views, nb)
+        self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
+        self._own_workspace(self._args)
+        self._activate()
+
+    def _validated(self):
+        """The state's views after the block's full checks (as step does)."""
+        st = self._state
+        self._block._check_state_type(st)
+        return self._unheld_views(lambda: self._block._state_views(
+            st, _intake.float32_view(st.h, "state.h").shape[0]))
+
+    def _copy_in(self, views, nb):
+        for n, a in self._arrays.items():
+            copy_bytes(a, views[n].mv)
+        self._nb = nb
+        self._pending = self._state.pending
+
+    def _before_step(self, args):
+        args[self._SLOT_N0] = self._nb
+        args[self._SLOT_PENDING] = 1 if self._pending else 0
+
+    def _after_step(self):
+        self._nb = self._block._count_after(self._nb, 1)
+        self._pending = False
+
+    def sync_state(self):
+        """Copy the session's state into the Mamba3State; return it."""
+        self._check_open()
+        st = self._state
+        self._write_back(st, list(self._arrays.items()))
+        st.buffered_tokens = self._nb
+        st.pending = self._pending
+        st._calls += 1  # reports of earlier calls on this state are gone
+        return st
+
+    def load_state(self):
+        """Reload the session from the Mamba3State (after you edit it); return it."""
+        self._check_open()
+        views, nb = self._validated()
+        if views["h"].shape[0] != self._b:
+            raise ValueError(f"the state now has B={views['h'].shape[0]}, the session "
+                             f"decodes {self._b} rows")
+        self._copy_in(views, nb)
+        return self._state
+
+    def _release(self):
+        self._arrays = self._work = None
