@@ -1,9 +1,9 @@
 """Mamba1Block.backward: gradients vs PyTorch autograd of transformers'
 MambaBlock run in verified float64, a central-difference check of that
-reference, bit-equality properties (each with a negative control) and the
-error paths of grad_output.
+reference, and conv1d.weight's gradient in the caller's shape. The intake
+of x and grad_output and the bit properties every block shares (each with
+its control) are in tests/contract/test_backward.py.
 """
-import contextlib
 import inspect
 
 import numpy as np
@@ -12,13 +12,7 @@ import torch
 
 import mojolearn
 from tests import tolerance
-from tests.backward_bits import (
-    assert_same_grads, check_repeated_calls, check_rows_alone, check_thread_count, grad_arrays,
-)
-from tests.bits import (
-    assert_bits_differ, assert_reordered_backward_differs, assert_same_bits, nudge,
-)
-from tests.errors import raises_naming
+from tests.bits import assert_same_bits
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba1_reference
 from mojolearn.reference.weights import mamba1_weights, random_input
@@ -133,7 +127,7 @@ def test_one_percent_off_in_the_small_elements_fails():
     d, B, L = 16, 2, 40
     w = mamba1_weights(d, seed=5)
     x, g = random_input(B, L, d, seed=6), random_input(B, L, d, seed=7)
-    got = grad_arrays(mojolearn.Mamba1Block(w).backward(x, g))
+    got = {k: np.asarray(v) for k, v in mojolearn.Mamba1Block(w).backward(x, g).items()}
     ref, scale = reference_and_scale(w, x, g)
     for name in NAMES:
         tolerance.assert_within(got[name], ref[name], scale[name], name)
@@ -185,124 +179,3 @@ def test_central_differences_confirm_the_reference():
                 fd = (loss(dict(w, **{name: plus}), x) - loss(dict(w, **{name: minus}), x)) / (2 * eps)
             an = ref[name].reshape(-1)[idx]
             assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), f"{name}[{idx}]: fd {fd} vs autograd {an}"
-
-
-# --------------------------------------------------------------------------- bits
-D = 24  # not a multiple of 16: exercises the lane tails
-W = mamba1_weights(D, seed=11)
-_BLOCK = None
-
-
-def block():
-    global _BLOCK
-    if _BLOCK is None:
-        _BLOCK = mojolearn.Mamba1Block(W)
-    return _BLOCK
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (3, 70), (2, 33)])
-def test_thread_count_does_not_change_bits(threads, shape):
-    check_thread_count(block(), NAMES, D, shape, (31, 32), (2, 3, 4), threads)
-    # negative control: the same function with its d_model sums in another
-    # order (what a thread-dependent reduction would do) has other bits
-    x, g = random_input(*shape, D, seed=31), random_input(*shape, D, seed=32)
-    assert_reordered_backward_differs(mojolearn.Mamba1Block, W, x, g, "mamba1",
-                                      grad_arrays(block().backward(x, g)))
-
-
-def test_repeated_calls_are_identical():
-    check_repeated_calls(block(), mojolearn.Mamba1Block(W), NAMES, D, 75, (33, 34), 40)
-
-
-def test_x_gradient_of_a_row_equals_the_row_alone():
-    x, g, full, alone = check_rows_alone(block(), D, 3, 70, (35, 36))
-    # negative control: a one-ulp change of the row's own grad_output
-    gi = nudge(np.ascontiguousarray(g[1:2]), index=5)
-    other = grad_arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
-    assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
-
-
-def test_zero_grad_output_gives_exact_zeros():
-    x = random_input(2, 45, D, seed=37)
-    got = grad_arrays(block().backward(x, np.zeros_like(x)))
-    for name in NAMES:
-        assert (got[name] == 0).all(), f"{name} is not all zero"
-        assert (got[name].view(np.uint32) == 0).all(), f"{name} holds -0.0"
-    # negative control: the smallest normal grad_output in one place
-    g = np.zeros_like(x)
-    g[1, 44, 3] = np.float32(2.0 ** -60)
-    got = grad_arrays(block().backward(x, g))
-    assert any((got[name] != 0).any() for name in NAMES)
-    assert (got["x"][1, 44] != 0).any() and (got["x"][0] == 0).all()
-
-
-def test_backward_changes_nothing_it_reads():
-    x, g = random_input(2, 20, D, seed=38), random_input(2, 20, D, seed=39)
-    xc, gc = x.copy(), g.copy()
-    y0 = np.asarray(block().forward(x)).copy()
-    state = block().allocate_state(2)
-    block().forward(x, state)
-    h0 = np.asarray(state.h).copy()
-    block().backward(x, g)
-    assert_same_bits(x, xc, "x")
-    assert_same_bits(g, gc, "grad_output")
-    assert_same_bits(np.asarray(state.h), h0, "state")
-    assert_same_bits(np.asarray(block().forward(x)), y0, "forward after backward")
-
-
-# --------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int32])
-def test_grad_output_bad_dtype(dtype):
-    x = random_input(1, 4, D, seed=1)
-    with raises_naming(TypeError, "grad_output", "float32", np.dtype(dtype).name):
-        block().backward(x, np.ones(x.shape, dtype=dtype))
-
-
-@pytest.mark.parametrize("shape", [(1, 4, D + 1), (1, 5, D), (2, 4, D), (4, D), (1, 1, 4, D)])
-def test_grad_output_bad_shape(shape):
-    x = random_input(1, 4, D, seed=1)
-    with raises_naming(ValueError, "grad_output", str(shape)):
-        block().backward(x, np.ones(shape, dtype=np.float32))
-
-
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_grad_output_nonfinite_named_with_first_index(value):
-    x = random_input(1, 4, D, seed=1)
-    g = np.ones_like(x)
-    g[0, 2, 5] = value
-    g[0, 3, 0] = value
-    with raises_naming(ValueError, "grad_output", f"flat index {2 * D + 5}"):
-        block().backward(x, g)
-
-
-def test_grad_output_not_a_buffer():
-    x = random_input(1, 4, D, seed=1)
-    with raises_naming(TypeError, "grad_output", "list"):
-        block().backward(x, [[1.0] * D] * 4)
-
-
-def test_x_errors_named():
-    g = np.ones((1, 4, D), np.float32)
-    with raises_naming(TypeError, "x", "float64"):
-        block().backward(g.astype(np.float64), g)
-    bad = g.copy()
-    bad[0, 1, 2] = np.nan
-    with raises_naming(ValueError, "x", f"flat index {D + 2}"):
-        block().backward(bad, g)
-
-
-def test_inference_block_still_refuses_backward():
-    x = random_input(1, 4, D, seed=1)
-    with pytest.raises(NotImplementedError):
-        mojolearn.Mamba1BlockInference(W).backward(x, x)
-
-
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
-def test_packed_weights_give_the_bits_of_their_float32_expansion(fmt):
-    lowbit = pytest.importorskip("mojolearn.lowbit")
-    packed = lowbit.pack(W, fmt)
-    expanded, _ = lowbit.unpack(packed)
-    x, g = random_input(2, 40, D, seed=40), random_input(2, 40, D, seed=41)
-    a = grad_arrays(mojolearn.Mamba1Block(packed).backward(x, g))
-    b = grad_arrays(mojolearn.Mamba1Block({k: np.asarray(v) for k, v in expanded.items()}).backward(x, g))
-    assert_same_grads(a, b, NAMES, f"{fmt} packed vs expanded")

@@ -1,7 +1,9 @@
 """Mamba2Block.backward: gradients vs PyTorch autograd of transformers'
-Mamba2Block run in verified float64 (with and without dt_limit), a
-central-difference check of that reference, bit-equality properties (each
-with a negative control) and the error paths of grad_output.
+Mamba2Block run in verified float64 (with and without dt_limit, and the
+clamp's gradient at its bounds), a central-difference check of that
+reference, and conv1d.weight's gradient in the caller's shape. The intake
+of x and grad_output and the bit properties every block shares (each with
+its control) are in tests/contract/test_backward.py.
 """
 import inspect
 import math
@@ -12,13 +14,7 @@ import torch
 
 import mojolearn
 from tests import tolerance
-from tests.backward_bits import (
-    assert_same_grads, check_repeated_calls, check_rows_alone, check_thread_count, grad_arrays,
-)
-from tests.bits import (
-    assert_bits_differ, assert_reordered_backward_differs, assert_same_bits, nudge,
-)
-from tests.errors import raises_naming
+from tests.bits import assert_same_bits
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba2_reference
 from mojolearn.reference.weights import mamba2_weights, random_input
@@ -244,106 +240,3 @@ def test_central_differences_confirm_the_reference():
                       - loss(dict(w, **{name: minus}), x)) / (2 * eps)
             an = ref[name].reshape(-1)[idx]
             assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), f"{name}[{idx}]: fd {fd} vs autograd {an}"
-
-
-# --------------------------------------------------------------------------- bits
-D = 32
-W = mamba2_weights(D, seed=11)
-_BLOCK = None
-
-
-def block():
-    global _BLOCK
-    if _BLOCK is None:
-        _BLOCK = mojolearn.Mamba2Block(W)
-    return _BLOCK
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (3, 260), (2, 33)])
-def test_thread_count_does_not_change_bits(threads, shape):
-    check_thread_count(block(), NAMES, D, shape, (31, 32), (2, 3, 5), threads)
-    # negative control: the same function with its d_model sums in another
-    # order (what a thread-dependent reduction would do) has other bits
-    x, g = random_input(*shape, D, seed=31), random_input(*shape, D, seed=32)
-    assert_reordered_backward_differs(mojolearn.Mamba2Block, W, x, g, "mamba2",
-                                      grad_arrays(block().backward(x, g)))
-
-
-def test_repeated_calls_are_identical():
-    check_repeated_calls(block(), mojolearn.Mamba2Block(W), NAMES, D, 270, (33, 34), 40)
-
-
-def test_x_gradient_of_a_row_equals_the_row_alone():
-    x, g, full, alone = check_rows_alone(block(), D, 3, 260, (35, 36))
-    # negative control: the same batch with one ulp changed in row 1's
-    # grad_output (its last token: every earlier token's dx reads it): row
-    # 1's x gradient sees it, rows 0 and 2 keep their bits
-    other = grad_arrays(block().backward(x, nudge(g, index=2 * g[0].size - D + 5)))
-    assert_bits_differ(other["x"][1], full["x"][1], "row 1 with a nudged grad_output")
-    assert_same_bits(other["x"][0], full["x"][0], "row 0 beside it")
-    assert_same_bits(other["x"][2], full["x"][2], "row 2 beside it")
-
-
-def test_zero_grad_output_gives_exact_zeros():
-    x = random_input(2, 300, D, seed=37)
-    got = grad_arrays(block().backward(x, np.zeros_like(x)))
-    for name in NAMES:
-        a = got[name]
-        assert np.all(a.view(np.uint32) == 0), f"{name}: not all +0.0"
-    # negative control: one nonzero grad_output entry gives nonzero gradients
-    g = np.zeros_like(x)
-    g[1, 299, 5] = 1.0
-    one = grad_arrays(block().backward(x, g))
-    assert np.any(one["x"] != 0) and np.any(one["in_proj.weight"] != 0)
-    assert np.all(one["x"][0] == 0)  # row 0 has no gradient of its own
-
-
-def test_backward_reads_and_changes_no_state():
-    x, g = random_input(1, 40, D, seed=38), random_input(1, 40, D, seed=39)
-    b = mojolearn.Mamba2Block(W)
-    st = b.allocate_state(1)
-    y1 = np.asarray(b.forward(x[:, :20], st)).copy()
-    before = [np.asarray(getattr(st, n)).copy() for n in ("conv_window", "h", "buffer_xbc",
-                                                         "buffer_dtraw")]
-    bt = st.buffered_tokens
-    h_last = np.asarray(b.h_last_).copy()
-    first = grad_arrays(b.backward(x, g))
-    assert_same_bits(np.asarray(b.h_last_), h_last, "h_last_")
-    after = [np.asarray(getattr(st, n)) for n in ("conv_window", "h", "buffer_xbc",
-                                                 "buffer_dtraw")]
-    for u, v in zip(before, after):
-        assert_same_bits(u, v, "state")
-    assert st.buffered_tokens == bt
-    assert_same_grads(grad_arrays(mojolearn.Mamba2Block(W).backward(x, g)), first, NAMES, "after a stateful forward")
-    assert_same_bits(np.asarray(b.forward(x[:, :20])), y1, "forward unchanged")
-
-
-# --------------------------------------------------------------------------- errors
-def test_grad_output_errors():
-    b = block()
-    x = random_input(2, 5, D, seed=40)
-    with raises_naming(ValueError, "grad_output", "shape of x", str((2, 6, D))):
-        b.backward(x, random_input(2, 6, D, seed=1))
-    with raises_naming(ValueError, "grad_output", "shape of x", str((1, 5, D))):
-        b.backward(x, random_input(1, 5, D, seed=1))
-    with raises_naming(TypeError, "grad_output", "float64"):
-        b.backward(x, np.zeros((2, 5, D), np.float64))
-    with raises_naming(ValueError, "grad_output", str((2, 5 * D))):
-        b.backward(x, np.zeros((2, 5 * D), np.float32))
-    for bad in (np.nan, np.inf, -np.inf):
-        g = np.zeros((2, 5, D), np.float32)
-        g[1, 3, 7] = bad
-        with raises_naming(ValueError, "grad_output", f"flat index {(5 + 3) * D + 7}"):
-            b.backward(x, g)
-    xb = x.copy()
-    xb[0, 0, 0] = np.nan
-    with raises_naming(ValueError, "x", "flat index 0"):
-        b.backward(xb, np.zeros_like(x))
-    # negative control: the same call with a good grad_output works
-    assert b.backward(x, np.zeros_like(x))["x"].shape == (2, 5, D)
-
-
-def test_inference_block_has_no_backward():
-    x = random_input(1, 3, D, seed=41)
-    with pytest.raises(NotImplementedError):
-        mojolearn.mamba.Mamba2BlockInference(W).backward(x, x)

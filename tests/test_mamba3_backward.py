@@ -1,7 +1,9 @@
 """Mamba3Block.backward: gradients vs PyTorch autograd of a float64 recurrence
 (tests/reference/torch_mamba3.py, itself checked against the NumPy float64
-reference and against central differences), bit-equality properties (each
-with a negative control) and the error paths of grad_output.
+reference and against central differences), the x gradient of a row across
+the memory budgets, and the bytes without NumPy. The intake of x and
+grad_output and the bit properties every block shares (each with its
+control) are in tests/contract/test_backward.py.
 """
 import numpy as np
 import pytest
@@ -9,14 +11,7 @@ import torch
 
 import mojolearn
 from tests import tolerance
-from tests.backward_bits import (
-    assert_same_grads, check_repeated_calls, check_rows_alone, check_thread_count, grad_arrays,
-)
-from tests.bits import (
-    assert_bits_differ, assert_only_rounding_differs, assert_reordered_backward_differs,
-    assert_same_bits, reordered_reduction,
-)
-from tests.errors import raises_naming
+from tests.bits import assert_only_rounding_differs, assert_same_bits, reordered_reduction
 from mojolearn.reference.weights import mamba3_dims, mamba3_weights, random_input
 from mojolearn.reference.mamba3 import mamba3_numpy
 from tests.reference.torch_mamba3 import GRAD_NAMES as NAMES
@@ -165,139 +160,26 @@ def test_gradients_in_extreme_regimes(case):
 
 
 # --------------------------------------------------------------------------- bits
-D = 32
-W = mamba3_weights(D, seed=31)
-_BLOCK = None
-
-
-def block():
-    global _BLOCK
-    if _BLOCK is None:
-        _BLOCK = mojolearn.Mamba3Block(W)
-    return _BLOCK
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (3, 70), (2, 64)])
-def test_thread_count_does_not_change_bits(threads, shape):
-    check_thread_count(block(), NAMES, D, shape, (41, 42), (2, 3, 4), threads)
-    # negative control: the same function with its d_model sums in another
-    # order (what a thread-dependent reduction would do) has other bits
-    x, g = random_input(*shape, D, seed=41), random_input(*shape, D, seed=42)
-    assert_reordered_backward_differs(mojolearn.Mamba3Block, W, x, g, "mamba3",
-                                      grad_arrays(block().backward(x, g)))
-
-
-def test_repeated_calls_are_identical():
-    check_repeated_calls(block(), mojolearn.Mamba3Block(W), NAMES, D, 75, (43, 44), 140)
-
-
-def test_x_gradient_of_a_row_equals_the_row_alone():
-    x, g, full, alone = check_rows_alone(block(), D, 3, 70, (45, 46))
-    # negative control: a small change of the row's own grad_output (one ulp
-    # of g can vanish in dx = g + ..., so change it by 1e-3 relative)
-    gi = np.ascontiguousarray(g[1:2]).copy()
-    gi[0, 0, 5] *= np.float32(1.001)
-    other = grad_arrays(block().backward(np.ascontiguousarray(x[1:2]), gi))
-    assert_bits_differ(other["x"][0], full["x"][1], "row with a nudged grad_output")
-
-
+# (the bit properties every block shares: tests/contract/test_backward.py)
 def test_row_alone_across_the_memory_budgets():
     """B = 8, L = 2000 is past both 32 MiB budgets of docs/backward.md (pass A
     keeps only its last chunks' rows, the others skip z; the weight
     gradients run chunk by chunk), the row alone is within both (every chunk
     kept, weight gradients over all rows at the end): the x gradients still
     agree bit for bit."""
-    B, L = 8, 2000
+    B, L, D = 8, 2000, 32
+    W = mamba3_weights(D, seed=31)
+    block = mojolearn.Mamba3Block(W)
     x, g = random_input(B, L, D, seed=48), random_input(B, L, D, seed=49)
-    full = grad_arrays(block().backward(x, g))
+    full = {k: np.asarray(v) for k, v in block.backward(x, g).items()}
     for i in (0, 5):
-        alone = grad_arrays(block().backward(np.ascontiguousarray(x[i:i + 1]),
-                                         np.ascontiguousarray(g[i:i + 1])))
-        assert_same_bits(full["x"][i], alone["x"][0], f"x gradient of row {i}")
+        alone = block.backward(np.ascontiguousarray(x[i:i + 1]), np.ascontiguousarray(g[i:i + 1]))
+        assert_same_bits(full["x"][i], np.asarray(alone["x"])[0], f"x gradient of row {i}")
     # negative control: row 5 alone with its d_model sums in another order
     # (what a budget-dependent reduction would do) has other bits
     r = reordered_reduction(W, x[5:6], "mamba3")
     other = r.grads(mojolearn.Mamba3Block(r.weights).backward(r.x, r.inputs(g[5:6])))
     assert_only_rounding_differs(other["x"][0], full["x"][5], "row 5 alone, reordered sums")
-
-
-def test_zero_grad_output_gives_exact_zeros():
-    x = random_input(2, 70, D, seed=47)
-    got = grad_arrays(block().backward(x, np.zeros_like(x)))
-    for name in NAMES:
-        assert (got[name] == 0).all(), f"{name} is not all zero"
-        assert (got[name].view(np.uint32) == 0).all(), f"{name} holds -0.0"
-    # negative control: a tiny grad_output in one place reaches every array
-    g = np.zeros_like(x)
-    g[1, 69, 3] = np.float32(2.0 ** -60)
-    got = grad_arrays(block().backward(x, g))
-    for name in NAMES:
-        assert (got[name] != 0).any(), f"{name} stayed zero"
-    assert (got["x"][1, 69] != 0).any() and (got["x"][0] == 0).all()
-
-
-def test_backward_changes_nothing_it_reads():
-    x, g = random_input(2, 20, D, seed=48), random_input(2, 20, D, seed=49)
-    xc, gc = x.copy(), g.copy()
-    y0 = np.asarray(block().forward(x)).copy()
-    state = block().allocate_state(2)
-    block().forward(x, state)
-    h0 = np.asarray(state.h).copy()
-    hl = np.asarray(block().h_last_).copy()
-    block().backward(x, g)
-    assert_same_bits(x, xc, "x")
-    assert_same_bits(g, gc, "grad_output")
-    assert_same_bits(np.asarray(state.h), h0, "state")
-    assert state.buffered_tokens == 20
-    assert_same_bits(np.asarray(block().h_last_), hl, "h_last_ report")
-    assert_same_bits(np.asarray(block().forward(x)), y0, "forward after backward")
-
-
-# --------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int32])
-def test_grad_output_bad_dtype(dtype):
-    x = random_input(1, 4, D, seed=1)
-    with raises_naming(TypeError, "grad_output", "float32", np.dtype(dtype).name):
-        block().backward(x, np.ones(x.shape, dtype=dtype))
-
-
-@pytest.mark.parametrize("shape", [(1, 4, D + 32), (1, 5, D), (2, 4, D), (4, D), (1, 1, 4, D)])
-def test_grad_output_bad_shape(shape):
-    x = random_input(1, 4, D, seed=1)
-    with raises_naming(ValueError, "grad_output", str(shape)):
-        block().backward(x, np.ones(shape, dtype=np.float32))
-
-
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_grad_output_nonfinite_named_with_first_index(value):
-    x = random_input(1, 4, D, seed=1)
-    g = np.ones_like(x)
-    g[0, 2, 5] = value
-    g[0, 3, 0] = value
-    with raises_naming(ValueError, "grad_output", f"flat index {2 * D + 5}"):
-        block().backward(x, g)
-
-
-def test_grad_output_not_a_buffer():
-    x = random_input(1, 4, D, seed=1)
-    with raises_naming(TypeError, "grad_output", "list"):
-        block().backward(x, [[1.0] * D] * 4)
-
-
-def test_x_errors_named():
-    g = np.ones((1, 4, D), np.float32)
-    with raises_naming(TypeError, "x", "float64"):
-        block().backward(g.astype(np.float64), g)
-    bad = g.copy()
-    bad[0, 1, 2] = np.nan
-    with raises_naming(ValueError, "x", f"flat index {D + 2}"):
-        block().backward(bad, g)
-
-
-def test_inference_block_still_refuses_backward():
-    x = random_input(1, 4, D, seed=1)
-    with pytest.raises(NotImplementedError):
-        mojolearn.Mamba3BlockInference(W).backward(x, x)
 
 
 # --------------------------------------------------------------------------- no NumPy

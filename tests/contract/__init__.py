@@ -7,6 +7,8 @@ Mamba3Block and Mamba3BlockInference (the `case` fixture, conftest.py).
 - test_weight_errors.py: weights, numeric_mode, params, set_params
 - test_sessions.py: decode sessions (refusals and their bits)
 - test_bits.py: the bit properties of identical mode, each with its control
+- test_backward.py: backward of the three trainable classes (intake of x and
+  grad_output, bit properties with their controls)
 
 What differs between the blocks (sizes, state arrays, reports, message
 wording) is data in cases.py; the per-block files (tests/test_mamba*_*.py)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array as pyarray
 import functools
+import re
 
 import ml_dtypes
 import numpy as np
@@ -149,6 +150,14 @@ CASES = [Case(f"Mamba{k['kind']}{suffix}", **k) for k in _KINDS
 
 
 # ------------------------------------------------------------ helpers
+def at(spec, c):
+    """A length or position spelled in chunks: 7, "c", "c-1", "2c+12"."""
+    if isinstance(spec, int):
+        return spec
+    m = re.fullmatch(r"(\d*)c([+-]\d+)?", spec)
+    return int(m[1] or 1) * c + int(m[2] or 0)
+
+
 def as_bytes(buf) -> bytes:
     try:
         return memoryview(buf).tobytes()

@@ -12,24 +12,14 @@ state value or weight, padding run as tokens, the same function with its
 sums over d_model in another order). Lengths are spelled in chunks (c):
 every property crosses a fold.
 """
-import re
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.bits import (assert_bits_differ, assert_only_rounding_differs, assert_same_bits,
                         assert_shared_workspace_changes_bits, nudge, reordered_reduction)
-from tests.contract.cases import numpy_state, snapshot, steps
+from tests.contract.cases import at, numpy_state, snapshot, steps
 from tests.threads import run_in_threads
-
-
-def at(spec, c):
-    """A length or position spelled in chunks: 7, "c", "c-1", "2c+12"."""
-    if isinstance(spec, int):
-        return spec
-    m = re.fullmatch(r"(\d*)c([+-]\d+)?", spec)
-    return int(m[1] or 1) * c + int(m[2] or 0)
 
 
 def assert_same_reports(case, got, want, what):
