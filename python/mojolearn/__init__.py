@@ -32,11 +32,13 @@ _LAZY = {
     "lowbit": None,
     "checkpoints": None,
     "reference": None,        # float64 NumPy references (NumPy imported on first use)
+    "torch": None,            # torch.nn.Modules over the kernels (imports PyTorch; optional)
     "load_checkpoint": ".checkpoints",
     "read_safetensors": ".checkpoints",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+# mojolearn.torch stays out of __all__: `from mojolearn import *` must not import PyTorch.
+__all__ = sorted(n for n in _LAZY if n != "torch") + ["__version__"]
 
 
 def __getattr__(name):

@@ -162,6 +162,41 @@ class Array(native().Storage):
         data = bytes(memoryview(self).cast("B")) if self.nbytes else b""
         return (_from_bytes, (self._shape, self.dtype, data))
 
+    # -- DLPack (torch.from_dlpack(a), numpy.from_dlpack(a), ...) ------------
+    def __dlpack_device__(self) -> tuple:
+        """(device type, device id) for DLPack: (1, 0), kDLCPU (host memory)."""
+        return (1, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the array's memory (zero-copy unless copy=True).
+
+        Made by NumPy's own ``__dlpack__`` on ``numpy.asarray(self)``: the
+        capsule holds that NumPy array, which holds this Array, so the memory
+        stays alive as long as the consumer's tensor. Needs NumPy (else
+        ImportError; ``torch.frombuffer(a, dtype=...)`` shares memory without
+        NumPy). stream must be None (host memory); dl_device None or (1, 0).
+        """
+        try:
+            import numpy as np
+        except ImportError:
+            raise ImportError(
+                "mojolearn.Array.__dlpack__ needs NumPy (the capsule is made by "
+                "numpy.asarray(a).__dlpack__); without NumPy, torch.frombuffer(a, "
+                "dtype=torch.float32).view(a.shape) shares the memory too") from None
+        if stream is not None and stream != -1:
+            raise BufferError(f"mojolearn.Array lives in host memory: stream must be None, "
+                              f"got {stream!r}")
+        if dl_device is not None and tuple(dl_device) != (1, 0):
+            raise BufferError(f"mojolearn.Array lives in host memory (kDLCPU, 0); cannot "
+                              f"export it to device {tuple(dl_device)}")
+        arr = np.array(self, copy=True) if copy else np.asarray(self)
+        if max_version is None:
+            return arr.__dlpack__()
+        try:
+            return arr.__dlpack__(max_version=max_version)
+        except TypeError:  # NumPy < 2.1: no max_version; a legacy capsule
+            return arr.__dlpack__()
+
     def __repr__(self) -> str:
         return f"mojolearn.Array(shape={self._shape}, dtype={self.dtype})"
 
