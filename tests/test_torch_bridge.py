@@ -531,7 +531,7 @@ def test_constructor_and_input_checks():
         mt.Mamba3(16)
     with pytest.raises(TypeError):
         mt.Mamba1(32.0)
-    with pytest.raises(ValueError, match="numeric_mode"):
+    with raises_naming(ValueError, "numeric_mode"):
         mt.Mamba1(16, numeric_mode="exact")
     m = mt.Mamba1(16)
     with raises_naming(TypeError, "x", "float32", "torch.float64"):

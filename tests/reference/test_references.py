@@ -21,6 +21,7 @@ from mojolearn.reference.mamba1 import mamba1_numpy
 from mojolearn.reference.mamba2 import mamba2_numpy
 from mojolearn.reference.ops import rmsnorm, silu, softplus
 from mojolearn.reference.weights import mamba1_weights, mamba2_weights, random_input
+from tests.errors import raises_naming
 
 TOL_REF = 1e-10
 TOL_CONT = 1e-12
@@ -199,9 +200,9 @@ def test_mamba1_continuation_equals_one_shot(first):
 def test_guard_fires_without_neutralisation_mamba1():
     w = mamba1_weights(32, 1)
     x = random_input(1, 3, 32, 2)
-    with pytest.raises(Float32LeakError, match="float32"):
+    with raises_naming(Float32LeakError, "torch.float32"):
         mamba1_reference(w, x, _neutralise=False)
-    with pytest.raises(Float32LeakError, match="float32"):   # decode path too
+    with raises_naming(Float32LeakError, "torch.float32"):   # decode path too
         mamba1_reference(w, x, np.zeros((1, 64, 4)), np.zeros((1, 64, 16)), _neutralise=False)
     mamba1_reference(w, x)
     run = hf_mamba.LAST_RUN
@@ -213,7 +214,7 @@ def test_guard_fires_without_neutralisation_mamba1():
 def test_guard_fires_without_neutralisation_mamba2():
     w = mamba2_weights(32, 1)
     x = random_input(1, 3, 32, 2)
-    with pytest.raises(Float32LeakError, match="float32"):
+    with raises_naming(Float32LeakError, "torch.float32"):
         mamba2_reference(w, x, _neutralise=False)
     mamba2_reference(w, x)
     run = hf_mamba.LAST_RUN
@@ -228,7 +229,7 @@ def test_guard_catches_float32_parameters():
     block, cfg, d, di = hf_mamba._mamba1_block(w, residual_in_fp32=False)
     block.mixer.D.data = block.mixer.D.data.float()
     x = torch.from_numpy(x64(random_input(1, 2, 32, 2)))
-    with pytest.raises(Float32LeakError, match="float32"):
+    with raises_naming(Float32LeakError, "torch.float32"):
         with hf_mamba._float64_run("MambaBlock", hf_mamba._hf_m1, hf_mamba._M1_KERNEL_NAMES, True):
             block(x)
 
