@@ -20,7 +20,6 @@ from mojolearn.reference.weights import mamba1_weights, random_input
 NAMES = ("x", "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
          "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
          "out_proj.weight")
-WORST = {}  # name -> (worst |err| / scale, case), printed at the end
 
 
 # --------------------------------------------------------------------------- reference
@@ -56,29 +55,13 @@ def reference_and_scale(w, x, g):
     return tolerance.sensitivity(grad_reference, w, (x, g))
 
 
-def _compare(got, ref, scale, case, control=False):
-    """|err| <= tolerance.C * scale, elementwise, for every array. control:
-    negative control, each array with the smallest 20% of its nonzero
-    elements 1% off must fail the same check."""
-    assert set(got) == set(NAMES)
-    for name in NAMES:
-        ratio = tolerance.assert_within(got[name], ref[name], scale[name], f"{case} {name}")
-        if ratio > WORST.get(name, (-1.0, ""))[0]:
-            WORST[name] = (ratio, case)
-        if control:
-            with pytest.raises(AssertionError):
-                tolerance.assert_within(tolerance.smallest_changed(got[name]), ref[name],
-                                        scale[name], f"{case} {name} 1% off")
+CHECK = tolerance.GradientCheck(NAMES, "Mamba-1 backward")
+_compare = CHECK.compare
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_worst():
-    yield
-    if WORST:
-        print(f"\nworst |err|/scale per array (Mamba-1 backward, bound {tolerance.C}):")
-        for name in NAMES:
-            if name in WORST:
-                print(f"  {name:16s} {WORST[name][0]:.3e}  ({WORST[name][1]})")
+    yield from CHECK.report()
 
 
 # --------------------------------------------------------------------------- accuracy

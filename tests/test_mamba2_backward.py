@@ -22,7 +22,6 @@ from mojolearn.reference.weights import mamba2_weights, random_input
 REL = 1e-4  # test_single_token_single_head: D and dt_bias within REL or 2x PyTorch float32
 NAMES = ("x", "block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
          "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
-WORST = {}  # name -> (worst |err| / scale, case), printed at the end
 INF = math.inf
 
 
@@ -65,29 +64,13 @@ def reference_and_scale(w, x, g, dt_limit=(0.0, INF), **kw):
                                  w, (x, g), **kw)
 
 
-def _compare(got, ref, scale, case, control=False):
-    """|err| <= tolerance.C * scale, elementwise, for every array. control:
-    negative control, each array with the smallest 20% of its nonzero
-    elements 1% off must fail the same check."""
-    assert set(got) == set(NAMES)
-    for name in NAMES:
-        ratio = tolerance.assert_within(got[name], ref[name], scale[name], f"{case} {name}")
-        if ratio > WORST.get(name, (-1.0, ""))[0]:
-            WORST[name] = (ratio, case)
-        if control:
-            with pytest.raises(AssertionError):
-                tolerance.assert_within(tolerance.smallest_changed(got[name]), ref[name],
-                                        scale[name], f"{case} {name} 1% off")
+CHECK = tolerance.GradientCheck(NAMES, "Mamba-2 backward")
+_compare = CHECK.compare
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_worst():
-    yield
-    if WORST:
-        print(f"\nworst |err|/scale per array (Mamba-2 backward, bound {tolerance.C}):")
-        for name in NAMES:
-            if name in WORST:
-                print(f"  {name:18s} {WORST[name][0]:.3e}  ({WORST[name][1]})")
+    yield from CHECK.report()
 
 
 # --------------------------------------------------------------------------- accuracy

@@ -17,7 +17,6 @@ from mojolearn.reference.mamba3 import mamba3_numpy
 from tests.reference.torch_mamba3 import GRAD_NAMES as NAMES
 from tests.reference.torch_mamba3 import mamba3_grads, mamba3_torch
 
-WORST = {}  # name -> (worst |err| / scale, case), printed at the end
 
 
 def reference_and_scale(w, x, g, **kw):
@@ -25,30 +24,13 @@ def reference_and_scale(w, x, g, **kw):
     return tolerance.sensitivity(mamba3_grads, w, (x, g), **kw)
 
 
-def _compare(got, ref, scale, case, control=False):
-    """|err| <= tolerance.C * scale, elementwise, for every array. control:
-    negative control, each array with the smallest 20% of its nonzero
-    elements 1% off must fail the same check."""
-    assert set(got) == set(NAMES)
-    for name in NAMES:
-        assert np.isfinite(np.asarray(got[name])).all(), f"{case} {name}: non-finite gradient"
-        ratio = tolerance.assert_within(got[name], ref[name], scale[name], f"{case} {name}")
-        if ratio > WORST.get(name, (-1.0, ""))[0]:
-            WORST[name] = (ratio, case)
-        if control:
-            with pytest.raises(AssertionError):
-                tolerance.assert_within(tolerance.smallest_changed(got[name]), ref[name],
-                                        scale[name], f"{case} {name} 1% off")
+CHECK = tolerance.GradientCheck(NAMES, "Mamba-3 backward")
+_compare = CHECK.compare
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_worst():
-    yield
-    if WORST:
-        print(f"\nworst |err|/scale per array (Mamba-3 backward, bound {tolerance.C}):")
-        for name in NAMES:
-            if name in WORST:
-                print(f"  {name:18s} {WORST[name][0]:.3e}  ({WORST[name][1]})")
+    yield from CHECK.report()
 
 
 # --------------------------------------------------------------------------- reference

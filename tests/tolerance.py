@@ -146,3 +146,36 @@ def smallest_changed(a, frac=0.2, factor=1.01):
     idx = nz[np.argsort(np.abs(flat[nz]), kind="stable")[:max(1, int(frac * nz.size))]]
     flat[idx] *= factor
     return out
+
+
+class GradientCheck:
+    """The elementwise check of a backward test file: every gradient array
+    within C x scale, the worst ratio per array kept and printed at the end
+    of the module (use `report` as a module-scoped autouse fixture)."""
+
+    def __init__(self, names, title):
+        self.names, self.title, self.worst = tuple(names), title, {}
+
+    def compare(self, got, ref, scale, case, control=False):
+        """assert_within for every array of got. control: the negative
+        control, each array with the smallest 20% of its nonzero elements
+        1% off must fail the same check."""
+        import pytest
+        assert set(got) == set(self.names)
+        for name in self.names:
+            ratio = assert_within(got[name], ref[name], scale[name], f"{case} {name}")
+            if ratio > self.worst.get(name, (-1.0, ""))[0]:
+                self.worst[name] = (ratio, case)
+            if control:
+                with pytest.raises(AssertionError):
+                    assert_within(smallest_changed(got[name]), ref[name], scale[name],
+                                  f"{case} {name} 1% off")
+
+    def report(self):
+        """Generator for a pytest fixture: prints the worst ratios at the end."""
+        yield
+        if self.worst:
+            print(f"\nworst |err|/scale per array ({self.title}, bound {C}):")
+            for name in self.names:
+                if name in self.worst:
+                    print(f"  {name:18s} {self.worst[name][0]:.3e}  ({self.worst[name][1]})")
