@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Our Mamba-1/2/3 blocks as fractions of the machine's limits, measured in one run.
+
+For d = 768 (``--quick``: d = 256, L = 256) and each block, with 2 threads:
+
+* limits (bench/limits.py): NumPy sgemm GFLOP/s on the block's projection
+  shapes for T = B*L rows (child process, OPENBLAS_CORETYPE / L2_SIZE unset),
+  and the time 2 threads take to read the block's float32 weights once
+  (and the weights plus the B = 8 state);
+* ours: prefill B = 8, L = 1024 (tokens/s, and GFLOP/s under the FLOP model of
+  bench/MODEL.md), decode ``decode_session(state).step(x_t)`` ms at B = 1 and
+  B = 8 after a 128-token prefill;
+* fractions (bench/MODEL.md): prefill = (model FLOPs / our time) / sgemm GFLOP/s;
+  decode B=1 = weight read time / our step time; decode B=8 = (weights + state)
+  read time / our step time.
+
+Usage (from the repository root)::
+
+    PYTHONPATH=python:. python bench/limits_report.py [--quick] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="d=256, L=256 (smoke run)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kinds", default="mamba1,mamba2,mamba3")
+    p.add_argument("--out", metavar="FILE.json")
+    return p.parse_args(argv)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown"
+
+
+def best_time(fn, min_reps, budget_s, max_reps=30):
+    from _harness import SETTLE_S
+    time.sleep(SETTLE_S)
+    fn()
+    times = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < max_reps):
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        finally:
+            gc.enable()
+    return min(times), len(times)
+
+
+def decode_ms(block, np, d, B, steps, rounds, ctx_len=128):
+    from _harness import SETTLE_S, busy_warm
+    from mojolearn.reference.weights import random_input
+    ctx = random_input(B, ctx_len, d, seed=3)
+    toks = random_input(B, rounds * steps + 1, d, seed=4)
+    xs = [np.ascontiguousarray(toks[:, t]) for t in range(toks.shape[1])]
+    st = block.allocate_state(B)
+    block.forward(ctx, st)
+    sess = block.decode_session(st)
+    try:
+        time.sleep(SETTLE_S)
+        busy_warm(lambda: sess.step(xs[0]))
+        best = float("inf")
+        for r in range(rounds):
+            timed = xs[1 + r * steps:1 + (r + 1) * steps]
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                for x in timed:
+                    sess.step(x)
+                best = min(best, (time.perf_counter() - t0) / steps)
+            finally:
+                gc.enable()
+    finally:
+        sess.close()
+    return best * 1e3
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    n = args.threads
+    # NumPy only moves data here (and runs the read probe in its own threads):
+    # one OpenBLAS thread, so no idle BLAS worker spins on a measured core.
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    import numpy as np
+    import mojolearn
+    from mojolearn import _loader
+    from mojolearn.reference import weights as refw
+    import limits
+
+    mojolearn.set_num_threads(n)
+    d, B, L = (256, 8, 256) if args.quick else (768, 8, 1024)
+    steps, rounds = (64, 3) if args.quick else (128, 5)
+    arch = _loader.describe(_loader.library()).get("arch", "?")
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_name(),
+           "nproc": os.cpu_count(), "binary_arch": arch, "threads": n,
+           "quick": args.quick, "d": d, "B": B, "L": L,
+           "loadavg_start": os.getloadavg(), "blocks": []}
+    print(f"# limits report: {res['cpu']}, {res['nproc']} CPUs, binary arch={arch}, "
+          f"{n} threads, d={d}, prefill B={B} L={L}, loadavg {res['loadavg_start'][0]:.2f}",
+          flush=True)
+
+    ctors = {"mamba1": (refw.mamba1_weights, "Mamba1Block"),
+             "mamba2": (refw.mamba2_weights, "Mamba2Block"),
+             "mamba3": (refw.mamba3_weights, "Mamba3Block")}
+    for kind in args.kinds.split(","):
+        wfn, cls = ctors[kind]
+        block = getattr(mojolearn, cls)(wfn(d, seed=0))
+        T = B * L
+        # limits
+        sg = limits.sgemm_gflops(limits.proj_shapes(kind, d, T), n)
+        wb = limits.weight_bytes(kind, d, "float32")
+        sb8 = limits.state_bytes(block, 8)
+        rd_w = limits.weight_read_seconds(wb, n)
+        rd_ws = limits.weight_read_seconds(wb + sb8, n)
+        # ours
+        x = refw.random_input(B, L, d, seed=1)
+        t_pre, reps = best_time(lambda: block.forward(x), 2 if not args.quick else 3,
+                                1.0 if args.quick else 3.0)
+        fm = limits.flop_model(kind, d, B, L)
+        ms1 = decode_ms(block, np, d, 1, steps, rounds)
+        ms8 = decode_ms(block, np, d, 8, steps, rounds)
+        ours_gf = fm["total"] / t_pre / 1e9
+        r = {"kind": kind, "d": d,
+             "sgemm_gflops": sg["gflops"], "sgemm": sg,
+             "weight_bytes": wb, "state_bytes_B8": sb8,
+             "weight_read_s": rd_w["seconds"], "weight_read_gbps": rd_w["gbps"],
+             "weight_state_read_s": rd_ws["seconds"], "read_probe": [rd_w, rd_ws],
+             "flops": fm, "prefill_s": t_pre, "prefill_reps": reps,
+             "prefill_tok_s": T / t_pre, "prefill_gflops_model": ours_gf,
+             "prefill_gflops_proj": fm["proj"] / t_pre / 1e9,
+             "decode_ms_B1": ms1, "decode_ms_B8": ms8,
+             "frac_prefill": ours_gf / sg["gflops"],
+             "frac_decode_B1": rd_w["seconds"] * 1e3 / ms1,
+             "frac_decode_B8": rd_ws["seconds"] * 1e3 / ms8}
+        res["blocks"].append(r)
+        print(f"{kind}: sgemm {sg['gflops']:.1f} GFLOP/s, read {wb / 1e6:.2f} MB in "
+              f"{rd_w['seconds'] * 1e3:.3f} ms ({rd_w['gbps']:.1f} GB/s), prefill "
+              f"{t_pre * 1e3:.1f} ms, decode {ms1:.4f} / {ms8:.4f} ms", flush=True)
+
+    print()
+    print("| block | sgemm GFLOP/s | weights MB | read ms (GB/s) | w+state(B=8) read ms "
+          "| prefill tok/s | prefill GFLOP/s (model) | **prefill frac** "
+          "| decode B=1 ms | **frac** | decode B=8 ms | **frac** |")
+    print("|" + "---|" * 12)
+    for r in res["blocks"]:
+        print(f"| {r['kind']} | {r['sgemm_gflops']:.1f} | {r['weight_bytes'] / 1e6:.2f} "
+              f"| {r['weight_read_s'] * 1e3:.3f} ({r['weight_read_gbps']:.0f}) "
+              f"| {r['weight_state_read_s'] * 1e3:.3f} | {r['prefill_tok_s'] / 1e3:.1f}k "
+              f"| {r['prefill_gflops_model']:.1f} | **{r['frac_prefill']:.2f}** "
+              f"| {r['decode_ms_B1']:.4f} | **{r['frac_decode_B1']:.2f}** "
+              f"| {r['decode_ms_B8']:.4f} | **{r['frac_decode_B8']:.2f}** |")
+    print(f"\nFLOP model (bench/MODEL.md), B={B} L={L}: " + "; ".join(
+        f"{r['kind']} proj {r['flops']['proj'] / 1e9:.2f} + scan {r['flops']['scan'] / 1e9:.2f}"
+        f" + other {r['flops']['other'] / 1e9:.2f} GFLOP" for r in res["blocks"]))
+    print("read probe: " + "; ".join(
+        f"{r['kind']} {r['read_probe'][0]['kernel']} x{r['read_probe'][0]['repeat']} per round, "
+        f"barrier {r['read_probe'][0]['sync_s'] * 1e6:.0f} us per round" for r in res["blocks"]))
+    kern = {json.dumps(r["sgemm"].get("blas")) for r in res["blocks"]}
+    print("sgemm OpenBLAS: " + ", ".join(sorted(kern)) + "; env in child: "
+          + json.dumps(res["blocks"][0]["sgemm"]["env"]) if res["blocks"] else "")
+    res["loadavg_end"] = os.getloadavg()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
