@@ -11,6 +11,19 @@ import time
 SETTLE_S = 0.5
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the header of every table."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown CPU"
+
+
 def busy_warm(fn, seconds=0.25):
     """Call fn for `seconds` so the cores are back at full clock."""
     t_end = time.perf_counter() + seconds

@@ -29,6 +29,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _harness import cpu_name  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,16 +41,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown"
 
 
 def best_time(fn, min_reps, budget_s, max_reps=30):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 
 import numpy as np
 
@@ -22,20 +21,12 @@ import mojolearn
 from mojolearn import debug
 from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
                                          random_input)
+from _harness import cpu_name  # (bench/ is the script's folder)
 
 BLOCKS = {1: (mamba1_weights, "Mamba1Block"), 2: (mamba2_weights, "Mamba2Block"),
           3: (mamba3_weights, "Mamba3Block")}
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def step_phases(kind: int, d: int, b: int, steps: int, rounds: int) -> list[dict]:
