@@ -86,23 +86,26 @@ def _shared_memory(a: View, b: View, written: View) -> ValueError:
                       f"{written.name} in place, so pass separate buffers")
 
 
-def refuse_overlap(written, read=()) -> None:
-    """ValueError naming two buffers of one call that share memory where the
-    call writes (state arrays are read and written in place, so a shared
-    byte gives wrong results): any two of `written`, or one of `read` with
-    one of `written`. Views; None entries are skipped."""
+def refuse_overlap(written) -> None:
+    """ValueError naming two of the `written` Views (buffers a call updates
+    in place, such as a state's arrays) that share memory: a shared byte
+    would give wrong results."""
     spans = sorted(((v.address, v.address + v.mv.nbytes, v) for v in written
-                    if v is not None and v.mv.nbytes), key=lambda t: t[:2])
+                    if v.mv.nbytes), key=lambda t: t[:2])
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:  # (sorted by start: an overlap shows between neighbours)
             raise _shared_memory(b, a, a)
-    for r in read:
-        if r is None or not r.mv.nbytes:
-            continue
-        lo, hi = r.address, r.address + r.mv.nbytes
-        for start, end, w in spans:
-            if lo < end and start < hi:
-                raise _shared_memory(r, w, w)
+
+
+def refuse_read_of_written(read: View, written) -> None:
+    """ValueError if the input View `read` shares memory with one of the
+    `written` Views (checked among themselves by refuse_overlap)."""
+    if not read.mv.nbytes:
+        return
+    lo, hi = read.address, read.address + read.mv.nbytes
+    for w in written:
+        if w.mv.nbytes and lo < w.address + w.mv.nbytes and w.address < hi:
+            raise _shared_memory(read, w, w)
 
 
 def check_shape(v: View, expected: tuple, what: str = "") -> None:

@@ -121,19 +121,20 @@ def variant_missing_features(target: str) -> list[str]:
 def skipped_variants() -> list[tuple[str, str]]:
     """(file name, reason) of each installed CPU variant binary that the
     loader does not choose by default on this machine."""
+    try:
+        want = requested_cpu_target()
+    except ValueError:
+        want = None
+    readable = cpu_flags() is not None
     out = []
     for target in CPU_VARIANT_FLAGS:
         name = f"libmojolearn_cpu_{target}.so"
         if not any((d / name).is_file() for d in lib_dirs()):
             continue
         missing = variant_missing_features(target)
-        try:
-            want = requested_cpu_target()
-        except ValueError:
-            want = None
         if want is not None and want != target:
             out.append((name, f"MOJOLEARN_CPU_TARGET={want}"))
-        elif cpu_flags() is None:
+        elif not readable:
             out.append((name, "the CPU's features cannot be read (/proc/cpuinfo)"))
         elif missing:
             out.append((name, f"this CPU lacks {missing}"))

@@ -349,13 +349,11 @@ class _MambaModule(torch.nn.Module):
         self._check_d(d_model)
         self.d_model = d_model
         self.numeric_mode = numeric_mode
-        shapes = self._shapes(d_model)
+        shapes = self._param_shapes()
         names = self._BLOCK._WEIGHT_ORDER
         self._paths = []
         for name in names:
-            shape = shapes[name]
-            shape = shape[0] if isinstance(shape[0], tuple) else shape  # conv1d: (C, 1, 4)
-            p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float32))
+            p = torch.nn.Parameter(torch.zeros(shapes[name], dtype=torch.float32))
             if "." in name:
                 owner, leaf = name.split(".")
                 if not hasattr(self, owner):
@@ -372,6 +370,12 @@ class _MambaModule(torch.nn.Module):
         self._kernel = _Kernel(self._BLOCK, names, self._block_kwargs)
         if _init:
             self.kernel_block()
+
+    def _param_shapes(self) -> dict:
+        """{name: shape} of the parameters: the block's weight shapes, the
+        first where it accepts two (conv1d: (C, 1, 4), not (C, 4))."""
+        return {name: shape[0] if isinstance(shape[0], tuple) else shape
+                for name, shape in self._shapes(self.d_model).items()}
 
     # -- construction ------------------------------------------------------
     @classmethod
@@ -517,14 +521,14 @@ class Mamba1(_MambaModule):
     _shapes = staticmethod(mamba1_weight_shapes)
 
     def _init_values(self, g):
-        d = self.d_model
-        di, r, n = 2 * d, -(-d // 16), 16
+        s = self._param_shapes()  # the sizes come from the block's shapes
+        d, (di, r), n = self.d_model, s["dt_proj.weight"], s["A_log"][1]
         return {
             "norm.weight": 1.0 + 0.05 * _normal(d, g),
-            "in_proj.weight": _uniform((2 * di, d), d ** -0.5, g),
-            "conv1d.weight": _uniform((di, 1, 4), 0.5, g),
+            "in_proj.weight": _uniform(s["in_proj.weight"], d ** -0.5, g),
+            "conv1d.weight": _uniform(s["conv1d.weight"], 0.5, g),
             "conv1d.bias": _uniform(di, 0.5, g),
-            "x_proj.weight": _uniform((r + 2 * n, di), di ** -0.5, g),
+            "x_proj.weight": _uniform(s["x_proj.weight"], di ** -0.5, g),
             "dt_proj.weight": _uniform((di, r), r ** -0.5, g),
             "dt_proj.bias": _dt_bias(di, g),
             "A_log": torch.log(torch.arange(1, n + 1, dtype=torch.float64)).expand(di, n),
@@ -577,12 +581,11 @@ class Mamba2(_MambaModule):
     _shapes = staticmethod(mamba2_weight_shapes)
 
     def _init_values(self, g):
-        d = self.d_model
-        di = 2 * d
-        h, cd = di // 64, di + 256
+        s = self._param_shapes()  # the sizes come from the block's shapes
+        d, di, h, cd = self.d_model, s["norm.weight"][0], s["D"][0], s["conv1d.bias"][0]
         return {
             "block_norm.weight": 1.0 + 0.05 * _normal(d, g),
-            "in_proj.weight": _uniform((2 * di + 256 + h, d), d ** -0.5, g),
+            "in_proj.weight": _uniform(s["in_proj.weight"], d ** -0.5, g),
             "conv1d.weight": _uniform((cd, 1, 4), 0.5, g),
             "conv1d.bias": _uniform(cd, 0.5, g),
             "dt_bias": _dt_bias(h, g),
@@ -639,13 +642,11 @@ class Mamba3(_MambaModule):
     _shapes = staticmethod(mamba3_weight_shapes)
 
     def _init_values(self, g):
-        d = self.d_model
-        di = 2 * d
-        h = di // 64
-        npj = 2 * di + 256 + 3 * h + 32
+        s = self._param_shapes()  # the sizes come from the block's shapes
+        d, di, h = self.d_model, s["out_proj.weight"][1], s["D"][0]
         return {
             "block_norm.weight": 1.0 + 0.05 * _normal(d, g),
-            "in_proj.weight": _uniform((npj, d), d ** -0.5, g),
+            "in_proj.weight": _uniform(s["in_proj.weight"], d ** -0.5, g),
             "dt_bias": _dt_bias(h, g),
             "B_norm.weight": 1.0 + 0.05 * _normal(128, g),
             "C_norm.weight": 1.0 + 0.05 * _normal(128, g),

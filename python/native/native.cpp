@@ -26,8 +26,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cerrno>
-#include <climits>
 #include <deque>
 #include <map>
 #include <cstdint>
@@ -278,7 +276,7 @@ bool in_known_region(uintptr_t a) {
 }
 
 // Per-phase wall time of every op run (MOJOLEARN_PHASE_TIMES=1 or
-// mojolearn._debug.phase_times): a debug switch for the RESULTS tables.
+// mojolearn.debug.timing_phases): a debug switch for the RESULTS tables.
 struct PhaseStat {
   int64_t calls = 0;
   double seconds = 0;
@@ -482,16 +480,15 @@ struct Library {
           break;
         }
         Job job{task, op, targs.data(), phase, n};
-        if (g_phase_timing.load(std::memory_order_relaxed)) {
-          auto t0 = std::chrono::steady_clock::now();
-          status = pool ? pool->run(job) : Pool::run_inline(job);
+        bool timed = g_phase_timing.load(std::memory_order_relaxed);
+        auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+        status = pool ? pool->run(job) : Pool::run_inline(job);
+        if (timed) {
           std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
           std::lock_guard<std::mutex> plock(g_phase_mutex);
           PhaseStat &st = g_phase_stats[{op, phase}];
           st.calls += 1;
           st.seconds += dt.count();
-        } else {
-          status = pool ? pool->run(job) : Pool::run_inline(job);
         }
         if (status != 0) break;
       }

@@ -323,7 +323,7 @@ class _MambaBase:
         sv = None
         if state is not None:
             sv = self._state_views(state, b)
-            _intake.refuse_overlap(self._written_views(sv), (xv,))
+            _intake.refuse_read_of_written(xv, self._written_views(sv))
         _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens[1])
         y = Array((b, l, d), zero=False)
         self._launch(xv, y, b, l, state, sv, lens, "forward")
@@ -336,7 +336,7 @@ class _MambaBase:
             raise ValueError("step needs a state (use allocate_state)")
         xv, b = self._step_x_view(x)
         sv = self._state_views(state, b)
-        _intake.refuse_overlap(self._written_views(sv), (xv,))
+        _intake.refuse_read_of_written(xv, self._written_views(sv))
         _intake.check_finite(self._lib, xv)
         y = Array((b, 1, self.d_model), zero=False)
         self._launch(xv, y, b, 1, state, sv, (None, 0), "step")

@@ -9,8 +9,6 @@ is refused by name: its arrays are stale until the session syncs them.
 """
 from __future__ import annotations
 
-import weakref
-
 from .. import _intake
 
 
@@ -19,7 +17,7 @@ def holder_of(state):
     its session weakly: a session dropped without close() is collected (its
     finaliser writes the state back), and never keeps the state locked."""
     ref = getattr(state, "_held_by", None)
-    session = ref() if isinstance(ref, weakref.ref) else ref
+    session = ref() if ref is not None else None
     return session if session is not None and getattr(session, "_open", False) else None
 
 
@@ -43,8 +41,8 @@ def _as_array(buf, name):
     from .._array import Array
     v = _intake.float32_view(buf, name)
     out = Array(v.shape, zero=False)
-    if v.mv.nbytes:
-        memoryview(out).cast("B")[:] = v.mv.tobytes()
+    if v.mv.nbytes:  # (v is C-contiguous: float32_view copies any other layout)
+        memoryview(out).cast("B")[:] = v.mv.cast("B")
     return out
 
 

@@ -39,7 +39,6 @@ class DecodeSessionBase:
         self._state = state
         self._b = b
         self._d = block.d_model
-        self._open = False
 
     def _own_workspace(self, args, zero=False):
         """Allocate the session's private workspace for args (kept from
