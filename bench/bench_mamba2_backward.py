@@ -49,8 +49,9 @@ def _worker(spec: str) -> None:
         mojolearn.set_num_threads(threads)
         from mojolearn import _abi
         block = mojolearn.Mamba2Block(w)
+        op = _abi.OP_M2_BACKWARD
         extra["workspace_bytes"] = block._lib.workspace_bytes(
-            _abi.OP_M2_BACKWARD, [B, L, d] + [0] * 16)
+            op, _abi.op_spec(block._lib, op).pack(b=B, l=L, d=d))
 
         def call():
             return block.backward(x, g)

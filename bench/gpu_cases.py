@@ -265,7 +265,9 @@ def math_values(lib, x, fn, width) -> bytes:
     import numpy as np
     from mojolearn import _abi
     y = np.full_like(x, 7.0)
-    lib.run(_abi.OP_MATH_EVAL, [fn, x.ctypes.data, y.ctypes.data, x.size, width])
+    op = _abi.OP_MATH_EVAL
+    lib.run(op, _abi.op_spec(lib, op).pack(fn=fn, src=x.ctypes.data, dst=y.ctypes.data,
+                                           n=x.size, width=width))
     return y.tobytes()
 
 
@@ -290,8 +292,9 @@ def _nonfinite(lib) -> bytes:
         if pos is not None:
             a[pos] = np.nan if i % 2 else -np.inf
         got = np.full(1, -7, np.int64)
-        lib.run(_abi.OP_FIRST_NONFINITE,
-                [a.ctypes.data, b, l, inner, lens.ctypes.data, got.ctypes.data])
+        op = _abi.OP_FIRST_NONFINITE
+        lib.run(op, _abi.op_spec(lib, op).pack(src=a.ctypes.data, b=b, l=l, inner=inner,
+                                               lengths=lens.ctypes.data, out=got.ctypes.data))
         out += [int(got[0]), lib.first_nonfinite(a.ctypes.data, a.size)]
     return np.array(out, np.int64).tobytes()
 

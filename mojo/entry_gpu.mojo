@@ -16,7 +16,9 @@ from max.gpu import global_idx
 from max.gpu.host import DeviceContext
 from mojolearn_kernels.abi import F32Ptr, I64Ptr, ABI_VERSION, PHASE_END, ceil_div, round_up
 from mojolearn_kernels.dispatch import op_plan, op_task, device_op_task, is_host_op
-from mojolearn_kernels.buffers import op_buffers, BUF_IN, BUF_OUT
+from mojolearn_kernels.buffers import op_buffers
+from mojolearn_kernels.opspec import BUF_IN, BUF_OUT
+from mojolearn_kernels.slot_text import op_spec_text
 from mojolearn_kernels.checks import first_nonfinite
 from mojolearn_kernels.describe import U8Ptr, put_str
 
@@ -92,6 +94,14 @@ def ml_task(op: Int64, args: I64Ptr, phase: Int64, task: Int64) abi("C") -> Int6
 def ml_host_op(op: Int64) abi("C") -> Int64:
     """1 if a device binary runs op on the host (dispatch.is_host_op)."""
     return 1 if is_host_op(Int(op)) else 0
+
+
+@export("ml_op_spec")
+def ml_op_spec(op: Int64, buf: U8Ptr, cap: Int64) abi("C") -> Int64:
+    """Every argument slot of op as text (slot_text.mojo): name, slot, kind,
+    direction. Returns the full length (write again with a larger buf if it
+    exceeds cap), or -2 for an unknown op."""
+    return Int64(op_spec_text(Int(op), buf, Int(cap)))
 
 
 @export("ml_buffers")

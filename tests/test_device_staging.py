@@ -69,7 +69,10 @@ def test_staging_compares_bytes_that_can_differ():
 
 
 def _math_eval_args(src_addr, dst_addr, n):
-    return [0, src_addr, dst_addr, n, 1]  # exp, elementwise (OP_MATH_EVAL slots)
+    """exp, elementwise (OP_MATH_EVAL)."""
+    lib = _loader.library()
+    return _abi.op_spec(lib, _abi.OP_MATH_EVAL).pack(fn=0, src=src_addr, dst=dst_addr,
+                                                     n=n, width=1)
 
 
 def test_staging_writes_outputs_back_and_keeps_inputs(emulated):
@@ -154,7 +157,8 @@ def test_math_eval_missing_row_is_caught(emulated):
     try:
         for row in range(2):
             emulated.drop_op, emulated.drop_row = _abi.OP_MATH_EVAL, row
-            with pytest.raises(RuntimeError, match=r"slot %d holds the address" % (row + 1)):
+            slot = _abi.op_spec(emulated, _abi.OP_MATH_EVAL).slot(("src", "dst")[row])
+            with pytest.raises(RuntimeError, match=r"slot %d holds the address" % slot):
                 emulated.run(_abi.OP_MATH_EVAL, list(args))
     finally:
         emulated.drop_op, emulated.drop_row = -1, -1

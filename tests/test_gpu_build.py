@@ -199,7 +199,8 @@ def test_gpu_binary_describes_itself_and_finds_no_device(builds):
         pytest.skip("this machine has a CUDA device")
     assert lib.device_count == 0 and lib.device_arch == ""
     with raises_naming(RuntimeError, f"GPU run of op {_abi.OP_MATH_EVAL}", "failed"):
-        lib.run(_abi.OP_MATH_EVAL, [0, 0, 0, 0, 1])  # a clean error, no crash
+        args = _abi.op_spec(lib, _abi.OP_MATH_EVAL).pack(width=1)
+        lib.run(_abi.OP_MATH_EVAL, args)  # a clean error, no crash
 
 
 def _run_py(code, **env):

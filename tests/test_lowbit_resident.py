@@ -266,9 +266,7 @@ def test_backward_op_refuses_a_packed_blob(cls, make, d):
     bp, bu, _ = _pair(cls, make, d, "bfloat16")
 
     def args(blob):
-        a = [0] * 40
-        a[0:3], a[5] = [1, 4, d], blob.address  # B, L, d; slot 5: the blob
-        return a
+        return _abi.op_spec(bu._lib, op).pack(b=1, l=4, d=d, blob=blob)
     assert bu._lib.workspace_bytes(op, args(bu._blob)) > 0
     with pytest.raises(RuntimeError):
         bp._lib.workspace_bytes(op, args(bp._blob))

@@ -7,7 +7,9 @@ that a host thread pool may run in any order, on any thread. Tasks of one
 phase never write what another task of that phase reads or writes, so the
 bits never depend on how tasks are scheduled.
 
-The numbers here are mirrored in python/mojolearn/_abi.py; keep them equal.
+The op ids and version here are mirrored in python/mojolearn/_abi.py (a test
+checks them against the binary's ml_op_spec); the argument slots are not:
+Python packs arguments by the names opspec.mojo gives them.
 """
 from std.memory import Pointer
 
@@ -17,7 +19,8 @@ comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 # Bumped whenever an op id, an argument slot or a layout changes.
 # 2: blobs start with a weight-format header; PREP_WFMT slots.
 # 3: OP_PACK_TRANSPOSED; the Mamba-2/3 backwards' BW_PANELS slot.
-comptime ABI_VERSION = 3
+# 4: ml_op_spec (every op's slots by name, opspec.mojo).
+comptime ABI_VERSION = 4
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
 comptime PLAN_WORKSPACE = -1

@@ -2,14 +2,14 @@
 task by op id. The GPU kernel calls `op_task` per thread, so the formula code
 a GPU runs is the very code the CPU runs; only the scheduling differs."""
 from .abi import (
-    F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE,
+    F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32,
     OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
     OP_M2_PREPARE, OP_M2_FORWARD, OP_M3_PREPARE, OP_M3_FORWARD,
     OP_M1_BACKWARD, OP_M2_BACKWARD, OP_M3_BACKWARD, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK,
     OP_PANELS_EXTRACT, OP_PACK_TRANSPOSED,
 )
 from .checks import first_nonfinite_task
-from .math_eval import math_eval
+from .math_eval import math_eval, ME_FN, ME_SRC, ME_DST, ME_N, ME_WIDTH
 from .mamba1 import m1_prepare_plan, m1_prepare_task, m1_forward_plan, m1_forward_task
 from .mamba2 import m2_prepare_plan, m2_prepare_task, m2_forward_plan, m2_forward_task
 from .mamba3 import m3_prepare_plan, m3_prepare_task, m3_forward_plan, m3_forward_task
@@ -111,10 +111,8 @@ def device_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
     elif op == OP_M3_BACKWARD:
         m3_backward_task(args, p, t)
     elif op == OP_MATH_EVAL:
-        math_eval(Int(args[unsafe_offset=0]),
-                  F32Ptr(unsafe_from_address=Int(args[unsafe_offset=1])),
-                  F32Ptr(unsafe_from_address=Int(args[unsafe_offset=2])),
-                  Int(args[unsafe_offset=3]), Int(args[unsafe_offset=4]))
+        math_eval(arg_int(args, ME_FN), arg_f32(args, ME_SRC), arg_f32(args, ME_DST),
+                  arg_int(args, ME_N), arg_int(args, ME_WIDTH))
     else:
         return -2
     return 0

@@ -19,6 +19,13 @@ from .numerics import (
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime MATH_EVAL_COUNT = 15
 
+# OP_MATH_EVAL argument slots.
+comptime ME_FN = 0
+comptime ME_SRC = 1  # float32 (n,)
+comptime ME_DST = 2  # float32 (n,)
+comptime ME_N = 3
+comptime ME_WIDTH = 4
+
 
 @always_inline
 def _apply[FN: Int, W: Int](x: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:

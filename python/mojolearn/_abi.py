@@ -1,10 +1,12 @@
-"""Op ids and argument slots of the binaries' C ABI.
+"""Op ids of the binaries' C ABI, and each op's argument slots by name.
 
-Mirrors mojo/mojolearn_kernels/abi.mojo and the slot constants at the top of
-each kernel module; keep them equal (ABI_VERSION guards a mismatch).
+The op ids and ABI_VERSION mirror mojo/mojolearn_kernels/abi.mojo (the
+loader checks the version; tests/test_op_spec.py the ids). Argument slots
+are not mirrored: OpSpec reads them from the binary.
 """
+from __future__ import annotations
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 VENDORS = {0: "cpu", 1: "cuda", 2: "hip", 3: "metal"}
 NUMERIC_MODES = {0: "identical", 1: "fast"}
@@ -24,3 +26,72 @@ OP_PACK_TRANSPOSED = 33
 OP_LOWBIT_PACK = 40
 OP_LOWBIT_UNPACK = 41
 OP_PANELS_EXTRACT = 42
+
+
+class OpSpec:
+    """One op's argument slots as the binary declares them.
+
+    The binary is the one place an op's slots are written down
+    (mojo/mojolearn_kernels/opspec.mojo, exported as ``ml_op_spec``); the
+    Python layer packs arguments by those names and never by number.
+    ``kinds[name]`` is 'int', 'f32', 'i64', 'i32', 'codes' or 'work';
+    ``dirs[name]`` 'in', 'out', 'inout', 'scratch' or '-' (a scalar).
+    """
+
+    __slots__ = ("op", "slots", "kinds", "dirs", "nargs")
+
+    def __init__(self, op: int, text: str):
+        self.op = op
+        self.slots, self.kinds, self.dirs = {}, {}, {}
+        for part in text.split(";"):
+            if not part:
+                continue
+            name, rest = part.split("=", 1)
+            slot, kind, direction = rest.split(",")
+            self.slots[name] = int(slot)
+            self.kinds[name] = kind
+            self.dirs[name] = direction
+        self.nargs = max(self.slots.values()) + 1
+
+    def slot(self, name: str) -> int:
+        """The slot number of `name` (KeyError naming the op's slots if unknown)."""
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise KeyError(f"op {self.op} has no slot {name!r}; its slots: "
+                           f"{sorted(self.slots)}") from None
+
+    def pack(self, named: dict | None = None, /, **values) -> list:
+        """The op's argument list: each named value in its slot, 0 elsewhere.
+        A value is an int, None (0) or an object with an ``address``."""
+        args = [0] * self.nargs
+        slots = self.slots
+        for items in (named.items() if named else (), values.items()):
+            for name, v in items:
+                i = slots.get(name)
+                if i is None:
+                    self.slot(name)  # raises, naming the slots
+                args[i] = v if type(v) is int else (0 if v is None else v.address)
+        return args
+
+
+_SPECS: dict = {}
+
+
+def op_spec(lib, op: int) -> OpSpec:
+    """The OpSpec of op in the loaded binary `lib` (read once per binary)."""
+    key = (lib.path, op)
+    spec = _SPECS.get(key)
+    if spec is None:
+        import ctypes
+        fn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p,
+                              ctypes.c_int64)(lib.symbol("ml_op_spec"))
+        buf = ctypes.create_string_buffer(1024)
+        n = fn(op, buf, len(buf))
+        if n > len(buf):
+            buf = ctypes.create_string_buffer(n)
+            n = fn(op, buf, n)
+        if n < 0:
+            raise ValueError(f"{lib.path} does not know op {op}")
+        spec = _SPECS[key] = OpSpec(op, buf.raw[:n].decode("ascii"))
+    return spec

@@ -130,9 +130,10 @@ def check_finite(lib, v: View, *, rows=None, lengths_address: int = 0) -> None:
         b, l = rows
         out = _pyarray("q", [-1])
         out_mv = memoryview(out)
-        lib.run(_abi.OP_FIRST_NONFINITE,
-                [v.address, b, l, n // (b * l), lengths_address,
-                 native().address(out_mv, True)])
+        op = _abi.OP_FIRST_NONFINITE
+        lib.run(op, _abi.op_spec(lib, op).pack(
+            src=v.address, b=b, l=l, inner=n // (b * l), lengths=lengths_address,
+            out=native().address(out_mv, True)))
         bad = out[0]
     if bad >= 0:
         raise ValueError(f"{v.name} contains a non-finite value (NaN or inf) at "

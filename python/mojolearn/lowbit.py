@@ -177,8 +177,10 @@ def _expand(p: PackedWeight):
     rows, cols = p.shape
     if rows * cols:
         aux = p.exponents.address if p.exponents is not None else 0
-        _lib().run(_abi.OP_LOWBIT_UNPACK,
-                   [_FMT_ID[p.format], p.data.address, aux, rows, cols, out.address])
+        lib = _lib()
+        op = _abi.OP_LOWBIT_UNPACK
+        lib.run(op, _abi.op_spec(lib, op).pack(fmt=_FMT_ID[p.format], src=p.data, aux=aux,
+                                               rows=rows, cols=cols, dst=out))
     return out
 
 
@@ -224,8 +226,9 @@ def pack_one(value, fmt, name: str = "weight"):
     data = Array(v.shape, "uint16" if fmt == "bfloat16" else "int8", zero=False)
     aux = Array((rows,), "int32", zero=False)
     if rows * cols:
-        lib.run(_abi.OP_LOWBIT_PACK, [_FMT_ID[fmt], v.address, rows, cols,
-                                      data.address, aux.address])
+        op = _abi.OP_LOWBIT_PACK
+        lib.run(op, _abi.op_spec(lib, op).pack(fmt=_FMT_ID[fmt], src=v.address, rows=rows,
+                                               cols=cols, dst=data, aux=aux))
     elif fmt == "int8":
         for r in range(rows):
             memoryview(aux)[r] = _E_MIN

@@ -104,9 +104,9 @@ class _MambaBase:
     """Shared behaviour of the Mamba block estimators.
 
     A block describes itself with class attributes: ``_STATE_CLASS``; the
-    forward op ``_FWD_OP`` and its workspace slot ``_FWD_WORK``; the prepare
-    op ``_PREPARE_OP`` and its weight slots ``_WEIGHT_ORDER`` (also the
-    order of backward's gradient slots); the backward op ``_BWD_OP``, the
+    forward op ``_FWD_OP``; the prepare op ``_PREPARE_OP`` and the weight
+    names ``_WEIGHT_ORDER`` (the constructor's, and the gradients'); the
+    backward op ``_BWD_OP``, the
     gradients it writes in full ``_BWD_WRITTEN``, whether it takes the
     transposed panels ``_BWD_PANELS``; ``_KEEP_WORK_BYTES`` (forward and
     backward workspaces over it are not kept; None: always kept). And with
@@ -118,7 +118,7 @@ class _MambaBase:
 
     _param_names: tuple = ("weights", "numeric_mode")
     _STATE_CLASS = None
-    _FWD_OP = _FWD_WORK = _PREPARE_OP = _BWD_OP = None
+    _FWD_OP = _PREPARE_OP = _BWD_OP = None
     _WEIGHT_ORDER: tuple = ()
     _BWD_WRITTEN: tuple = ()
     _BWD_PANELS = False
@@ -138,7 +138,7 @@ class _MambaBase:
     # of its projections, and a packed block about 1/2 (bfloat16) or 1/4
     # (int8) of that, giving the bits of the block on unpack(weights). The
     # small weights (norms, biases, ...) are kept as float32 copies.
-    _packed_names: tuple = ()  # kernel slots that take panels, in slot order
+    _packed_names: tuple = ()  # the projections (panels), in blob section order
 
     def _keep_weights(self, views) -> dict:
         """Keep private float32 copies of the small weights in self._weights;
@@ -178,36 +178,33 @@ class _MambaBase:
         data = Array((rows, cols), dtype, zero=False)
         ex = Array((rows,), "int32", zero=False) if fmt == "int8" else None
         if rows * cols:
-            self._lib.run(_abi.OP_PANELS_EXTRACT, [
-                self._blob.address, self._packed_names.index(name), rows, cols,
-                data.address, ex.address if ex is not None else 0])
+            op = _abi.OP_PANELS_EXTRACT
+            self._lib.run(op, _abi.op_spec(self._lib, op).pack(
+                blob=self._blob, section=self._packed_names.index(name), rows=rows,
+                cols=cols, dst=data, exponents=ex))
         return data if fmt == "float32" else PackedWeight._wrap(fmt, (rows, cols), data, ex)
 
     def _make_blob(self, w):
-        """The prepared weights (packed weights stay packed in it)."""
-        args = ([self.d_model] + [weight_address(w[n]) for n in self._WEIGHT_ORDER]
-                + self._prepare_extra() + [0])
-        return self._build_blob(self._PREPARE_OP, args, w)
-
-    def _prepare_extra(self) -> list:
-        """The prepare op's slots between the weights and the blob."""
-        return []
-
-    def _build_blob(self, op, args, weights):
-        """Run the prepare op `op`. args: its slots up to the blob slot (the
-        last, 0); the format and exponent slots are appended here."""
+        """Run the prepare op: the prepared weights (packed weights stay
+        packed in it)."""
         from .._array import Array
         fmt = "float32"
         for n in self._packed_names:
-            if _is_packed(weights[n]):
-                fmt = weights[n].format
-        slot = len(args) - 1
-        args = list(args) + [_WF_ID[fmt]] + [_exponent_address(weights[n])
-                                             for n in self._packed_names]
-        blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
-        args[slot] = blob.address
-        self._lib.run(op, args)
+            if _is_packed(w[n]):
+                fmt = w[n].format
+        named = {n: weight_address(w[n]) for n in self._WEIGHT_ORDER}
+        named.update({f"exp:{n}": _exponent_address(w[n]) for n in self._packed_names})
+        named.update(self._prepare_extra())
+        spec = _abi.op_spec(self._lib, self._PREPARE_OP)
+        args = spec.pack(named, d=self.d_model, wfmt=_WF_ID[fmt])
+        blob = Array((self._lib.workspace_bytes(self._PREPARE_OP, args) // 4,), zero=True)
+        args[spec.slot("blob")] = blob.address
+        self._lib.run(self._PREPARE_OP, args)
         return blob
+
+    def _prepare_extra(self) -> dict:
+        """The prepare op's block-specific scalar slots, by name."""
+        return {}
 
     def _backward_weights(self):
         """(float32 weights, blob of float32 panels) for backward. A float32
@@ -256,11 +253,12 @@ class _MambaBase:
             from .._array import Array
             wi, wo = w["in_proj.weight"], w["out_proj.weight"]
             (k1, m1), (k2, m2) = wi.shape, wo.shape
-            args = [k1, m1, wi.address, k2, m2, wo.address, 0]
-            p = Array((self._lib.workspace_bytes(_abi.OP_PACK_TRANSPOSED, args) // 4,),
-                      zero=False)
-            args[-1] = p.address
-            self._lib.run(_abi.OP_PACK_TRANSPOSED, args)
+            op = _abi.OP_PACK_TRANSPOSED
+            spec = _abi.op_spec(self._lib, op)
+            args = spec.pack(k1=k1, m1=m1, w1=wi, k2=k2, m2=m2, w2=wo)
+            p = Array((self._lib.workspace_bytes(op, args) // 4,), zero=False)
+            args[spec.slot("dst")] = p.address
+            self._lib.run(op, args)
             if self.weight_format == "float32":
                 self._bwd_panels = p  # a racing first call packs its own copy: same bytes
         return p
@@ -353,27 +351,32 @@ class _MambaBase:
         """The state arrays among _state_views' result."""
         return sv
 
+    def _fwd_spec(self):
+        """The forward op's OpSpec (its slots by name)."""
+        return _abi.op_spec(self._lib, self._FWD_OP)
+
     def _run(self, args):
-        """Run the forward op with the thread's workspace in slot _FWD_WORK."""
+        """Run the forward op with the thread's workspace in its work slot."""
         # a big prefill's workspace is not kept (if _KEEP_WORK_BYTES is set)
-        self._run_op(self._FWD_OP, args, self._FWD_WORK, keep_bytes=self._KEEP_WORK_BYTES)
+        self._run_op(self._FWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
 
     def _backward(self, x, grad_output):
-        """backward: gradients of a zero-state prefill (slots: x, dy, blob,
-        work, dx, the float32 projections, the gradients in _WEIGHT_ORDER,
-        then the transposed panels if _BWD_PANELS)."""
+        """backward: gradients of a zero-state prefill (the op takes x,
+        grad_output, the blob, the float32 projections, the gradient arrays
+        under 'grad:<weight name>' and, if _BWD_PANELS, the transposed
+        panels)."""
         xv, gv = self._backward_views(x, grad_output)
         b, l, d = xv.shape
         w, blob = self._backward_weights()
         # the kernel writes the _BWD_WRITTEN gradients in full (no memset)
         grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
-        args = ([b, l, d, xv.address, gv.address, blob.address, 0, grads["x"].address]
-                + [w[n].address for n in self._packed_names]
-                + [grads[n].address for n in self._WEIGHT_ORDER])
+        named = {n: w[n] for n in self._packed_names}
+        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
         if self._BWD_PANELS:
-            panels = self._backward_panels(w)  # held until the op returns
-            args.append(panels.address)
-        self._run_op(self._BWD_OP, args, 6, keep_bytes=self._KEEP_WORK_BYTES)
+            named["panels"] = panels = self._backward_panels(w)  # held until the op returns
+        args = _abi.op_spec(self._lib, self._BWD_OP).pack(
+            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"])
+        self._run_op(self._BWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
         return grads
 
     # -- state views --------------------------------------------------------
@@ -445,12 +448,12 @@ class _MambaBase:
             raise ValueError(f"x has d_model {d}, the block has {self.d_model}")
         return v, b
 
-    def _run_op(self, op, args, work_slot, keep_bytes=None):
-        """Run op with the thread's workspace address in args[work_slot]; a
+    def _run_op(self, op, args, keep_bytes=None):
+        """Run op with the thread's workspace address in its work slot; a
         workspace over keep_bytes (if given) is dropped after the call."""
         work = self._workspace(op, args)
         try:
-            args[work_slot] = work.address
+            args[_abi.op_spec(self._lib, op).slot("work")] = work.address
             self._lib.run(op, args)
         finally:
             if keep_bytes is not None and work.size * 4 > keep_bytes:

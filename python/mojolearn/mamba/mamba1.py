@@ -70,8 +70,7 @@ class Mamba1State(StateBase):
                f"absolute_position={self.absolute_position})"
 
 
-# OP_M1_PREPARE weight slots, in order; also the order of the gradient
-# arrays of OP_M1_BACKWARD.
+# The weights, in the constructor's (and the gradients') order.
 _WEIGHT_ORDER = ("norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                  "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
                  "out_proj.weight")
@@ -139,7 +138,7 @@ class Mamba1Block(_MambaBase):
 
     _packed_names = ("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight")
     _STATE_CLASS = Mamba1State
-    _FWD_OP, _FWD_WORK = _abi.OP_M1_FORWARD, 9
+    _FWD_OP = _abi.OP_M1_FORWARD
     _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M1_PREPARE, _WEIGHT_ORDER
     _BWD_OP = _abi.OP_M1_BACKWARD
 
@@ -217,9 +216,8 @@ class Mamba1Block(_MambaBase):
 
     def _launch(self, xv, y, b, l, state, sv, lens, kind):
         cw, h = sv if sv is not None else (None, None)
-        args = [b, l, self.d_model, xv.address, y.address, self._blob.address,
-                cw.address if cw else 0, h.address if h else 0, lens[1], 0, 0]
-        self._run(args)
+        self._run(self._fwd_spec().pack(b=b, l=l, d=self.d_model, x=xv, y=y, blob=self._blob,
+                                        conv_window=cw, h=h, lengths=lens[1]))
         if state is not None:
             state.absolute_position += l
 

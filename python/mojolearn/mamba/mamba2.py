@@ -14,11 +14,7 @@ HEAD_DIM = 64
 D_CONV = 4
 CHUNK = 256
 
-# OP_M2_FORWARD argument slots (mojo/mojolearn_kernels/mamba2.mojo).
-_FWD_SLOTS = 16
-_FWD_WORK = 14
-_FWD_CACHE = 15  # a decode session's cache (mamba2_layout.mojo, CACHE_HDR)
-_CACHE_HDR = 16
+_CACHE_HDR = 16  # a decode session's cache layout (mamba2_layout.mojo, CACHE_HDR)
 # The block keeps its workspace between calls (no allocation per decode
 # step) unless it is larger than this (a prefill of many rows).
 _KEEP_WORK_BYTES = 64 << 20
@@ -47,8 +43,7 @@ def mamba2_weight_shapes(d: int) -> dict:
     }
 
 
-# OP_M2_PREPARE weight slots, in order; also the order of the gradient
-# arrays of OP_M2_BACKWARD (slots 10..18, mojo/mojolearn_kernels/mamba2_backward.mojo).
+# The weights, in the constructor's (and the gradients') order.
 _WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                  "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
 
@@ -204,13 +199,13 @@ class Mamba2Block(_MambaBase):
 
     _packed_names = ("in_proj.weight", "out_proj.weight")
     _STATE_CLASS = Mamba2State
-    _FWD_OP, _FWD_WORK = _abi.OP_M2_FORWARD, _FWD_WORK
+    _FWD_OP = _abi.OP_M2_FORWARD
     _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M2_PREPARE, _WEIGHT_ORDER
     # the kernel writes the projections' gradients in full (no memset)
     _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M2_BACKWARD, _packed_names, True
     _KEEP_WORK_BYTES = _KEEP_WORK_BYTES
-    # what a Mamba2DecodeSession needs: its cache slot and layout
-    _FWD_CACHE, _CACHE_HDR = _FWD_CACHE, _CACHE_HDR
+    # what a Mamba2DecodeSession needs: its cache layout
+    _CACHE_HDR = _CACHE_HDR
     _D_STATE, _HEAD_DIM, _CHUNK = D_STATE, HEAD_DIM, CHUNK
 
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode: str = "identical"):
@@ -234,7 +229,7 @@ class Mamba2Block(_MambaBase):
 
     def _prepare_extra(self) -> list:
         lo, hi = self.dt_limit
-        return [_f32_bits(lo), _f32_bits(hi)]
+        return {"dt_lo_bits": _f32_bits(lo), "dt_hi_bits": _f32_bits(hi)}
 
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters: weights (copies), numeric_mode, dt_limit."""
@@ -312,12 +307,10 @@ class Mamba2Block(_MambaBase):
         return self._step(x, state)
 
     def _args(self, b, l, x_addr, y_addr, sv, s, lens_addr, hlast_addr, save):
-        args = [0] * _FWD_SLOTS
-        args[0:6] = [b, l, self.d_model, x_addr, y_addr, self._blob.address]
-        if sv is not None:
-            args[6:11] = [sv[0].address, sv[1].address, sv[2].address, sv[3].address, s]
-        args[11:14] = [lens_addr, hlast_addr, 1 if save else 0]
-        return args
+        named = dict(zip(Mamba2State._ARRAYS, sv)) if sv is not None else {}
+        return self._fwd_spec().pack(
+            named, b=b, l=l, d=self.d_model, x=x_addr, y=y_addr, blob=self._blob,
+            buffered_tokens=s, lengths=lens_addr, h_last=hlast_addr, save=1 if save else 0)
 
     def _launch(self, xv, y, b, l, state, sv, lens, kind):
         from .._array import Array

@@ -23,7 +23,6 @@ _WEIGHT_ORDER = ("block_norm.weight", "in_proj.weight", "dt_bias", "B_norm.weigh
                  "C_norm.weight", "B_bias", "C_bias", "D", "out_proj.weight")
 # backward gradients the kernel writes in full (no zeroing needed)
 _WRITTEN_GRADS = ("in_proj.weight", "out_proj.weight")
-_N_SLOTS = 25
 
 
 def mamba3_dims(d: int) -> dict:
@@ -231,7 +230,7 @@ class Mamba3Block(_MambaBase):
 
     _packed_names = ("in_proj.weight", "out_proj.weight")
     _STATE_CLASS = Mamba3State
-    _FWD_OP, _FWD_WORK = _abi.OP_M3_FORWARD, 7
+    _FWD_OP = _abi.OP_M3_FORWARD
     _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M3_PREPARE, _WEIGHT_ORDER
     _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M3_BACKWARD, _WRITTEN_GRADS, True
     _count_after = staticmethod(_count_after)  # (a Mamba3DecodeSession's too)
@@ -385,13 +384,13 @@ class Mamba3Block(_MambaBase):
         bytes of ``step`` without re-validating the state at every token."""
         return Mamba3DecodeSession(self, state)
 
-    def _args(self, b, l, xaddr, yaddr, views, nb, pending, lens_addr, mode):
-        args = [0] * _N_SLOTS
-        args[0:11] = [b, l, self.d_model, xaddr, yaddr, self._blob.address, lens_addr, 0,
-                      nb, 1 if pending else 0, mode]
-        for i, n in enumerate(_STATE_BUFFERS):
-            args[11 + i] = views[n].address
-        return args
+    def _args(self, b, l, xaddr, yaddr, views, nb, pending, lens_addr, mode, reports=None):
+        named = {n: views[n] for n in _STATE_BUFFERS}
+        if reports:
+            named.update({f"report:{k}": v for k, v in reports.items()})
+        return self._fwd_spec().pack(
+            named, b=b, l=l, d=self.d_model, x=xaddr, y=yaddr, blob=self._blob,
+            lengths=lens_addr, buffered_tokens=nb, pending=1 if pending else 0, mode=mode)
 
     def _call(self, xv, y, b, l, views, nb, state, lens, kind):
         args = self._args(b, l, xv.address, y.address, views, nb, state.pending,
@@ -432,9 +431,7 @@ class Mamba3Block(_MambaBase):
                    "theta": Array((b, h, N_ANGLES), zero=False)}
             lens = r["lengths"]
             args = self._args(b, 0, 0, 0, views, state.buffered_tokens, False,
-                              lens[2] if lens is not None else 0, 1)
-            args[21:25] = [out["h"].address, out["k"].address, out["v"].address,
-                           out["theta"].address]
+                              lens[2] if lens is not None else 0, 1, reports=out)
             self._run(args)
             r["cache"] = out
         return r["cache"]

@@ -19,12 +19,10 @@ class DecodeSessionBase:
     """Base of Mamba{1,2,3}DecodeSession (not public).
 
     A subclass calls ``_bind``, builds ``self._args`` (the block's forward
-    op's arguments: x in slot 3, y in slot 4), calls ``_activate``, and
-    implements ``sync_state()``, ``_release()`` and, where the step needs
-    them, ``_before_step(args)`` and ``_after_step()``.
+    op's arguments), calls ``_activate``, and implements ``sync_state()``,
+    ``_release()`` and, where the step needs them, ``_before_step(args)``
+    and ``_after_step()``.
     """
-
-    _X_SLOT, _Y_SLOT = 3, 4
 
     def _bind(self, block, state, b):
         """The fields every session has; not open yet. A state already held
@@ -39,13 +37,15 @@ class DecodeSessionBase:
         self._state = state
         self._b = b
         self._d = block.d_model
+        self._spec = block._fwd_spec()  # the forward op's slots by name
+        self._x_slot, self._y_slot = self._spec.slot("x"), self._spec.slot("y")
 
     def _own_workspace(self, args, zero=False):
         """Allocate the session's private workspace for args (kept from
-        open to close) and put its address in the block's workspace slot."""
+        open to close) and put its address in the op's work slot."""
         from .._array import Array
         self._work = Array((workspace_floats(self._lib, self._op, args),), zero=zero)
-        args[self._block._FWD_WORK] = self._work.address
+        args[self._spec.slot("work")] = self._work.address
 
     def _activate(self):
         """Open: from now on the block refuses the state."""
@@ -90,16 +90,16 @@ class DecodeSessionBase:
         self._check_open()
         y = Array((self._b, 1, self._d), zero=False)
         args = self._args
-        args[self._Y_SLOT] = y.address
+        args[self._y_slot] = y.address
         self._before_step(args)
         # A plain C-contiguous float32 x is checked and run in one native
         # call; anything else goes through the full intake (and its errors).
-        if not self._lib.run_step(self._op, args, x, self._b, self._d, self._X_SLOT):
+        if not self._lib.run_step(self._op, args, x, self._b, self._d, self._x_slot):
             xv, b = self._block._step_x_view(x)
             if b != self._b:
                 raise ValueError(f"x has B={b}, the session decodes {self._b} rows")
             _intake.check_finite(self._lib, xv)
-            args[self._X_SLOT] = xv.address
+            args[self._x_slot] = xv.address
             self._lib.run(self._op, args)
         self._after_step()
         return y
@@ -189,18 +189,20 @@ class Mamba1DecodeSession(DecodeSessionBase):
         self._bind(block, state, cw.shape[0])
         # The state lives in this private workspace, in the kernel's layout,
         # from open to close; steps neither load nor save it.
-        args = [self._b, 1, self._d, 0, 0, self._blob.address, 0, 0, 0, 0, 0]
+        args = self._spec.pack(b=self._b, l=1, d=self._d, blob=self._blob)
         self._own_workspace(args, zero=True)
         self._args = args
         self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
-        args[10] = self._NO_LOAD | self._NO_SAVE
+        args[self._spec.slot("flags")] = self._NO_LOAD | self._NO_SAVE
         self._activate()
 
     def _transfer(self, cw, h, flags):
         """Load (NO_SAVE) or save (NO_LOAD) the state through the kernel."""
         args = list(self._args)
-        args[6], args[7], args[10] = cw.address, h.address, flags
-        args[3] = args[4] = 0  # no tokens: no x or y buffer (a device stages none)
+        slot = self._spec.slot
+        args[slot("conv_window")], args[slot("h")] = cw.address, h.address
+        args[slot("flags")] = flags
+        args[self._x_slot] = args[self._y_slot] = 0  # no tokens: no x or y buffer (a device stages none)
         self._lib.run(self._op, args)
 
     def _after_step(self):
@@ -258,7 +260,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._copy_in(views)
         self._s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
         self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
-        self._args[5] = self._blob.address
+        self._s_slot = self._spec.slot("buffered_tokens")
         self._own_workspace(self._args)
         # transposed copies of h and of the open chunk's B rows, rebuilt by
         # the kernel whenever a marker is 0: same chains, vectorized
@@ -266,7 +268,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         n, hdr = block._D_STATE, block._CACHE_HDR
         per_row = (block.nheads * (hdr + n * block._HEAD_DIM) + hdr + n * block._CHUNK)
         self._cache = Array((self._b * per_row,), zero=True)
-        self._args[block._FWD_CACHE] = self._cache.address
+        self._args[self._spec.slot("cache")] = self._cache.address
         self._activate()
 
     def _copy_in(self, views):
@@ -274,7 +276,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
             copy_bytes(a, v.mv)
 
     def _before_step(self, args):
-        args[10] = self._s
+        args[self._s_slot] = self._s
 
     def _after_step(self):
         self._s = (self._s + 1) % self._block._CHUNK
@@ -324,9 +326,6 @@ class Mamba3DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    # OP_M3_FORWARD slots of the buffered-token count and the pending flag
-    _SLOT_N0, _SLOT_PENDING = 8, 9
-
     def __init__(self, block, state):
         from .._array import Array
         self._bind(block, state, 0)
@@ -335,6 +334,8 @@ class Mamba3DecodeSession(DecodeSessionBase):
         self._arrays = {n: Array(v.shape, zero=False) for n, v in views.items()}
         self._copy_in(views, nb)
         self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
+        self._n0_slot = self._spec.slot("buffered_tokens")
+        self._pending_slot = self._spec.slot("pending")
         self._own_workspace(self._args)
         self._activate()
 
@@ -352,8 +353,8 @@ class Mamba3DecodeSession(DecodeSessionBase):
         self._pending = self._state.pending
 
     def _before_step(self, args):
-        args[self._SLOT_N0] = self._nb
-        args[self._SLOT_PENDING] = 1 if self._pending else 0
+        args[self._n0_slot] = self._nb
+        args[self._pending_slot] = 1 if self._pending else 0
 
     def _after_step(self):
         self._nb = self._block._count_after(self._nb, 1)

@@ -1,0 +1,386 @@
+"""The one declaration of every op's argument slots.
+
+For each op, `op_spec` lists every slot once: its name, kind (a scalar or
+the element type of a buffer), direction and, for a buffer, its size in
+bytes for the call in `args`. The slot numbers themselves are the comptime
+constants next to each kernel (FWD_X, BW_G_IN, ...); nothing else spells
+them. Everything else is derived from this table:
+
+- the buffer table a device binary stages (buffers.mojo, `ml_buffers`),
+- the names the Python layer packs arguments by (`ml_op_spec`: the table
+  as text, read once per op; python/mojolearn/_abi.py).
+
+A sink receives the rows; `args` may be all zeros (the text form), so a
+size formula must not read through a pointer slot (blob_format of a null
+blob is float32).
+"""
+from .abi import (
+    I64Ptr, arg_int, arg_f32,
+    OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD, OP_M1_BACKWARD,
+    OP_M2_PREPARE, OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_PREPARE, OP_M3_FORWARD,
+    OP_M3_BACKWARD, OP_PACK_TRANSPOSED, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK, OP_PANELS_EXTRACT,
+)
+from . import mamba1 as m1
+from . import mamba1_backward_layout as m1b
+from . import mamba2_layout as m2
+from . import mamba2_backward_layout as m2b
+from . import mamba3_layout as m3
+from . import mamba3_backward_layout as m3b
+from . import lowbit as lb
+from . import weight_panels as wp
+from . import linear_grad as lg
+from . import checks as ck
+from . import math_eval as me
+from .weight_panels import blob_format
+from .linear_grad import TPanels
+
+# Kinds: a scalar, or a buffer of one element type. K_CODES: uint16
+# bfloat16 bits or int8 codes, by the op's format argument. K_WORK: the op's
+# workspace (its bytes are ml_plan(op, args, PLAN_WORKSPACE)).
+comptime K_INT = 0
+comptime K_F32 = 1
+comptime K_I64 = 2
+comptime K_I32 = 3
+comptime K_CODES = 4
+comptime K_WORK = 5
+
+# Directions of a buffer: IN is read by the op, OUT written; neither: scratch
+# (the op writes it before reading it). A device copies IN to the device
+# before the op and OUT back after it.
+comptime BUF_IN = 1
+comptime BUF_OUT = 2
+comptime BUF_INOUT = 3
+comptime F4 = 4  # bytes per float32 or int32
+comptime I8 = 8  # bytes per int64
+
+
+trait SlotSink:
+    def slot(mut self, name: StaticString, slot: Int, kind: Int, dir: Int, bytes: Int):
+        """One slot of the op: bytes is 0 for a scalar or a workspace."""
+        ...
+
+
+def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
+    """Every slot of `op` into s; False for an unknown op."""
+    if op == OP_M1_FORWARD:
+        _m1_forward(args, s)
+    elif op == OP_M1_BACKWARD:
+        _m1_backward(args, s)
+    elif op == OP_M1_PREPARE:
+        _m1_prepare(s)
+    elif op == OP_M2_FORWARD:
+        _m2_forward(args, s)
+    elif op == OP_M2_BACKWARD:
+        _m2_backward(args, s)
+    elif op == OP_M2_PREPARE:
+        _m2_prepare(s)
+    elif op == OP_M3_FORWARD:
+        _m3_forward(args, s)
+    elif op == OP_M3_BACKWARD:
+        _m3_backward(args, s)
+    elif op == OP_M3_PREPARE:
+        _m3_prepare(s)
+    elif op == OP_MATH_EVAL:
+        var n = arg_int(args, me.ME_N)
+        _int(s, "fn", me.ME_FN)
+        s.slot("src", me.ME_SRC, K_F32, BUF_IN, n * F4)
+        s.slot("dst", me.ME_DST, K_F32, BUF_OUT, n * F4)
+        _int(s, "n", me.ME_N)
+        _int(s, "width", me.ME_WIDTH)
+    elif op == OP_FIRST_NONFINITE:
+        _int(s, "b", ck.NF_B)
+        _int(s, "l", ck.NF_L)
+        _int(s, "inner", ck.NF_INNER)
+        var bl = arg_int(args, ck.NF_B) * arg_int(args, ck.NF_L)
+        s.slot("src", ck.NF_PTR, K_F32, BUF_IN, bl * arg_int(args, ck.NF_INNER) * F4)
+        s.slot("lengths", ck.NF_LENGTHS, K_I64, BUF_IN, arg_int(args, ck.NF_B) * I8)
+        s.slot("out", ck.NF_OUT, K_I64, BUF_OUT, I8)
+    elif op == OP_LOWBIT_PACK:
+        var rows = arg_int(args, lb.PK_ROWS)
+        var n = rows * arg_int(args, lb.PK_COLS)
+        _int(s, "fmt", lb.PK_FMT)
+        _int(s, "rows", lb.PK_ROWS)
+        _int(s, "cols", lb.PK_COLS)
+        s.slot("src", lb.PK_SRC, K_F32, BUF_IN, n * F4)
+        s.slot("dst", lb.PK_DST, K_CODES, BUF_OUT, n * _code_bytes(arg_int(args, lb.PK_FMT)))
+        s.slot("aux", lb.PK_AUX, K_I32, BUF_OUT, rows * F4)
+    elif op == OP_LOWBIT_UNPACK:
+        var rows = arg_int(args, lb.UP_ROWS)
+        var n = rows * arg_int(args, lb.UP_COLS)
+        _int(s, "fmt", lb.UP_FMT)
+        _int(s, "rows", lb.UP_ROWS)
+        _int(s, "cols", lb.UP_COLS)
+        s.slot("src", lb.UP_SRC, K_CODES, BUF_IN, n * _code_bytes(arg_int(args, lb.UP_FMT)))
+        s.slot("aux", lb.UP_AUX, K_I32, BUF_IN, rows * F4)
+        s.slot("dst", lb.UP_DST, K_F32, BUF_OUT, n * F4)
+    elif op == OP_PANELS_EXTRACT:
+        # the blob's size is not in the arguments: this op runs on the host
+        var rows = arg_int(args, wp.EX_ROWS)
+        var wf = blob_format(arg_f32(args, wp.EX_BLOB))
+        _int(s, "section", wp.EX_SECTION)
+        _int(s, "rows", wp.EX_ROWS)
+        _int(s, "cols", wp.EX_COLS)
+        s.slot("blob", wp.EX_BLOB, K_F32, BUF_IN, 0)
+        s.slot("dst", wp.EX_DST, K_CODES, BUF_OUT,
+               rows * arg_int(args, wp.EX_COLS) * _code_bytes(wf))
+        s.slot("exponents", wp.EX_EXP, K_I32, BUF_OUT, rows * F4)
+    elif op == OP_PACK_TRANSPOSED:
+        var k1 = arg_int(args, lg.PT_K1)
+        var m1_ = arg_int(args, lg.PT_M1)
+        var k2 = arg_int(args, lg.PT_K2)
+        var m2_ = arg_int(args, lg.PT_M2)
+        _int(s, "k1", lg.PT_K1)
+        _int(s, "m1", lg.PT_M1)
+        s.slot("w1", lg.PT_W1, K_F32, BUF_IN, k1 * m1_ * F4)
+        _int(s, "k2", lg.PT_K2)
+        _int(s, "m2", lg.PT_M2)
+        s.slot("w2", lg.PT_W2, K_F32, BUF_IN, k2 * m2_ * F4)
+        s.slot("dst", lg.PT_DST, K_F32, BUF_OUT, TPanels(k1, m1_, k2, m2_).floats * F4)
+    else:
+        return False
+    return True
+
+
+@always_inline
+def _int[S: SlotSink](mut s: S, name: StaticString, slot: Int):
+    s.slot(name, slot, K_INT, 0, 0)
+
+
+@always_inline
+def _f32[S: SlotSink](mut s: S, name: StaticString, slot: Int, dir: Int, floats: Int):
+    s.slot(name, slot, K_F32, dir, floats * F4)
+
+
+def _code_bytes(fmt: Int) -> Int:
+    """Bytes per element of packed codes (lowbit.FMT_*): bfloat16 2, int8 1,
+    float32 (panels extract of a float32 blob) 4."""
+    if fmt == lb.FMT_BF16:
+        return 2
+    if fmt == lb.FMT_INT8:
+        return 1
+    return 4
+
+
+def _tokens(args: I64Ptr) -> Int:
+    """Bytes of x, y, grad_output or dx: B * L * d floats (slots 0, 1, 2 of
+    every block op)."""
+    return arg_int(args, 0) * arg_int(args, 1) * arg_int(args, 2) * F4
+
+
+def _sizes[S: SlotSink](mut s: S):
+    """Slots 0, 1, 2 of every block op: batch rows, tokens per row, d_model."""
+    _int(s, "b", 0)
+    _int(s, "l", 1)
+    _int(s, "d", 2)
+
+
+# ---- Mamba-1 ----------------------------------------------------------------
+def _m1_prepare[S: SlotSink](mut s: S):
+    _int(s, "d", m1.PREP_D)
+    s.slot("norm.weight", m1.PREP_NORM, K_F32, BUF_IN, 0)
+    s.slot("in_proj.weight", m1.PREP_IN, K_F32, BUF_IN, 0)
+    s.slot("conv1d.weight", m1.PREP_CONVW, K_F32, BUF_IN, 0)
+    s.slot("conv1d.bias", m1.PREP_CONVB, K_F32, BUF_IN, 0)
+    s.slot("x_proj.weight", m1.PREP_X, K_F32, BUF_IN, 0)
+    s.slot("dt_proj.weight", m1.PREP_DT, K_F32, BUF_IN, 0)
+    s.slot("dt_proj.bias", m1.PREP_DTB, K_F32, BUF_IN, 0)
+    s.slot("A_log", m1.PREP_ALOG, K_F32, BUF_IN, 0)
+    s.slot("D", m1.PREP_D_SKIP, K_F32, BUF_IN, 0)
+    s.slot("out_proj.weight", m1.PREP_OUT, K_F32, BUF_IN, 0)
+    s.slot("blob", m1.PREP_BLOB, K_F32, BUF_OUT, 0)
+    _int(s, "wfmt", m1.PREP_WFMT)
+    s.slot("exp:in_proj.weight", m1.PREP_IN_EXP, K_I32, BUF_IN, 0)
+    s.slot("exp:x_proj.weight", m1.PREP_X_EXP, K_I32, BUF_IN, 0)
+    s.slot("exp:dt_proj.weight", m1.PREP_DT_EXP, K_I32, BUF_IN, 0)
+    s.slot("exp:out_proj.weight", m1.PREP_OUT_EXP, K_I32, BUF_IN, 0)
+
+
+def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
+    var b = arg_int(args, m1.FWD_B)
+    var dm = m1.M1Dims(arg_int(args, m1.FWD_D), blob_format(arg_f32(args, m1.FWD_BLOB)))
+    var di = dm.di
+    var flags = arg_int(args, m1.FWD_FLAGS)
+    _sizes(s)
+    # A decode session's state transfers (FLAG_NO_TOKENS) read and write no
+    # tokens: their x and y are not staged (the session passes 0).
+    var bx = 0 if (flags & m1.FLAG_NO_TOKENS) != 0 else _tokens(args)
+    s.slot("x", m1.FWD_X, K_F32, BUF_IN, bx)
+    s.slot("y", m1.FWD_Y, K_F32, BUF_OUT, bx)
+    _f32(s, "blob", m1.FWD_BLOB, BUF_IN, dm.blob)
+    var state = 0 if (flags & m1.FLAG_NO_LOAD) != 0 else BUF_IN
+    if (flags & m1.FLAG_NO_SAVE) == 0:
+        state |= BUF_OUT
+    _f32(s, "conv_window", m1.FWD_CONV_WINDOW, state, b * di * m1.KCONV)
+    _f32(s, "h", m1.FWD_H, state, b * di * m1.NSTATE)
+    s.slot("lengths", m1.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
+    # A decode session keeps its state in the workspace between calls.
+    s.slot("work", m1.FWD_WORK, K_WORK, BUF_INOUT, 0)
+    _int(s, "flags", m1.FWD_FLAGS)
+
+
+def _m1_backward[S: SlotSink](args: I64Ptr, mut s: S):
+    var dm = m1.M1Dims(arg_int(args, m1b.BW_D), blob_format(arg_f32(args, m1b.BW_BLOB)))
+    var d = dm.d
+    var di = dm.di
+    var bx = _tokens(args)
+    _sizes(s)
+    s.slot("x", m1b.BW_X, K_F32, BUF_IN, bx)
+    s.slot("grad_output", m1b.BW_G, K_F32, BUF_IN, bx)
+    _f32(s, "blob", m1b.BW_BLOB, BUF_IN, dm.blob)
+    s.slot("work", m1b.BW_WORK, K_WORK, 0, 0)
+    s.slot("dx", m1b.BW_DX, K_F32, BUF_OUT, bx)
+    _f32(s, "in_proj.weight", m1b.BW_W_IN, BUF_IN, 2 * di * d)
+    _f32(s, "x_proj.weight", m1b.BW_W_X, BUF_IN, dm.nx * di)
+    _f32(s, "dt_proj.weight", m1b.BW_W_DT, BUF_IN, di * dm.r)
+    _f32(s, "out_proj.weight", m1b.BW_W_OUT, BUF_IN, d * di)
+    # Gradients are zero on entry and accumulated into: in and out.
+    _f32(s, "grad:norm.weight", m1b.BW_G_NORM, BUF_INOUT, d)
+    _f32(s, "grad:in_proj.weight", m1b.BW_G_IN, BUF_INOUT, 2 * di * d)
+    _f32(s, "grad:conv1d.weight", m1b.BW_G_CONVW, BUF_INOUT, di * m1.KCONV)
+    _f32(s, "grad:conv1d.bias", m1b.BW_G_CONVB, BUF_INOUT, di)
+    _f32(s, "grad:x_proj.weight", m1b.BW_G_X, BUF_INOUT, dm.nx * di)
+    _f32(s, "grad:dt_proj.weight", m1b.BW_G_DT, BUF_INOUT, di * dm.r)
+    _f32(s, "grad:dt_proj.bias", m1b.BW_G_DTB, BUF_INOUT, di)
+    _f32(s, "grad:A_log", m1b.BW_G_ALOG, BUF_INOUT, di * m1.NSTATE)
+    _f32(s, "grad:D", m1b.BW_G_D, BUF_INOUT, di)
+    _f32(s, "grad:out_proj.weight", m1b.BW_G_OUT, BUF_INOUT, d * di)
+
+
+# ---- Mamba-2 ----------------------------------------------------------------
+def _m2_prepare[S: SlotSink](mut s: S):
+    _int(s, "d", m2.PREP_D)
+    s.slot("block_norm.weight", m2.PREP_NORM, K_F32, BUF_IN, 0)
+    s.slot("in_proj.weight", m2.PREP_IN, K_F32, BUF_IN, 0)
+    s.slot("conv1d.weight", m2.PREP_CONVW, K_F32, BUF_IN, 0)
+    s.slot("conv1d.bias", m2.PREP_CONVB, K_F32, BUF_IN, 0)
+    s.slot("dt_bias", m2.PREP_DTB, K_F32, BUF_IN, 0)
+    s.slot("A_log", m2.PREP_ALOG, K_F32, BUF_IN, 0)
+    s.slot("D", m2.PREP_DSKIP, K_F32, BUF_IN, 0)
+    s.slot("norm.weight", m2.PREP_GNORM, K_F32, BUF_IN, 0)
+    s.slot("out_proj.weight", m2.PREP_OUT, K_F32, BUF_IN, 0)
+    _int(s, "dt_lo_bits", m2.PREP_LO)
+    _int(s, "dt_hi_bits", m2.PREP_HI)
+    s.slot("blob", m2.PREP_BLOB, K_F32, BUF_OUT, 0)
+    _int(s, "wfmt", m2.PREP_WFMT)
+    s.slot("exp:in_proj.weight", m2.PREP_IN_EXP, K_I32, BUF_IN, 0)
+    s.slot("exp:out_proj.weight", m2.PREP_OUT_EXP, K_I32, BUF_IN, 0)
+
+
+def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
+    var b = arg_int(args, m2.FWD_B)
+    var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_format(arg_f32(args, m2.FWD_BLOB)))
+    var bx = _tokens(args)
+    var heads = b * dm.nh * m2.P * m2.N  # h, h_last: (B, H, P, N)
+    _sizes(s)
+    s.slot("x", m2.FWD_X, K_F32, BUF_IN, bx)
+    s.slot("y", m2.FWD_Y, K_F32, BUF_OUT, bx)
+    _f32(s, "blob", m2.FWD_BLOB, BUF_IN, dm.blob)
+    _f32(s, "conv_window", m2.FWD_CONV_WINDOW, BUF_INOUT, b * dm.cd * m2.KCONV)
+    _f32(s, "h", m2.FWD_H, BUF_INOUT, heads)
+    _f32(s, "buffer_xbc", m2.FWD_BUF_XBC, BUF_INOUT, b * m2.Q * dm.cd)
+    _f32(s, "buffer_dtraw", m2.FWD_BUF_DT, BUF_INOUT, b * m2.Q * dm.nh)
+    _int(s, "buffered_tokens", m2.FWD_S)
+    s.slot("lengths", m2.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
+    _f32(s, "h_last", m2.FWD_HLAST, BUF_OUT, heads)
+    _int(s, "save", m2.FWD_SAVE)
+    s.slot("work", m2.FWD_WORK, K_WORK, BUF_INOUT, 0)
+    _f32(s, "cache", m2.FWD_CACHE, BUF_INOUT, b * m2.cache_floats_per_row(dm.nh))
+
+
+def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
+    var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_format(arg_f32(args, m2b.BW_BLOB)))
+    var d = dm.d
+    var bx = _tokens(args)
+    _sizes(s)
+    s.slot("x", m2b.BW_X, K_F32, BUF_IN, bx)
+    s.slot("grad_output", m2b.BW_G, K_F32, BUF_IN, bx)
+    _f32(s, "blob", m2b.BW_BLOB, BUF_IN, dm.blob)
+    s.slot("work", m2b.BW_WORK, K_WORK, 0, 0)
+    s.slot("dx", m2b.BW_DX, K_F32, BUF_OUT, bx)
+    _f32(s, "in_proj.weight", m2b.BW_W_IN, BUF_IN, dm.npj * d)
+    _f32(s, "out_proj.weight", m2b.BW_W_OUT, BUF_IN, d * dm.di)
+    _f32(s, "grad:block_norm.weight", m2b.BW_G_NORM, BUF_INOUT, d)
+    _f32(s, "grad:in_proj.weight", m2b.BW_G_IN, BUF_INOUT, dm.npj * d)
+    _f32(s, "grad:conv1d.weight", m2b.BW_G_CONVW, BUF_INOUT, dm.cd * m2.KCONV)
+    _f32(s, "grad:conv1d.bias", m2b.BW_G_CONVB, BUF_INOUT, dm.cd)
+    _f32(s, "grad:dt_bias", m2b.BW_G_DTB, BUF_INOUT, dm.nh)
+    _f32(s, "grad:A_log", m2b.BW_G_ALOG, BUF_INOUT, dm.nh)
+    _f32(s, "grad:D", m2b.BW_G_D, BUF_INOUT, dm.nh)
+    _f32(s, "grad:norm.weight", m2b.BW_G_GNORM, BUF_INOUT, dm.di)
+    _f32(s, "grad:out_proj.weight", m2b.BW_G_OUT, BUF_INOUT, d * dm.di)
+    # W_in^T | W_out^T in matmul panels (OP_PACK_TRANSPOSED of (npj, d), (d, di))
+    _f32(s, "panels", m2b.BW_PANELS, BUF_IN, TPanels(dm.npj, d, d, dm.di).floats)
+
+
+# ---- Mamba-3 ----------------------------------------------------------------
+def _m3_prepare[S: SlotSink](mut s: S):
+    _int(s, "d", m3.PREP_D)
+    s.slot("block_norm.weight", m3.PREP_NORM, K_F32, BUF_IN, 0)
+    s.slot("in_proj.weight", m3.PREP_IN, K_F32, BUF_IN, 0)
+    s.slot("dt_bias", m3.PREP_DTB, K_F32, BUF_IN, 0)
+    s.slot("B_norm.weight", m3.PREP_BNW, K_F32, BUF_IN, 0)
+    s.slot("C_norm.weight", m3.PREP_CNW, K_F32, BUF_IN, 0)
+    s.slot("B_bias", m3.PREP_BB, K_F32, BUF_IN, 0)
+    s.slot("C_bias", m3.PREP_CB, K_F32, BUF_IN, 0)
+    s.slot("D", m3.PREP_DSKIP, K_F32, BUF_IN, 0)
+    s.slot("out_proj.weight", m3.PREP_OUT, K_F32, BUF_IN, 0)
+    s.slot("blob", m3.PREP_BLOB, K_F32, BUF_OUT, 0)
+    _int(s, "wfmt", m3.PREP_WFMT)
+    s.slot("exp:in_proj.weight", m3.PREP_IN_EXP, K_I32, BUF_IN, 0)
+    s.slot("exp:out_proj.weight", m3.PREP_OUT_EXP, K_I32, BUF_IN, 0)
+
+
+def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
+    var b = arg_int(args, m3.FWD_B)
+    var dm = m3.M3Dims(arg_int(args, m3.FWD_D), blob_format(arg_f32(args, m3.FWD_BLOB)))
+    var bh = b * dm.nh
+    var bx = _tokens(args)
+    _sizes(s)
+    s.slot("x", m3.FWD_X, K_F32, BUF_IN, bx)
+    s.slot("y", m3.FWD_Y, K_F32, BUF_OUT, bx)
+    _f32(s, "blob", m3.FWD_BLOB, BUF_IN, dm.blob)
+    s.slot("lengths", m3.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
+    s.slot("work", m3.FWD_WORK, K_WORK, BUF_INOUT, 0)
+    _int(s, "buffered_tokens", m3.FWD_N0)
+    _int(s, "pending", m3.FWD_PENDING)
+    _int(s, "mode", m3.FWD_MODE)
+    # The state (Mamba3State arrays, python/mojolearn/mamba/mamba3.py).
+    _f32(s, "theta", m3.FWD_THETA, BUF_INOUT, bh * m3.NANG)
+    _f32(s, "h", m3.FWD_H, BUF_INOUT, bh * m3.HP * m3.NST)
+    _f32(s, "buffer_qrot", m3.FWD_BQ, BUF_INOUT, bh * m3.QC * m3.NST)
+    _f32(s, "buffer_krot", m3.FWD_BK, BUF_INOUT, bh * m3.QC * m3.NST)
+    _f32(s, "buffer_v", m3.FWD_BV, BUF_INOUT, bh * m3.QC * m3.HP)
+    _f32(s, "buffer_dt", m3.FWD_BDT, BUF_INOUT, bh * m3.QC)
+    _f32(s, "buffer_sig", m3.FWD_BSG, BUF_INOUT, bh * m3.QC)
+    _f32(s, "buffer_adt", m3.FWD_BADT, BUF_INOUT, bh * m3.QC)
+    _f32(s, "pending_k", m3.FWD_PK, BUF_INOUT, bh * m3.NST)
+    _f32(s, "pending_v", m3.FWD_PV, BUF_INOUT, bh * m3.HP)
+    # Reports (mode 1).
+    _f32(s, "report:h", m3.FWD_RH, BUF_OUT, bh * m3.HP * m3.NST)
+    _f32(s, "report:k", m3.FWD_RK, BUF_OUT, bh * m3.NST)
+    _f32(s, "report:v", m3.FWD_RV, BUF_OUT, bh * m3.HP)
+    _f32(s, "report:theta", m3.FWD_RTHETA, BUF_OUT, bh * m3.NANG)
+
+
+def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):
+    var dm = m3.M3Dims(arg_int(args, m3b.BW_D), blob_format(arg_f32(args, m3b.BW_BLOB)))
+    var d = dm.d
+    var bx = _tokens(args)
+    _sizes(s)
+    s.slot("x", m3b.BW_X, K_F32, BUF_IN, bx)
+    s.slot("grad_output", m3b.BW_G, K_F32, BUF_IN, bx)
+    _f32(s, "blob", m3b.BW_BLOB, BUF_IN, dm.blob)
+    s.slot("work", m3b.BW_WORK, K_WORK, 0, 0)
+    s.slot("dx", m3b.BW_DX, K_F32, BUF_OUT, bx)
+    _f32(s, "in_proj.weight", m3b.BW_W_IN, BUF_IN, dm.np * d)
+    _f32(s, "out_proj.weight", m3b.BW_W_OUT, BUF_IN, d * dm.di)
+    _f32(s, "grad:block_norm.weight", m3b.BW_G_NORM, BUF_INOUT, d)
+    _f32(s, "grad:in_proj.weight", m3b.BW_G_IN, BUF_INOUT, dm.np * d)
+    _f32(s, "grad:dt_bias", m3b.BW_G_DTB, BUF_INOUT, dm.nh)
+    _f32(s, "grad:B_norm.weight", m3b.BW_G_BNW, BUF_INOUT, m3.NST)
+    _f32(s, "grad:C_norm.weight", m3b.BW_G_CNW, BUF_INOUT, m3.NST)
+    _f32(s, "grad:B_bias", m3b.BW_G_BB, BUF_INOUT, dm.nh * m3.NST)
+    _f32(s, "grad:C_bias", m3b.BW_G_CB, BUF_INOUT, dm.nh * m3.NST)
+    _f32(s, "grad:D", m3b.BW_G_D, BUF_INOUT, dm.nh)
+    _f32(s, "grad:out_proj.weight", m3b.BW_G_OUT, BUF_INOUT, d * dm.di)
+    _f32(s, "panels", m3b.BW_PANELS, BUF_IN, TPanels(dm.np, d, d, dm.di).floats)

@@ -1,0 +1,87 @@
+"""An op's slot declaration (opspec.mojo) as text, for `ml_op_spec`.
+
+The text is `name=slot,kind,direction;` per slot, in declaration order, for
+example `x=3,f32,in;work=9,work,inout;flags=10,int,-;`. Written without heap
+use, so the CPU binary needs no Mojo runtime.
+"""
+from std.memory import stack_allocation
+from .abi import I64Ptr
+from .describe import U8Ptr, put_str
+from .opspec import (
+    SlotSink, op_spec, K_INT, K_F32, K_I64, K_I32, K_CODES, K_WORK,
+    BUF_IN, BUF_OUT, BUF_INOUT,
+)
+
+# More than any op's slot count: the zeroed args the declaration reads.
+comptime MAX_SLOTS = 64
+
+
+struct SlotText(SlotSink):
+    var buf: U8Ptr
+    var cap: Int
+    var n: Int
+
+    def __init__(out self, buf: U8Ptr, cap: Int):
+        self.buf = buf
+        self.cap = cap
+        self.n = 0
+
+    def slot(mut self, name: StaticString, slot: Int, kind: Int, dir: Int, bytes: Int):
+        self.n = put_str(self.buf, self.cap, self.n, name)
+        self.n = put_str(self.buf, self.cap, self.n, "=")
+        self._int(slot)
+        self.n = put_str(self.buf, self.cap, self.n, ",")
+        self.n = put_str(self.buf, self.cap, self.n, _kind_name(kind))
+        self.n = put_str(self.buf, self.cap, self.n, ",")
+        self.n = put_str(self.buf, self.cap, self.n, _dir_name(kind, dir))
+        self.n = put_str(self.buf, self.cap, self.n, ";")
+
+    def _int(mut self, v: Int):
+        """Decimal digits of v >= 0."""
+        var p = 1
+        while p * 10 <= v:
+            p *= 10
+        while p > 0:
+            var digit = (v // p) % 10
+            if self.n < self.cap:
+                self.buf[unsafe_offset=self.n] = UInt8(48 + digit)
+            self.n += 1
+            p //= 10
+
+
+def _kind_name(kind: Int) -> StaticString:
+    if kind == K_INT:
+        return "int"
+    if kind == K_F32:
+        return "f32"
+    if kind == K_I64:
+        return "i64"
+    if kind == K_I32:
+        return "i32"
+    if kind == K_CODES:
+        return "codes"
+    return "work"
+
+
+def _dir_name(kind: Int, dir: Int) -> StaticString:
+    if kind == K_INT:
+        return "-"
+    if dir == BUF_IN:
+        return "in"
+    if dir == BUF_OUT:
+        return "out"
+    if dir == BUF_INOUT:
+        return "inout"
+    return "scratch"
+
+
+def op_spec_text(op: Int, buf: U8Ptr, cap: Int) -> Int:
+    """Writes op's declaration into buf (as far as cap allows); returns its
+    full length, or -2 for an unknown op."""
+    var zeros = stack_allocation[MAX_SLOTS, Int64]()
+    for i in range(MAX_SLOTS):
+        zeros[unsafe_offset=i] = 0
+    var t = SlotText(buf, cap)
+    if not op_spec(op, I64Ptr(unsafe_from_address=Int(zeros)), t):
+        return -2
+    return t.n

@@ -1,0 +1,132 @@
+"""The binaries' slot declarations (ml_op_spec, opspec.mojo) and their use.
+
+Every op's argument slots are declared once, in the binary; the Python layer
+packs arguments by name. These tests check that the declaration is whole
+(every op id, every slot number once), that each CPU binary declares the
+same, that it agrees with the buffer table a device stages, and that no
+slot number is written in the Python package.
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+from mojolearn import _abi, _loader
+
+OPS = {k: v for k, v in vars(_abi).items() if k.startswith("OP_")}
+PACKAGE = Path(_abi.__file__).parent
+
+
+def _binaries():
+    libs = []
+    for path in _loader.find_binaries():
+        try:
+            lib = _loader.native().Library(str(path))
+        except RuntimeError:
+            continue
+        if lib.vendor == 0 and not _loader.missing_cpu_features(lib):
+            libs.append(lib)
+    assert libs, "no CPU binary this machine can run"
+    return libs
+
+
+def test_every_op_id_has_a_whole_declaration():
+    """Each op id of _abi is known to the binary, and its slots are 0..n-1,
+    each exactly once, with a known kind and direction."""
+    lib = _loader.library()
+    for name, op in OPS.items():
+        spec = _abi.op_spec(lib, op)
+        assert sorted(spec.slots.values()) == list(range(spec.nargs)), name
+        assert set(spec.kinds.values()) <= {"int", "f32", "i64", "i32", "codes", "work"}, name
+        for n, kind in spec.kinds.items():
+            ok = {"-"} if kind == "int" else {"in", "out", "inout", "scratch"}
+            assert spec.dirs[n] in ok, (name, n)
+    unknown = max(OPS.values()) + 1
+    with pytest.raises(ValueError, match=f"op {unknown}"):
+        _abi.op_spec(lib, unknown)
+
+
+def test_op_ids_name_the_ops_they_claim():
+    """A wrong op id in _abi (a mirror of abi.mojo) would hand the kernel
+    another op's arguments: each id's slots are those of its kind of op."""
+    lib = _loader.library()
+    for name, op in OPS.items():
+        slots = set(_abi.op_spec(lib, op).slots)
+        if name.endswith("_FORWARD"):
+            assert {"x", "y", "blob", "work", "lengths"} <= slots, name
+        elif name.endswith("_BACKWARD"):
+            assert {"x", "grad_output", "dx", "blob"} <= slots, name
+        elif name.endswith("_PREPARE"):
+            assert {"d", "blob", "wfmt", "in_proj.weight"} <= slots, name
+    m = {n: set(_abi.op_spec(lib, op).slots) for n, op in OPS.items()}
+    assert "flags" in m["OP_M1_FORWARD"] and "cache" in m["OP_M2_FORWARD"]
+    assert "report:theta" in m["OP_M3_FORWARD"] and "x_proj.weight" in m["OP_M1_BACKWARD"]
+    assert m["OP_MATH_EVAL"] == {"fn", "src", "dst", "n", "width"}
+    assert m["OP_LOWBIT_PACK"] == m["OP_LOWBIT_UNPACK"] == {"fmt", "src", "rows", "cols",
+                                                            "dst", "aux"}
+
+
+def test_every_cpu_binary_declares_the_same_slots():
+    texts = []
+    for lib in _binaries():
+        _abi._SPECS.clear()
+        specs = {op: _abi.op_spec(lib, op) for op in OPS.values()}
+        texts.append({op: (s.slots, s.kinds, s.dirs) for op, s in specs.items()})
+    _abi._SPECS.clear()
+    assert all(t == texts[0] for t in texts)
+
+
+def test_pack_places_values_by_name_and_refuses_unknown_names():
+    spec = _abi.OpSpec(7, "b=0,int,-;x=2,f32,in;grad:D=1,f32,inout;")
+    assert spec.nargs == 3
+
+    class Buf:
+        address = 4096
+
+    assert spec.pack({"grad:D": Buf()}, b=5, x=None) == [5, 4096, 0]
+    assert spec.pack(x=Buf()) == [0, 0, 4096]
+    with pytest.raises(KeyError, match=r"op 7 has no slot 'y'.*'grad:D'"):
+        spec.pack(y=1)
+
+
+def test_staged_buffer_table_matches_the_declaration():
+    """The rows a device would stage for a real call are the declared
+    buffer slots with their declared directions (buffers.mojo reads them
+    off the same declaration; this guards the reading)."""
+    import numpy as np
+    import mojolearn
+    from mojolearn.reference.weights import mamba2_weights
+    lib = _loader.library()
+    block = mojolearn.Mamba2Block(mamba2_weights(32, seed=3))
+
+    lib.emulate_device = True
+    try:
+        lib.staged_rows = {}
+        st = block.allocate_state(2)
+        block.forward(np.ones((2, 5, 32), np.float32), st)
+        rows = dict(lib.staged_rows)
+    finally:
+        lib.emulate_device = False
+    spec = _abi.op_spec(lib, _abi.OP_M2_FORWARD)
+    buffers = [n for n, k in spec.kinds.items() if k != "int"]
+    # x, y, blob, the 4 state arrays, work (no lengths, h_last or cache here)
+    assert rows[_abi.OP_M2_FORWARD] == 8 and len(buffers) == 11
+
+
+SLOT_NUMBER = (r"args\[\d", r"\.run\([^)\n]*,\s*\[", r"_SLOTS?\w* = \d")
+
+
+def _slot_numbers(text):
+    return [m.group(0) for pat in SLOT_NUMBER for m in re.finditer(pat, text)]
+
+
+def test_no_slot_number_is_written_in_the_package():
+    """Argument lists are packed by name (OpSpec.pack): no literal index
+    into an op's arguments and no positional argument list in the package."""
+    bad = [f"{p.name}: {hit}" for p in PACKAGE.rglob("*.py")
+           for hit in _slot_numbers(p.read_text())]
+    assert bad == []
+    # control: the forms this replaced are found
+    old = ("args[6], args[7] = cw, h\nlib.run(OP_X, [b, l, d])\n"
+           "_FWD_SLOTS = 16\n")
+    assert len(_slot_numbers(old)) == 4
