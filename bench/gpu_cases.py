@@ -9,7 +9,7 @@ reports (h_last_, ...), ragged rows, prefill + decode steps, a prefill split
 in two and continued, decode sessions, batch-8 steps, the state arrays after
 prefill and after decode, backward (every gradient), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
-backward). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
+backward), and whole language models (bench/lm_cases.py). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
 256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
 
 Users: tests/test_cpu_variants.py (every CPU binary against the file),
@@ -299,7 +299,7 @@ def _nonfinite(lib) -> bytes:
     return np.array(out, np.int64).tobytes()
 
 
-def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8):
+def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8, lm=True):
     """(name, bytes) of every case, in the matrix order."""
     from mojolearn import _loader
     lib = _loader.library()
@@ -315,6 +315,9 @@ def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8):
         yield from _batch8_cases(mojolearn, *s)
     for s in packed:
         yield from _packed_cases(mojolearn, *s)
+    if lm:
+        from bench.lm_cases import lm_cases
+        yield from lm_cases(mojolearn, perturb=_PERTURB)
 
 
 def run_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8) -> dict:

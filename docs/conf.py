@@ -72,6 +72,13 @@ from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_w
 weights = mamba1_weights(32, seed=0)      # Mamba1Block weights, d_model = 32
 weights2 = mamba2_weights(32, seed=0)     # Mamba2Block weights, d_model = 32
 weights3 = mamba3_weights(32, seed=0)     # Mamba3Block weights, d_model = 32
+import tempfile
+from mojolearn.save import save_checkpoint
+lm_folder = save_checkpoint(               # a tiny 2-layer Mamba language model, vocab 64
+    tempfile.mkdtemp(prefix="mojolearn_doc_lm_"), "mamba",
+    [mamba1_weights(32, seed=1, scale=4.0), mamba1_weights(32, seed=2, scale=4.0)],
+    np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32),
+    np.ones(32, np.float32))
 """
 doctest_test_doctest_blocks = "default"
 

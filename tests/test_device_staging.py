@@ -162,3 +162,46 @@ def test_math_eval_missing_row_is_caught(emulated):
                 emulated.run(_abi.OP_MATH_EVAL, list(args))
     finally:
         emulated.drop_op, emulated.drop_row = -1, -1
+
+
+def _lm_run(folder, fmt):
+    """A small MambaLM through every LM op: logits (embed, head) and
+    generation with greedy and top-k / top-p sampling (next-token)."""
+    def run():
+        lm = mojolearn.MambaLM(folder, weight_format=fmt)
+        logits = np.asarray(lm.logits([[1, 2, 3], [4, 5, 6]])).tobytes()
+        toks = lm.generate([[1, 2, 3], [7]], max_new_tokens=3, temperature=[0.0, 0.9],
+                           top_k=[0, 5], top_p=[1.0, 0.8], seed=[1, 2])
+        return logits, toks
+    return run
+
+
+@pytest.fixture(scope="module")
+def lm_folder(tmp_path_factory):
+    from mojolearn.save import save_checkpoint
+    w = gpu_cases._weights(1, 32)
+    rng = np.random.default_rng(4)
+    emb = rng.standard_normal((40, 32)).astype(np.float32)
+    return save_checkpoint(tmp_path_factory.mktemp("lm"), "mamba", [w, w], emb,
+                           np.ones(32, np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_lm_ops_stage_every_row_and_give_the_direct_bytes(lm_folder, fmt, emulated):
+    run = _lm_run(lm_folder, fmt)
+    emulated.emulate_device = False
+    direct = run()
+    emulated.emulate_device = True
+    emulated.staged_rows = {}
+    assert run() == direct
+    rows = dict(emulated.staged_rows)
+    lm_ops = [_abi.OP_LM_EMBED, _abi.OP_LM_LOGITS, _abi.OP_LM_NEXT]
+    assert all(op in rows for op in lm_ops)
+    try:
+        for op in lm_ops:
+            for row in range(rows[op]):
+                emulated.drop_op, emulated.drop_row = op, row
+                with pytest.raises(RuntimeError, match=r"not in the op's buffer table"):
+                    run()
+    finally:
+        emulated.drop_op, emulated.drop_row = -1, -1

@@ -14,7 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CLASSES = ["Array",
            "Mamba1Block", "Mamba1BlockInference", "Mamba1State", "Mamba1DecodeSession",
            "Mamba2Block", "Mamba2BlockInference", "Mamba2State", "Mamba2DecodeSession",
-           "Mamba3Block", "Mamba3BlockInference", "Mamba3State", "Mamba3DecodeSession"]
+           "Mamba3Block", "Mamba3BlockInference", "Mamba3State", "Mamba3DecodeSession",
+           "MambaLM"]
 FUNCTIONS = ["load_checkpoint", "read_safetensors", "set_num_threads", "get_num_threads",
              "vendor_used", "numeric_mode_used"]
 EXCEPTIONS = ["BinaryNotFoundError"]

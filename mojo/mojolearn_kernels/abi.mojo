@@ -19,7 +19,7 @@ comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 # Bumped whenever an op id, an argument slot or a layout changes.
 # 2: blobs start with a weight-format header; PREP_WFMT slots.
 # 3: OP_PACK_TRANSPOSED; the Mamba-2/3 backwards' BW_PANELS slot.
-# 4: ml_op_spec (every op's slots by name, opspec.mojo).
+# 4: ml_op_spec (every op's slots by name, opspec.mojo); the OP_LM_* ops.
 comptime ABI_VERSION = 4
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
@@ -43,6 +43,10 @@ comptime OP_PACK_TRANSPOSED = 33  # weight transposes for backward (linear_grad)
 comptime OP_LOWBIT_PACK = 40
 comptime OP_LOWBIT_UNPACK = 41
 comptime OP_PANELS_EXTRACT = 42  # packed codes back out of a prepared blob
+comptime OP_LM_PREPARE = 50  # a language model's vocabulary ends (lm.mojo)
+comptime OP_LM_EMBED = 51
+comptime OP_LM_LOGITS = 52
+comptime OP_LM_NEXT = 53
 
 # Alignment of every sub-array inside a workspace or weight blob, in floats.
 comptime ALIGN_FLOATS = 16

@@ -6,7 +6,7 @@ from .abi import (
     OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD,
     OP_M2_PREPARE, OP_M2_FORWARD, OP_M3_PREPARE, OP_M3_FORWARD,
     OP_M1_BACKWARD, OP_M2_BACKWARD, OP_M3_BACKWARD, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK,
-    OP_PANELS_EXTRACT, OP_PACK_TRANSPOSED,
+    OP_PANELS_EXTRACT, OP_PACK_TRANSPOSED, OP_LM_PREPARE, OP_LM_EMBED, OP_LM_LOGITS, OP_LM_NEXT,
 )
 from .checks import first_nonfinite_task
 from .math_eval import math_eval, ME_FN, ME_SRC, ME_DST, ME_N, ME_WIDTH
@@ -19,6 +19,10 @@ from .mamba3_backward import m3_backward_plan, m3_backward_task
 from .lowbit import lowbit_pack_plan, lowbit_pack_task, lowbit_unpack_plan, lowbit_unpack_task
 from .weight_panels import panels_extract_plan, panels_extract_task
 from .linear_grad import pack_transposed_plan, pack_transposed_task
+from .lm import (
+    lm_prepare_plan, lm_prepare_task, lm_embed_plan, lm_embed_task, lm_logits_plan,
+    lm_logits_task, lm_next_plan, lm_next_task,
+)
 
 
 def op_plan(op: Int, args: I64Ptr, p: Int) -> Int:
@@ -50,6 +54,14 @@ def op_plan(op: Int, args: I64Ptr, p: Int) -> Int:
         return panels_extract_plan(args, p)
     if op == OP_PACK_TRANSPOSED:
         return pack_transposed_plan(args, p)
+    if op == OP_LM_PREPARE:
+        return lm_prepare_plan(args, p)
+    if op == OP_LM_EMBED:
+        return lm_embed_plan(args, p)
+    if op == OP_LM_LOGITS:
+        return lm_logits_plan(args, p)
+    if op == OP_LM_NEXT:
+        return lm_next_plan(args, p)
     if op == OP_FIRST_NONFINITE or op == OP_MATH_EVAL:
         if p == PLAN_WORKSPACE:
             return 0
@@ -66,7 +78,8 @@ def is_host_op(op: Int) -> Bool:
     a block output."""
     return (op == OP_M1_PREPARE or op == OP_M2_PREPARE or op == OP_M3_PREPARE
             or op == OP_PACK_TRANSPOSED or op == OP_FIRST_NONFINITE
-            or op == OP_LOWBIT_PACK or op == OP_LOWBIT_UNPACK or op == OP_PANELS_EXTRACT)
+            or op == OP_LOWBIT_PACK or op == OP_LOWBIT_UNPACK or op == OP_PANELS_EXTRACT
+            or op == OP_LM_PREPARE)
 
 
 def op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
@@ -91,6 +104,8 @@ def _host_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
         panels_extract_task(args, p, t)
     elif op == OP_PACK_TRANSPOSED:
         pack_transposed_task(args, p, t)
+    elif op == OP_LM_PREPARE:
+        lm_prepare_task(args, p, t)
     else:
         first_nonfinite_task(args)
     return 0
@@ -110,6 +125,12 @@ def device_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
         m2_backward_task(args, p, t)
     elif op == OP_M3_BACKWARD:
         m3_backward_task(args, p, t)
+    elif op == OP_LM_EMBED:
+        lm_embed_task(args, p, t)
+    elif op == OP_LM_LOGITS:
+        lm_logits_task(args, p, t)
+    elif op == OP_LM_NEXT:
+        lm_next_task(args, p, t)
     elif op == OP_MATH_EVAL:
         math_eval(arg_int(args, ME_FN), arg_f32(args, ME_SRC), arg_f32(args, ME_DST),
                   arg_int(args, ME_N), arg_int(args, ME_WIDTH))

@@ -19,6 +19,7 @@ from .abi import (
     OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD, OP_M1_BACKWARD,
     OP_M2_PREPARE, OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_PREPARE, OP_M3_FORWARD,
     OP_M3_BACKWARD, OP_PACK_TRANSPOSED, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK, OP_PANELS_EXTRACT,
+    OP_LM_PREPARE, OP_LM_EMBED, OP_LM_LOGITS, OP_LM_NEXT,
 )
 from . import mamba1 as m1
 from . import mamba1_backward_layout as m1b
@@ -31,6 +32,7 @@ from . import weight_panels as wp
 from . import linear_grad as lg
 from . import checks as ck
 from . import math_eval as me
+from . import lm
 from .weight_panels import blob_format
 from .linear_grad import TPanels
 
@@ -136,6 +138,8 @@ def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
         _int(s, "m2", lg.PT_M2)
         s.slot("w2", lg.PT_W2, K_F32, BUF_IN, k2 * m2_ * F4)
         s.slot("dst", lg.PT_DST, K_F32, BUF_OUT, TPanels(k1, m1_, k2, m2_).floats * F4)
+    elif op == OP_LM_PREPARE or op == OP_LM_EMBED or op == OP_LM_LOGITS or op == OP_LM_NEXT:
+        _lm(op, args, s)
     else:
         return False
     return True
@@ -384,3 +388,52 @@ def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "grad:D", m3b.BW_G_D, BUF_INOUT, dm.nh)
     _f32(s, "grad:out_proj.weight", m3b.BW_G_OUT, BUF_INOUT, d * dm.di)
     _f32(s, "panels", m3b.BW_PANELS, BUF_IN, TPanels(dm.np, d, d, dm.di).floats)
+
+
+# ---- language-model ends (lm.mojo) --------------------------------------------
+def _lm[S: SlotSink](op: Int, args: I64Ptr, mut s: S):
+    if op == OP_LM_PREPARE:
+        # a host op: sizes are not needed
+        _int(s, "d", lm.LMP_D)
+        _int(s, "vocab", lm.LMP_V)
+        s.slot("norm_f.weight", lm.LMP_NORM, K_F32, BUF_IN, 0)
+        s.slot("lm_head.weight", lm.LMP_HEAD, K_CODES, BUF_IN, 0)
+        s.slot("exp:lm_head.weight", lm.LMP_HEAD_EXP, K_I32, BUF_IN, 0)
+        s.slot("embeddings.weight", lm.LMP_EMB, K_CODES, BUF_IN, 0)
+        s.slot("exp:embeddings.weight", lm.LMP_EMB_EXP, K_I32, BUF_IN, 0)
+        _int(s, "wfmt", lm.LMP_WFMT)
+        s.slot("blob", lm.LMP_BLOB, K_F32, BUF_OUT, 0)
+    elif op == OP_LM_EMBED:
+        var n = arg_int(args, lm.LME_N)
+        var d = arg_int(args, lm.LME_D)
+        var dm = lm.lm_blob_dims(arg_f32(args, lm.LME_BLOB), d, arg_int(args, lm.LME_V))
+        _int(s, "n", lm.LME_N)
+        _int(s, "d", lm.LME_D)
+        _int(s, "vocab", lm.LME_V)
+        s.slot("tokens", lm.LME_TOKENS, K_I64, BUF_IN, n * I8)
+        _f32(s, "blob", lm.LME_BLOB, BUF_IN, dm.blob)
+        _f32(s, "x", lm.LME_X, BUF_OUT, n * d)
+    elif op == OP_LM_LOGITS:
+        var r = arg_int(args, lm.LML_R)
+        var d = arg_int(args, lm.LML_D)
+        var v = arg_int(args, lm.LML_V)
+        var dm = lm.lm_blob_dims(arg_f32(args, lm.LML_BLOB), d, v)
+        _int(s, "rows", lm.LML_R)
+        _int(s, "d", lm.LML_D)
+        _int(s, "vocab", lm.LML_V)
+        _f32(s, "x", lm.LML_X, BUF_IN, r * d)
+        _f32(s, "blob", lm.LML_BLOB, BUF_IN, dm.blob)
+        s.slot("work", lm.LML_WORK, K_WORK, 0, 0)
+        _f32(s, "logits", lm.LML_OUT, BUF_OUT, r * v)
+    else:
+        var r = arg_int(args, lm.LMN_R)
+        var v = arg_int(args, lm.LMN_V)
+        _int(s, "rows", lm.LMN_R)
+        _int(s, "vocab", lm.LMN_V)
+        _f32(s, "logits", lm.LMN_LOGITS, BUF_IN, r * v)
+        _f32(s, "temperature", lm.LMN_TEMP, BUF_IN, r)
+        s.slot("top_k", lm.LMN_TOPK, K_I64, BUF_IN, r * I8)
+        _f32(s, "top_p", lm.LMN_TOPP, BUF_IN, r)
+        _f32(s, "u", lm.LMN_U, BUF_IN, r)
+        s.slot("work", lm.LMN_WORK, K_WORK, 0, 0)
+        s.slot("tokens", lm.LMN_OUT, K_I64, BUF_OUT, r * I8)

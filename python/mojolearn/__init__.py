@@ -34,6 +34,10 @@ _LAZY = {
     "reference": None,        # float64 NumPy references (NumPy imported on first use)
     "torch": None,            # torch.nn.Modules over the kernels (imports PyTorch; optional)
     "load_checkpoint": ".checkpoints",
+    "MambaLM": ".lm",
+    "save": None,              # save_checkpoint: folders that load_checkpoint reads
+    "lm": None,
+    "generate": None,          # generation and continuous batching over a MambaLM
     "read_safetensors": ".checkpoints",
 }
 

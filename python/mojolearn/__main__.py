@@ -1,5 +1,7 @@
 """python -m mojolearn info: version, binaries found, which would be used,
-threads, and the CPU features the binary needs."""
+threads, and the CPU features the binary needs.
+python -m mojolearn generate FOLDER --prompt-ids 1,2,3 ...: generate tokens
+(see mojolearn/_generate_cli.py, or --help)."""
 import sys
 
 
@@ -47,7 +49,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] == "info":
         return info()
-    print("usage: python -m mojolearn info", file=sys.stderr)
+    if argv[0] == "generate":
+        from ._generate_cli import main as generate_main
+        return generate_main(argv[1:])
+    print("usage: python -m mojolearn info | generate FOLDER --prompt-ids 1,2,3 [...]",
+          file=sys.stderr)
     return 2
 
 

@@ -26,6 +26,10 @@ OP_PACK_TRANSPOSED = 33
 OP_LOWBIT_PACK = 40
 OP_LOWBIT_UNPACK = 41
 OP_PANELS_EXTRACT = 42
+OP_LM_PREPARE = 50
+OP_LM_EMBED = 51
+OP_LM_LOGITS = 52
+OP_LM_NEXT = 53
 
 
 class OpSpec:
@@ -64,14 +68,16 @@ class OpSpec:
     def pack(self, named: dict | None = None, /, **values) -> list:
         """The op's argument list: each named value in its slot, 0 elsewhere.
         A value is an int, None (0) or an object with an ``address``."""
+        if named:
+            values.update(named)
         args = [0] * self.nargs
         slots = self.slots
-        for items in (named.items() if named else (), values.items()):
-            for name, v in items:
-                i = slots.get(name)
-                if i is None:
-                    self.slot(name)  # raises, naming the slots
-                args[i] = v if type(v) is int else (0 if v is None else v.address)
+        try:
+            for name, v in values.items():
+                args[slots[name]] = v if type(v) is int else (0 if v is None else v.address)
+        except KeyError:
+            for name in values:
+                self.slot(name)  # raises, naming the slots
         return args
 
 

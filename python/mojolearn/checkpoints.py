@@ -1,10 +1,12 @@
-"""Loading transformers' Mamba and Mamba-2 checkpoints (no PyTorch needed).
+"""Loading Mamba, Mamba-2 and Mamba-3 checkpoints (no PyTorch needed).
 
 ``load_checkpoint(source)`` turns a Hugging Face ``MambaForCausalLM`` /
 ``MambaModel`` or ``Mamba2ForCausalLM`` / ``Mamba2Model`` checkpoint into a
 :class:`Checkpoint`: one weight dict per layer for ``Mamba1Block`` /
 ``Mamba2Block``, plus the token embeddings, the final norm and the LM head,
-all float32 ``mojolearn.Array``.
+all float32 ``mojolearn.Array``. Mamba-3 checkpoints use mojolearn's layout
+(model_type 'mamba3', the same keys under ``layers.{i}.mixer.`` as the
+Mamba3Block weights; ``mojolearn.save.save_checkpoint`` writes one).
 
 ``source`` is a folder holding ``config.json`` and ``model.safetensors``
 (or a sharded ``model.safetensors.index.json``), or a state_dict (a mapping
@@ -220,18 +222,20 @@ def _get(cfg, field, default=None):
 
 def _kind_of(cfg: dict, keys=()) -> str:
     mt = cfg.get("model_type")
-    if mt in ("mamba", "mamba2"):
+    if mt in ("mamba", "mamba2", "mamba3"):
         return mt
     if mt is not None:
-        raise ValueError(f"config field model_type = {mt!r} is not a Mamba or Mamba-2 "
-                         "model ('mamba' or 'mamba2')")
+        raise ValueError(f"config field model_type = {mt!r} is not a Mamba, Mamba-2 or "
+                         "Mamba-3 model ('mamba', 'mamba2' or 'mamba3')")
     for k in keys:
         if k.endswith("mixer.x_proj.weight"):
             return "mamba"
+        if k.endswith("mixer.B_norm.weight"):
+            return "mamba3"
         if k.endswith("mixer.dt_bias"):
             return "mamba2"
-    raise ValueError("cannot tell whether this is a Mamba or a Mamba-2 checkpoint: give a "
-                     "config with model_type 'mamba' or 'mamba2'")
+    raise ValueError("cannot tell whether this is a Mamba, Mamba-2 or Mamba-3 checkpoint: "
+                     "give a config with model_type 'mamba', 'mamba2' or 'mamba3'")
 
 
 def check_config(config) -> dict:
@@ -259,6 +263,11 @@ def check_config(config) -> dict:
               "layer_norm_epsilon": 1e-5}
     if kind == "mamba":
         expect["state_size"] = 16
+    elif kind == "mamba3":
+        if d % 32:
+            _fail("hidden_size", d, "a multiple of 32 for Mamba-3")
+        expect.update({"state_size": 128, "head_dim": 64, "num_heads": 2 * d // 64,
+                       "chunk_size": 64})
     else:
         if d % 32:
             _fail("hidden_size", d, "a multiple of 32 for Mamba-2")
@@ -283,7 +292,7 @@ def check_config(config) -> dict:
         r = _get(cfg, "time_step_rank", "auto")
         if r != "auto" and (isinstance(r, bool) or r != math.ceil(d / 16)):
             _fail("time_step_rank", r, f"ceil(hidden_size / 16) = {math.ceil(d / 16)}")
-    else:
+    elif kind == "mamba2":
         if "rms_norm" in cfg and cfg["rms_norm"] is not True:
             _fail("rms_norm", cfg["rms_norm"], True)
         if "norm_before_gate" in cfg and cfg["norm_before_gate"] is not False:
@@ -298,7 +307,7 @@ def check_config(config) -> dict:
         dt_limit = (lo, hi)
     return {"kind": kind, "d_model": d, "n_layers": n_layers,
             "vocab_size": _get(cfg, "vocab_size"),
-            "tie": bool(_get(cfg, "tie_word_embeddings", kind == "mamba")),
+            "tie": bool(_get(cfg, "tie_word_embeddings", kind != "mamba2")),
             "dt_limit": dt_limit}
 
 
@@ -395,7 +404,7 @@ class Checkpoint:
 
     Attributes
     ----------
-    kind : {'mamba', 'mamba2'}
+    kind : {'mamba', 'mamba2', 'mamba3'}
     config : dict
         The transformers config (as read, or inferred from the tensors).
     d_model : int
@@ -406,7 +415,7 @@ class Checkpoint:
         Rows of the embedding table.
     layers : list of dict
         One weight dict per layer (float32 mojolearn.Array) under the
-        Mamba1Block / Mamba2Block names.
+        Mamba1Block / Mamba2Block / Mamba3Block names.
     embeddings : float32 mojolearn.Array, shape (vocab_size, d_model)
     final_norm : float32 mojolearn.Array, shape (d_model,)
         RMSNorm weight (eps 1e-5) applied after the last layer.
@@ -414,7 +423,7 @@ class Checkpoint:
         The embeddings themselves when tie_word_embeddings.
     tie_word_embeddings : bool
     dt_limit : (float, float) or None
-        Mamba-2's time_step_limit; None for Mamba-1.
+        Mamba-2's time_step_limit; None for Mamba-1 and Mamba-3.
     """
 
     def __init__(self, kind, config, summary, layers, embeddings, final_norm, lm_head):
@@ -432,9 +441,10 @@ class Checkpoint:
 
     @property
     def block_class(self):
-        """Mamba1Block or Mamba2Block."""
+        """Mamba1Block, Mamba2Block or Mamba3Block."""
         import mojolearn
-        return mojolearn.Mamba1Block if self.kind == "mamba" else mojolearn.Mamba2Block
+        return {"mamba": mojolearn.Mamba1Block, "mamba2": mojolearn.Mamba2Block,
+                "mamba3": mojolearn.Mamba3Block}[self.kind]
 
     def blocks(self, *, weight_format: str = "float32", numeric_mode: str = "identical") -> list:
         """One block per layer (Mamba1Block or Mamba2Block with dt_limit).
@@ -564,6 +574,9 @@ def _expected_shapes(kind: str, d: int) -> dict:
                 "x_proj.weight": (r + 32, di), "dt_proj.weight": (di, r),
                 "dt_proj.bias": (di,), "A_log": (di, 16), "D": (di,),
                 "out_proj.weight": (d, di)}
+    if kind == "mamba3":
+        from .mamba.mamba3 import mamba3_weight_shapes
+        return mamba3_weight_shapes(d)
     h, cd = di // 64, di + 256
     return {"block_norm.weight": (d,), "in_proj.weight": (2 * di + 256 + h, d),
             "conv1d.weight": (cd, 1, 4), "conv1d.bias": (cd,), "dt_bias": (h,),
@@ -583,7 +596,7 @@ def _assemble(cfg, summary, tensors) -> Checkpoint:
             continue
         i, rest = int(m.group(1)), m.group(2)
         if rest == "norm.weight":
-            name = "norm.weight" if kind == "mamba" else "block_norm.weight"
+            name = "norm.weight" if kind == "mamba" else "block_norm.weight"  # (mamba2, mamba3)
         elif rest.startswith("mixer."):
             name = rest[len("mixer."):]
         else:

@@ -1,0 +1,255 @@
+"""mojolearn.MambaLM: a whole Mamba language model on the kernels.
+
+The embedding lookup, the blocks, the final RMSNorm, the LM head and the
+choice of the next token all run in the binary (the vocabulary ends:
+mojo/mojolearn_kernels/lm.mojo), so a row's logits and tokens are a pure
+function of its own tokens: the same bits alone or in any batch, prefill or
+token by token. Generation and continuous batching: mojolearn.generate.
+"""
+from __future__ import annotations
+
+from array import array as _pyarray
+
+from . import _abi, _intake
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+_WF_ID = {"float32": 0, "bfloat16": 1, "int8": 2}
+
+
+class MambaLM:
+    """A Mamba, Mamba-2 or Mamba-3 language model.
+
+    Parameters
+    ----------
+    source : str, os.PathLike or mojolearn.checkpoints.Checkpoint
+        A checkpoint folder (config.json and safetensors, as transformers'
+        ``save_pretrained`` writes them for Mamba and Mamba-2; Mamba-3 in
+        the layout of docs/checkpoints.md), or a ``load_checkpoint`` result.
+    weight_format : {'float32', 'bfloat16', 'int8'}, default 'float32'
+        Format of every projection, the embedding and the LM head
+        (mojolearn.lowbit: the kernels widen packed weights exactly, so the
+        model computes on the rounded values).
+    numeric_mode : {'identical', 'fast'}, default 'identical'
+
+    Attributes
+    ----------
+    kind : {'mamba', 'mamba2', 'mamba3'}
+    d_model, n_layers, vocab_size : int
+    tied : bool
+        Whether the LM head is the embedding (one copy is kept).
+    blocks : list of Mamba1Block, Mamba2Block or Mamba3Block
+
+    Notes
+    -----
+    Thread safety: ``logits`` may be called from several threads at once;
+    a Batcher (``batcher()``) must be driven by one thread.
+
+    Examples
+    --------
+    >>> lm = mojolearn.MambaLM(lm_folder)           # a checkpoint folder
+    >>> tokens = lm.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)
+    >>> [len(t) for t in tokens]
+    [4, 4]
+    >>> lm.logits([[1, 2, 3]]).shape
+    (1, 3, 64)
+    """
+
+    def __init__(self, source, *, weight_format: str = "float32",
+                 numeric_mode: str = "identical"):
+        from .checkpoints import Checkpoint, load_checkpoint
+        from .mamba._base import check_numeric_mode
+        from ._loader import library
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {list(WEIGHT_FORMATS)}, "
+                             f"got {weight_format!r}")
+        self.numeric_mode = check_numeric_mode(numeric_mode)
+        ck = source if isinstance(source, Checkpoint) else load_checkpoint(source)
+        self.kind = ck.kind
+        self.d_model = ck.d_model
+        self.n_layers = ck.n_layers
+        self.vocab_size = ck.vocab_size
+        self.tied = bool(ck.tie_word_embeddings)
+        self.weight_format = weight_format
+        self._lib = library(self.numeric_mode)
+        self.blocks = ck.blocks(weight_format=weight_format, numeric_mode=numeric_mode)
+        self._blob = self._prepare(ck)
+
+    def __repr__(self):
+        return (f"MambaLM(kind={self.kind!r}, d_model={self.d_model}, "
+                f"n_layers={self.n_layers}, vocab_size={self.vocab_size}, "
+                f"weight_format={self.weight_format!r})")
+
+    # -- the vocabulary ends ----------------------------------------------
+    def _prepare(self, ck):
+        """The blob of the final norm weight and the vocabulary panels."""
+        from ._array import Array
+        from .lowbit import pack_one
+        from .mamba._base import weight_address, _exponent_address
+        fmt = self.weight_format
+        d, v = self.d_model, self.vocab_size
+        norm = _intake.float32_view(ck.final_norm, "norm_f.weight", ndim=(1,))
+        _intake.check_finite(self._lib, norm)
+        mats = {"lm_head.weight": ck.lm_head}
+        if not self.tied:
+            mats["embeddings.weight"] = ck.embeddings
+        named = {"norm_f.weight": norm.address}
+        keep = [norm]
+        for name, value in mats.items():
+            if fmt == "float32":
+                w = _intake.float32_view(value, name, ndim=(2,))
+                _intake.check_finite(self._lib, w)
+            else:
+                w = pack_one(value, fmt, name)
+            if tuple(w.shape) != (v, d):
+                raise ValueError(f"{name} must have shape ({v}, {d}), got {tuple(w.shape)}")
+            keep.append(w)
+            named[name] = weight_address(w)
+            named[f"exp:{name}"] = _exponent_address(w)
+        op = _abi.OP_LM_PREPARE
+        spec = _abi.op_spec(self._lib, op)
+        args = spec.pack(named, d=d, vocab=v, wfmt=_WF_ID[fmt])
+        blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
+        args[spec.slot("blob")] = blob.address
+        self._lib.run(op, args)
+        return blob
+
+    def check_tokens(self, tokens, name: str = "tokens") -> list:
+        """tokens as a list of ints, each in [0, vocab_size); ValueError
+        naming `name`, the position and the id otherwise (TypeError for a
+        non-integer)."""
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+            raise TypeError(f"{name} must be a sequence of token ids, got "
+                            f"{type(tokens).__name__}")
+        out = []
+        v = self.vocab_size
+        for i, t in enumerate(tokens):
+            t = _intake.as_int(t, f"{name}[{i}]")
+            if not 0 <= t < v:
+                raise ValueError(f"{name}[{i}] = {t} is not a token id of this model "
+                                 f"(vocab_size {v})")
+            out.append(t)
+        if not out:
+            raise ValueError(f"{name} is empty: give at least one token id")
+        return out
+
+    def embed(self, tokens):
+        """Embedding rows of a (B, L) grid of token ids (equal-length rows):
+        a float32 mojolearn.Array (B, L, d_model)."""
+        rows = self._grid(tokens)
+        ids = [t for r in rows for t in r]
+        x = self._embed_ids(ids)
+        return x.reshape((len(rows), len(rows[0]), self.d_model))
+
+    def _grid(self, tokens) -> list:
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or not len(tokens):
+            raise ValueError("tokens must be a non-empty (B, L) grid of token ids")
+        rows = [self.check_tokens(r, f"tokens[{i}]") for i, r in enumerate(tokens)]
+        if any(len(r) != len(rows[0]) for r in rows):
+            raise ValueError("tokens must have rows of one length (pad them and pass "
+                             "lengths= for rows of different lengths)")
+        return rows
+
+    def _embed_ids(self, ids: list):
+        """(n, d) float32 rows for checked token ids."""
+        from ._array import Array
+        from ._loader import native
+        toks = _pyarray("q", ids)
+        x = Array((len(ids), self.d_model), zero=False)
+        op = _abi.OP_LM_EMBED
+        self._lib.run(op, _abi.op_spec(self._lib, op).pack(
+            n=len(ids), d=self.d_model, vocab=self.vocab_size,
+            tokens=native().address(memoryview(toks)), blob=self._blob, x=x))
+        return x
+
+    def _head(self, x_address: int, rows: int):
+        """Logits (rows, V) of `rows` consecutive (d,) rows at x_address."""
+        from ._array import Array
+        from .mamba._base import workspace_floats
+        out = Array((rows, self.vocab_size), zero=False)
+        op = _abi.OP_LM_LOGITS
+        spec = _abi.op_spec(self._lib, op)
+        args = spec.pack(rows=rows, d=self.d_model, vocab=self.vocab_size, x=x_address,
+                         blob=self._blob, logits=out)
+        work = Array((workspace_floats(self._lib, op, args),), zero=False)
+        args[spec.slot("work")] = work.address
+        self._lib.run(op, args)
+        return out
+
+    def next_tokens(self, logits, temperature, top_k, top_p, u) -> list:
+        """The next token of each row of logits (R, V) (lm.mojo's rule): per
+        row a temperature (0: greedy), top_k (0: no cut), top_p (1: no cut)
+        and a uniform number u in [0, 1)."""
+        from ._array import Array
+        from ._loader import native
+        r = len(u)
+        nat = native()
+        temps = _pyarray("f", temperature)
+        ks = _pyarray("q", top_k)
+        ps = _pyarray("f", top_p)
+        us = _pyarray("f", u)
+        out = _pyarray("q", [0] * r)
+        op = _abi.OP_LM_NEXT
+        spec = _abi.op_spec(self._lib, op)
+        args = spec.pack(rows=r, vocab=self.vocab_size, logits=logits,
+                         temperature=nat.address(memoryview(temps)),
+                         top_k=nat.address(memoryview(ks)), top_p=nat.address(memoryview(ps)),
+                         u=nat.address(memoryview(us)),
+                         tokens=nat.address(memoryview(out), True))
+        need = self._lib.workspace_bytes(op, args)
+        work = Array((max(1, need // 4),), zero=False) if need else None
+        args[spec.slot("work")] = work.address if work is not None else 0
+        self._lib.run(op, args)
+        return list(out)
+
+    # -- scoring ----------------------------------------------------------
+    def logits(self, tokens, *, lengths=None):
+        """Logits of every position of a (B, L) grid of token ids.
+
+        Parameters
+        ----------
+        tokens : (B, L) nested sequence or 2-D integer array
+        lengths : sequence of int or None
+            Ragged rows: B ints in [1, L]; positions past a row's length are
+            padding (their tokens must still be valid ids; their logits are
+            those of an all-zero hidden row and mean nothing).
+
+        Returns
+        -------
+        mojolearn.Array, float32 (B, L, vocab_size)
+            Row b, position t: the logits of the token after tokens[b][:t+1].
+        """
+        x = self.embed(tokens)
+        b, l, _ = x.shape
+        for block in self.blocks:
+            x = block.forward(x, lengths=lengths)
+        return self._head(x.address, b * l).reshape((b, l, self.vocab_size))
+
+    # -- state ------------------------------------------------------------
+    def allocate_state(self, batch_size: int = 1) -> list:
+        """A zero state of every layer (a list of block states)."""
+        return [blk.allocate_state(batch_size) for blk in self.blocks]
+
+    def forward_tokens(self, tokens, state) -> "object":
+        """Run a (B, L) grid of token ids through the blocks with the state
+        carried (updated in place); returns the last layer's outputs (B, L, d)."""
+        x = self.embed(tokens)
+        if len(state) != self.n_layers:
+            raise ValueError(f"state must hold {self.n_layers} layer states, got {len(state)}")
+        for block, st in zip(self.blocks, state):
+            x = block.forward(x, st)
+        return x
+
+    # -- generation -------------------------------------------------------
+    def batcher(self, *, keep_logits: bool = False):
+        """A continuous-batching generator over this model (mojolearn.generate.Batcher)."""
+        from .generate import Batcher
+        return Batcher(self, keep_logits=keep_logits)
+
+    def generate(self, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
+                 seed=0, stop_tokens=(), stream=None, return_logits: bool = False):
+        """Generate from a batch of prompts (see mojolearn.generate.generate)."""
+        from .generate import generate
+        return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
+                        stream=stream, return_logits=return_logits)
+
