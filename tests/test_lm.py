@@ -369,3 +369,17 @@ def test_the_generate_command_reads_text_with_a_tokenizer(hf, models, tmp_path):
     out = _cli(folder, "--prompt", "w1 w5 w9", "--max-new-tokens", 4).splitlines()
     want = models["hf"].generate([[1, 5, 9]], max_new_tokens=4)[0]
     assert out[0].split() == [words[t] for t in want]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_a_folder_is_read_lazily_in_row_ranges_with_the_same_bits(hf, fmt, monkeypatch):
+    """MambaLM(folder) reads layer by layer and packs the vocabulary in row
+    ranges (lm.PREPARE_ROWS; 16 here: four ranges of the 64 rows); the
+    bits are those of the model built from the checkpoint in memory."""
+    from mojolearn import lm as lm_module
+    monkeypatch.setattr(lm_module, "PREPARE_ROWS", 16)
+    lazy = mojolearn.MambaLM(hf[0], weight_format=fmt)
+    whole = mojolearn.MambaLM(load_checkpoint(hf[0]), weight_format=fmt)
+    assert bytes(memoryview(lazy._blob)) == bytes(memoryview(whole._blob))
+    tokens = [[1, 5, 9, 3, 7], [2, 2, 8, 61, 0]]
+    assert bytes(memoryview(lazy.logits(tokens))) == bytes(memoryview(whole.logits(tokens)))

@@ -52,6 +52,11 @@ comptime LMP_EMB = 5  # (V, d) embedding, same format; 0: tied (the head is the 
 comptime LMP_EMB_EXP = 6
 comptime LMP_WFMT = 7
 comptime LMP_BLOB = 8
+# The call packs rows [row0, row0 + nrows) of the vocabulary (row0 a multiple
+# of 16; the head/embedding pointers point at those rows), so a large
+# vocabulary can be packed in pieces as it is read.
+comptime LMP_ROW0 = 9
+comptime LMP_NROWS = 10
 
 # OP_LM_EMBED argument slots.
 comptime LME_N = 0  # tokens
@@ -130,7 +135,9 @@ def lm_blob_dims(blob: F32Ptr, d: Int, v: Int) -> LMDims:
 
 def lm_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     var wf = arg_int(args, LMP_WFMT)
-    if not valid_format(wf):
+    var row0 = arg_int(args, LMP_ROW0)
+    var n = arg_int(args, LMP_NROWS)
+    if not valid_format(wf) or row0 % NR != 0 or n < 0 or row0 + n > arg_int(args, LMP_V):
         return -3
     if phase == PLAN_WORKSPACE:
         var tied = arg_int(args, LMP_EMB) == 0
@@ -140,18 +147,29 @@ def lm_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     return PHASE_END
 
 
+def _panel_floats(wf: Int, k: Int) -> Int:
+    if wf == WF_BF16:
+        return panel_floats[WF_BF16](k)
+    if wf == WF_INT8:
+        return panel_floats[WF_INT8](k)
+    return panel_floats[WF_F32](k)
+
+
 def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var wf = arg_int(args, LMP_WFMT)
     var tied = arg_int(args, LMP_EMB) == 0
     var dm = LMDims(arg_int(args, LMP_D), arg_int(args, LMP_V), wf, tied)
     var blob = arg_f32(args, LMP_BLOB)
+    var row0 = arg_int(args, LMP_ROW0)
+    var n = arg_int(args, LMP_NROWS)
+    var at = (row0 // NR) * _panel_floats(wf, dm.d)
     if task == 0:
         pack_weight_panels(wf, arg_int(args, LMP_HEAD), arg_int(args, LMP_HEAD_EXP),
-                           dm.v, dm.d, blob.unsafe_offset(dm.o_head))
+                           n, dm.d, blob.unsafe_offset(dm.o_head + at))
     elif task == 1:
         if not tied:
             pack_weight_panels(wf, arg_int(args, LMP_EMB), arg_int(args, LMP_EMB_EXP),
-                               dm.v, dm.d, blob.unsafe_offset(dm.o_emb))
+                               n, dm.d, blob.unsafe_offset(dm.o_emb + at))
     else:
         set_blob_format(blob, wf)
         set_blob_section(blob, 0, dm.o_head)

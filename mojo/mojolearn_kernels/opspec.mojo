@@ -403,6 +403,8 @@ def _lm[S: SlotSink](op: Int, args: I64Ptr, mut s: S):
         s.slot("exp:embeddings.weight", lm.LMP_EMB_EXP, K_I32, BUF_IN, 0)
         _int(s, "wfmt", lm.LMP_WFMT)
         s.slot("blob", lm.LMP_BLOB, K_F32, BUF_OUT, 0)
+        _int(s, "row0", lm.LMP_ROW0)
+        _int(s, "nrows", lm.LMP_NROWS)
     elif op == OP_LM_EMBED:
         var n = arg_int(args, lm.LME_N)
         var d = arg_int(args, lm.LME_D)

@@ -41,8 +41,6 @@ import json
 import math
 import os
 import re
-import struct
-import sys
 from pathlib import Path
 
 __all__ = ["load_checkpoint", "read_safetensors", "check_config", "Checkpoint"]
@@ -55,127 +53,9 @@ _M1_MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
 _M2_MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
              "norm.weight", "out_proj.weight")
 
-# safetensors dtype -> (bytes per element, how to read)
-_ST_DTYPES = {"F32": 4, "BF16": 2, "F16": 2}
-
-
-# --------------------------------------------------------------------------- arrays
-def _new(shape):
-    from ._array import Array
-    return Array(tuple(shape), zero=False)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _from_raw(raw, dtype: str, shape, name: str):
-    """float32 Array from little-endian raw bytes of a safetensors dtype."""
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        raise NotImplementedError("reading safetensors needs a little-endian host")
-    out = _new(shape)
-    dst = memoryview(out).cast("B")
-    n = _numel(shape)
-    if dtype == "F32":
-        dst[:] = raw
-    elif dtype == "BF16":
-        # bfloat16 bits are the top half of the float32: exact widening by
-        # interleaving two zero bytes below each value (byte-level slicing)
-        wide = bytearray(4 * n)
-        wide[2::4] = raw[0::2]
-        wide[3::4] = raw[1::2]
-        dst[:] = wide
-    elif dtype == "F16":
-        from array import array
-        vals = array("f", struct.unpack(f"<{n}e", raw))  # half -> float32 is exact
-        dst[:] = memoryview(vals).cast("B")
-    else:
-        raise TypeError(f"tensor {name} has dtype {dtype}; only F32, BF16 and F16 (widened "
-                        "exactly to float32) can be loaded")
-    return out
-
-
-def _safetensors_header(f, path):
-    head = f.read(8)
-    if len(head) != 8:
-        raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", head)
-    size = os.fstat(f.fileno()).st_size
-    if n > size - 8:
-        raise ValueError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
-    try:
-        header = json.loads(f.read(n))
-    except ValueError as e:
-        raise ValueError(f"{path}: not a safetensors file (bad JSON header: {e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
-    return header, 8 + n, size
-
-
-def _entry(info, name, path):
-    """(dtype, shape, begin, end) of a header entry, each checked for its
-    kind; ValueError naming the file and the tensor otherwise."""
-    def bad(what):
-        return ValueError(f"{path}: tensor {name} has a malformed header entry ({what}): "
-                          f"{info!r}")
-    if not isinstance(info, dict):
-        raise bad("not a JSON object")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape", []), info.get("data_offsets")
-    if not isinstance(dtype, str):
-        raise bad("dtype must be a string")
-    if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise bad("shape must be a list of non-negative ints")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(
-            isinstance(o, int) and not isinstance(o, bool) for o in offsets):
-        raise bad("data_offsets must be two ints")
-    return dtype, tuple(shape), offsets[0], offsets[1]
-
-
-def read_safetensors(path, names=None) -> dict:
-    """Read tensors of a ``.safetensors`` file as float32 ``mojolearn.Array``.
-
-    Parameters
-    ----------
-    path : str or PathLike
-    names : iterable of str or None
-        Tensors to read (default: all).
-
-    Returns
-    -------
-    dict of name -> mojolearn.Array (float32). F32 is read as is, BF16 and
-    F16 are widened exactly; other dtypes raise TypeError naming the tensor.
-    """
-    path = Path(path)
-    with open(path, "rb") as f:
-        header, base, size = _safetensors_header(f, path)
-        header.pop("__metadata__", None)
-        want = list(header) if names is None else list(names)
-        missing = [n for n in want if n not in header]
-        if missing:
-            raise ValueError(f"{path}: no tensors named {missing}")
-        out = {}
-        for name in want:
-            dtype, shape, begin, end = _entry(header[name], name, path)
-            if dtype not in _ST_DTYPES:
-                raise TypeError(f"tensor {name} has dtype {dtype}; only F32, BF16 and F16 "
-                                "(widened exactly to float32) can be loaded")
-            if end - begin != _numel(shape) * _ST_DTYPES[dtype] or begin < 0 or \
-                    base + end > size:
-                raise ValueError(f"{path}: tensor {name} has inconsistent data offsets "
-                                 f"{[begin, end]} for {dtype} {list(shape)}")
-            f.seek(base + begin)
-            if dtype == "F32" and sys.byteorder == "little":
-                arr = _new(shape)  # straight into the Array, no intermediate copy
-                if f.readinto(memoryview(arr).cast("B")) != end - begin:
-                    raise ValueError(f"{path}: tensor {name} is truncated")
-                out[name] = arr
-                continue
-            out[name] = _from_raw(f.read(end - begin), dtype, shape, name)
-    return out
+from .safetensors import (  # noqa: F401  (read_safetensors is public here too)
+    LazyTensor, _from_raw, _numel, lazy_safetensors, read_safetensors,
+)
 
 
 def _to_float32(value, name: str):
@@ -447,23 +327,27 @@ class Checkpoint:
                 "mamba3": mojolearn.Mamba3Block}[self.kind]
 
     def blocks(self, *, weight_format: str = "float32", numeric_mode: str = "identical") -> list:
-        """One block per layer (Mamba1Block or Mamba2Block with dt_limit).
+        """One block per layer (Mamba1Block, Mamba2Block with dt_limit, or
+        Mamba3Block).
 
         weight_format 'bfloat16' or 'int8' packs the projection weights with
         mojolearn.lowbit first (the blocks then compute on the rounded
         values; see docs/checkpoints.md).
         """
+        return [self.block(i, weight_format=weight_format, numeric_mode=numeric_mode)
+                for i in range(self.n_layers)]
+
+    def block(self, i: int, *, weight_format: str = "float32",
+              numeric_mode: str = "identical"):
+        """The block of layer i (lazy tensors are read now, and not kept)."""
         from . import lowbit
-        cls = self.block_class
         kw = {"numeric_mode": numeric_mode}
         if self.kind == "mamba2":
             kw["dt_limit"] = self.dt_limit
-        out = []
-        for w in self.layers:
-            if weight_format != "float32":
-                w = lowbit.pack(w, weight_format)
-            out.append(cls(w, **kw))
-        return out
+        w = {k: _loaded(v) for k, v in self.layers[i].items()}
+        if weight_format != "float32":
+            w = lowbit.pack(w, weight_format)
+        return self.block_class(w, **kw)
 
     def embed(self, token_ids):
         """Embedding rows for token ids (a (B, L) nested sequence or a 2-D
@@ -475,7 +359,7 @@ class Checkpoint:
         d, vocab = self.d_model, self.vocab_size
         out = Array((len(rows), len(rows[0]), d), zero=False)
         dst = memoryview(out).cast("B").cast("f")
-        src = memoryview(self.embeddings).cast("B").cast("f")
+        src = memoryview(_loaded(self.embeddings)).cast("B").cast("f")
         k = 0
         for r in rows:
             for t in r:
@@ -491,11 +375,17 @@ class Checkpoint:
                 f"n_layers={self.n_layers}, vocab_size={self.vocab_size})")
 
 
-def _folder_tensors(folder: Path) -> dict:
+def _loaded(v):
+    """The tensor's float32 Array (a LazyTensor is read now)."""
+    return v.load() if isinstance(v, LazyTensor) else v
+
+
+def _folder_tensors(folder: Path, lazy: bool = False) -> dict:
+    read = lazy_safetensors if lazy else read_safetensors
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
-        return read_safetensors(single)
+        return read(single)
     if index.is_file():
         wmap = _read_json(index, "the shard index").get("weight_map", {})
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
@@ -505,7 +395,7 @@ def _folder_tensors(folder: Path) -> dict:
             by_file.setdefault(fname, []).append(name)
         out = {}
         for fname, names in sorted(by_file.items()):
-            out.update(read_safetensors(folder / fname, names))
+            out.update(read(folder / fname, names))
         return out
     if (folder / "pytorch_model.bin").is_file():
         raise ValueError(f"{folder} holds pytorch_model.bin only; reading it needs PyTorch: "
@@ -513,7 +403,7 @@ def _folder_tensors(folder: Path) -> dict:
     raise ValueError(f"{folder} has no model.safetensors (or model.safetensors.index.json)")
 
 
-def load_checkpoint(source, config=None) -> Checkpoint:
+def load_checkpoint(source, config=None, *, lazy: bool = False) -> Checkpoint:
     """Load a transformers Mamba or Mamba-2 checkpoint for mojolearn blocks.
 
     Parameters
@@ -527,6 +417,11 @@ def load_checkpoint(source, config=None) -> Checkpoint:
         For a state_dict; None infers the dimensions from the tensor shapes
         (and assumes the block's fixed eps, chunk size and dt limit). For a
         folder, overrides config.json when given.
+    lazy : bool, default False
+        For a folder: read only the safetensors headers now; the tensors
+        are :class:`mojolearn.safetensors.LazyTensor` and are read when a
+        block, the embeddings or a row range is needed (``Checkpoint.block``,
+        ``MambaLM``), so a large model is never held twice.
 
     Returns
     -------
@@ -554,7 +449,7 @@ def load_checkpoint(source, config=None) -> Checkpoint:
             config = cfg_path
         cfg = _config_dict(config)
         summary = check_config(cfg)  # refuse before reading any tensor
-        tensors = _folder_tensors(folder)
+        tensors = _folder_tensors(folder, lazy)
     elif hasattr(source, "keys"):
         cfg = _config_dict(config) if config is not None else _infer_config(source)
         summary = check_config(cfg)

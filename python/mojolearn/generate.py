@@ -89,12 +89,35 @@ class Request:
 
 class _Group:
     """Requests decoded in one batched block step, and their layer states
-    (row i of each is request i)."""
+    (row i of each is request i). While the membership stays the same the
+    states are decoded through open decode sessions (the state is checked
+    once, not at every token); a change of membership closes them first."""
 
-    def __init__(self, key):
-        self.key = key
+    def __init__(self):
         self.requests = []
         self.states = None
+        self.sessions = None
+
+    def open(self, blocks):
+        if self.sessions is None:
+            self.sessions = [blk.decode_session(st) for blk, st in zip(blocks, self.states)]
+
+    def close(self):
+        if self.sessions is not None:
+            for s in self.sessions:
+                s.close()
+            self.sessions = None
+
+    def position(self) -> tuple:
+        """Where the rows are in the blocks' chunks (() for Mamba-1)."""
+        if self.sessions is not None:
+            return self.sessions[0]._position()
+        return _position(self.states)
+
+
+def _position(states) -> tuple:
+    st = states[0]
+    return tuple(getattr(st, n) for n in ("buffered_tokens", "pending") if hasattr(st, n))
 
 
 def _restack(blocks, parts):
@@ -201,14 +224,6 @@ class Batcher:
             raise ValueError(f"top_p must be in (0, 1], got {p}")
         return p
 
-    def _key(self, states):
-        """The position rows must share to be batched (None: any)."""
-        kind = self.model.kind
-        if kind == "mamba":
-            return None
-        st = states[0]
-        return st.buffered_tokens if kind == "mamba2" else (st.buffered_tokens, st.pending)
-
     def step(self) -> list:
         """Decode one token for every active request and prefill the pending
         ones; returns [(request, token)] in request order of the step (the
@@ -220,8 +235,9 @@ class Batcher:
         for g in self._groups:
             last = [r.tokens[-1] for r in g.requests]
             x = m._embed_ids(last).reshape((len(last), 1, d))
-            for blk, st in zip(m.blocks, g.states):
-                x = blk.step(x, st)
+            g.open(m.blocks)
+            for s in g.sessions:
+                x = s.step(x)
             rows += [(r, (x, i)) for i, r in enumerate(g.requests)]
         admitted, self._pending = self._pending, []
         for req in admitted:
@@ -262,23 +278,25 @@ class Batcher:
         groups = []
         for g in self._groups:
             keep = [i for i, r in enumerate(g.requests) if not r.done]
-            if len(keep) < len(g.requests) and keep:
-                g.states = _restack(blocks, [(g.states, i) for i in keep])
-                g.requests = [g.requests[i] for i in keep]
+            if len(keep) < len(g.requests):
+                g.close()  # the states are complete again
+                if keep:
+                    g.states = _restack(blocks, [(g.states, i) for i in keep])
+                    g.requests = [g.requests[i] for i in keep]
             if keep:
-                g.key = self._key(g.states)
                 groups.append(g)
         for req in admitted:
             if req.done:
                 req._states = None
                 continue
-            key = self._key(req._states)
-            g = next((g for g in groups if g.key == key), None)
+            pos = _position(req._states)
+            g = next((g for g in groups if g.position() == pos), None)
             if g is None:
-                g = _Group(key)
+                g = _Group()
                 groups.append(g)
                 g.states = req._states
             else:
+                g.close()
                 g.states = _restack(blocks, [(g.states, i) for i in range(len(g.requests))]
                                     + [(req._states, 0)])
             g.requests.append(req)

@@ -13,6 +13,7 @@ from array import array as _pyarray
 from . import _abi, _intake
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+PREPARE_ROWS = 4096  # vocabulary rows packed per call when read from a file (a multiple of 16)
 _WF_ID = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
@@ -63,7 +64,10 @@ class MambaLM:
             raise ValueError(f"weight_format must be one of {list(WEIGHT_FORMATS)}, "
                              f"got {weight_format!r}")
         self.numeric_mode = check_numeric_mode(numeric_mode)
-        ck = source if isinstance(source, Checkpoint) else load_checkpoint(source)
+        owned = not isinstance(source, Checkpoint)
+        # A folder is read lazily: layer by layer and the vocabulary in row
+        # ranges, each dropped once packed, so the model is not held twice.
+        ck = source if not owned else load_checkpoint(source, lazy=True)
         self.kind = ck.kind
         self.d_model = ck.d_model
         self.n_layers = ck.n_layers
@@ -71,7 +75,11 @@ class MambaLM:
         self.tied = bool(ck.tie_word_embeddings)
         self.weight_format = weight_format
         self._lib = library(self.numeric_mode)
-        self.blocks = ck.blocks(weight_format=weight_format, numeric_mode=numeric_mode)
+        self.blocks = []
+        for i in range(ck.n_layers):
+            self.blocks.append(ck.block(i, weight_format=weight_format, numeric_mode=numeric_mode))
+            if owned:
+                ck.layers[i] = None
         self._blob = self._prepare(ck)
 
     def __repr__(self):
@@ -81,37 +89,53 @@ class MambaLM:
 
     # -- the vocabulary ends ----------------------------------------------
     def _prepare(self, ck):
-        """The blob of the final norm weight and the vocabulary panels."""
+        """The blob of the final norm weight and the vocabulary panels,
+        packed in row ranges of PREPARE_ROWS (read from the file range by
+        range when the checkpoint is lazy)."""
         from ._array import Array
-        from .lowbit import pack_one
-        from .mamba._base import weight_address, _exponent_address
-        fmt = self.weight_format
+        from .checkpoints import LazyTensor, _loaded
         d, v = self.d_model, self.vocab_size
-        norm = _intake.float32_view(ck.final_norm, "norm_f.weight", ndim=(1,))
+        norm = _intake.float32_view(_loaded(ck.final_norm), "norm_f.weight", ndim=(1,))
         _intake.check_finite(self._lib, norm)
         mats = {"lm_head.weight": ck.lm_head}
         if not self.tied:
             mats["embeddings.weight"] = ck.embeddings
-        named = {"norm_f.weight": norm.address}
-        keep = [norm]
         for name, value in mats.items():
-            if fmt == "float32":
-                w = _intake.float32_view(value, name, ndim=(2,))
-                _intake.check_finite(self._lib, w)
-            else:
-                w = pack_one(value, fmt, name)
-            if tuple(w.shape) != (v, d):
-                raise ValueError(f"{name} must have shape ({v}, {d}), got {tuple(w.shape)}")
-            keep.append(w)
-            named[name] = weight_address(w)
-            named[f"exp:{name}"] = _exponent_address(w)
+            shape = tuple(value.shape) if isinstance(value, LazyTensor) else \
+                _intake.float32_view(value, name, ndim=(2,)).shape
+            if shape != (v, d):
+                raise ValueError(f"{name} must have shape ({v}, {d}), got {shape}")
         op = _abi.OP_LM_PREPARE
         spec = _abi.op_spec(self._lib, op)
-        args = spec.pack(named, d=d, vocab=v, wfmt=_WF_ID[fmt])
-        blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
-        args[spec.slot("blob")] = blob.address
-        self._lib.run(op, args)
+        blob = None
+        step = PREPARE_ROWS if any(isinstance(m, LazyTensor) for m in mats.values()) else v
+        for r0 in range(0, v, step):
+            r1 = min(v, r0 + step)
+            named, keep = {"norm_f.weight": norm.address}, []
+            for name, value in mats.items():
+                w = self._rows(value, name, r0, r1)
+                keep.append(w)
+                named[name], named[f"exp:{name}"] = _addresses(w)
+            args = spec.pack(named, d=d, vocab=v, wfmt=_WF_ID[self.weight_format],
+                             row0=r0, nrows=r1 - r0)
+            if blob is None:
+                blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
+            args[spec.slot("blob")] = blob.address
+            self._lib.run(op, args)
         return blob
+
+    def _rows(self, value, name, r0, r1):
+        """Rows [r0, r1) of a vocabulary matrix, checked, in the model's
+        weight format (a float32 view or a PackedWeight)."""
+        from .checkpoints import LazyTensor
+        from .lowbit import pack_one
+        if isinstance(value, LazyTensor):
+            value = value.rows(r0, r1)
+        w = _intake.float32_view(value, name, ndim=(2,))  # (in memory: all rows at once)
+        if self.weight_format != "float32":
+            return pack_one(w.mv, self.weight_format, name)  # checks finiteness
+        _intake.check_finite(self._lib, w)
+        return w
 
     def check_tokens(self, tokens, name: str = "tokens") -> list:
         """tokens as a list of ints, each in [0, vocab_size); ValueError
@@ -253,3 +277,10 @@ class MambaLM:
                         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
                         stream=stream, return_logits=return_logits)
 
+
+def _addresses(w) -> tuple:
+    """(values or codes, int8 exponents or 0) of a float32 view or PackedWeight."""
+    from .lowbit import is_packed
+    if is_packed(w):
+        return w.data.address, (w.exponents.address if w.exponents is not None else 0)
+    return w.address, 0

@@ -18,44 +18,13 @@ Keys written (float32, little-endian):
 from __future__ import annotations
 
 import json
-import struct
-import sys
 from pathlib import Path
 
 from . import _intake
+from .safetensors import write_safetensors
 
 _INPUT_NORM = {"mamba": "norm.weight", "mamba2": "block_norm.weight",
                "mamba3": "block_norm.weight"}
-
-
-def write_safetensors(path, tensors: dict) -> None:
-    """Write float32 buffers (name -> C-contiguous float32 buffer, any
-    shape) as a .safetensors file, in name order."""
-    views = {}
-    for name in sorted(tensors):
-        views[name] = _intake.float32_view(tensors[name], name)
-    header, offset = {}, 0
-    for name, v in views.items():
-        n = v.mv.nbytes
-        header[name] = {"dtype": "F32", "shape": list(v.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for v in views.values():
-            b = v.mv.cast("B")
-            if sys.byteorder != "little":
-                b = memoryview(_swapped(b))
-            f.write(b)
-
-
-def _swapped(b) -> bytes:
-    from array import array
-    a = array("f", bytes(b))
-    a.byteswap()
-    return a.tobytes()
 
 
 def save_checkpoint(folder, kind: str, layers: list, embeddings, final_norm, lm_head=None,

@@ -110,6 +110,12 @@ class DecodeSessionBase:
     def _after_step(self):
         pass
 
+    def _position(self) -> tuple:
+        """The state's position values as the session holds them now (the
+        state's own are stale while it is open): () for Mamba-1,
+        (buffered_tokens,) for Mamba-2, (buffered_tokens, pending) for Mamba-3."""
+        return ()
+
     def close(self):
         """Copy the state back, release the buffers and close. Idempotent.
 
@@ -281,6 +287,9 @@ class Mamba2DecodeSession(DecodeSessionBase):
     def _after_step(self):
         self._s = (self._s + 1) % self._block._CHUNK
 
+    def _position(self) -> tuple:
+        return (self._s,)
+
     def sync_state(self):
         """Copy the session's state into the Mamba2State; return it."""
         self._check_open()
@@ -359,6 +368,9 @@ class Mamba3DecodeSession(DecodeSessionBase):
     def _after_step(self):
         self._nb = self._block._count_after(self._nb, 1)
         self._pending = False
+
+    def _position(self) -> tuple:
+        return (self._nb, self._pending)
 
     def sync_state(self):
         """Copy the session's state into the Mamba3State; return it."""
