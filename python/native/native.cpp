@@ -6,7 +6,9 @@
 //   persistent thread pool with cheap wake-ups; the GIL is released;
 // * Storage: aligned memory exporting the buffer protocol, the base of
 //   mojolearn.Array;
-// * address(): the data address of any contiguous buffer.
+// * address(): the data address of any contiguous buffer;
+// * set_record_dir(): test-only records of every op run (record.h), which
+//   tools/abi_replay/replay.c replays without Python (the arm64 check).
 //
 // Thread safety: run() may be called from several Python threads; only one
 // uses the pool at a time, the others run their tasks on their own thread
@@ -22,13 +24,16 @@
 #endif
 
 #include "device.h"
+#include "record.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -253,10 +258,11 @@ std::mutex g_regions_mutex;
 std::map<uintptr_t, size_t> g_storage_regions;        // start -> bytes
 std::deque<std::pair<uintptr_t, size_t>> g_recent_regions;  // bounded
 std::atomic<int> g_emulating{0};  // Libraries with emulate_device set
+std::atomic<bool> g_recording{false};  // set_record_dir (op records, record.h)
 constexpr size_t kRecentRegions = 256;
 
 void note_recent_region(const void *p, size_t n) {
-  if (g_emulating.load(std::memory_order_relaxed) == 0 || n == 0) return;
+  if ((g_emulating.load(std::memory_order_relaxed) == 0 && !g_recording.load()) || n == 0) return;
   std::lock_guard<std::mutex> lock(g_regions_mutex);
   g_recent_regions.emplace_back(reinterpret_cast<uintptr_t>(p), n);
   if (g_recent_regions.size() > kRecentRegions) g_recent_regions.pop_front();
@@ -274,6 +280,39 @@ bool in_known_region(uintptr_t a) {
     if (a >= r.first && a < r.first + r.second) return true;
   return false;
 }
+
+// The known caller buffer holding address a (a live Storage first, else the
+// latest buffer whose address was taken); false if none does.
+bool find_region(uintptr_t a, uintptr_t &lo, size_t &n) {
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  auto it = g_storage_regions.upper_bound(a);
+  if (it != g_storage_regions.begin() && a < std::prev(it)->first + std::prev(it)->second) {
+    lo = std::prev(it)->first;
+    n = std::prev(it)->second;
+    return true;
+  }
+  for (auto r = g_recent_regions.rbegin(); r != g_recent_regions.rend(); ++r)
+    if (a >= r->first && a < r->first + r->second) {
+      lo = r->first;
+      n = r->second;
+      return true;
+    }
+  return false;
+}
+
+// Op records (test only; record.h, tools/abi_replay): while a directory is
+// set, every op run writes <dir>/<prefix>-<nnnnn>-op<op>.mlrec. An op with a
+// slot that looks like an address (above 2^32) but lies in no buffer the
+// host layer knows of cannot be replayed; it is run but not recorded, and
+// counted with its reason (record_status()). A buffer known only by a taken
+// address is as large as it was then; if its memory was freed and reused
+// since, a record can be short, which a replay on the recording machine
+// shows (tools/arm64_check.py replays every record on x86-64 too).
+std::mutex g_record_mutex;
+std::string g_record_dir, g_record_prefix;
+int64_t g_record_count = 0, g_record_skipped = 0;
+std::string g_record_last_skip;
+constexpr uint64_t kAddressLike = uint64_t{1} << 32;
 
 // Per-phase wall time of every op run (MOJOLEARN_PHASE_TIMES=1 or
 // mojolearn.debug.timing_phases): a debug switch for the RESULTS tables.
@@ -415,6 +454,72 @@ struct Library {
   }
 
   void run(int64_t op, std::vector<int64_t> &args) const {
+    if (g_recording.load()) {
+      run_recorded(op, args);
+      return;
+    }
+    run_unrecorded(op, args);
+  }
+
+  // The op's pointer slots as spans (record.h): its buffer table for a
+  // device op, then any other slot pointing into known caller memory.
+  // Returns "" or why the op cannot be recorded.
+  std::string record_spans(int64_t op, std::vector<int64_t> &args,
+                           std::vector<mlrecord::Span> &spans) const {
+    std::vector<bool> listed(args.size(), false);
+    bool on_host = host_op_fn != nullptr && host_op_fn(op) != 0;
+    if (!on_host && buffers) {
+      for (const auto &b : mlstage::table(buffers, op, args)) {
+        spans.push_back({b.slot, b.host, b.host, b.host + static_cast<uintptr_t>(b.bytes), b.flags});
+        listed[static_cast<size_t>(b.slot)] = true;
+      }
+    }
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (listed[i] || args[i] == 0) continue;
+      auto a = static_cast<uintptr_t>(args[i]);
+      uintptr_t lo = 0;
+      size_t n = 0;
+      if (find_region(a, lo, n))
+        spans.push_back({static_cast<int64_t>(i), a, lo, lo + n, mlstage::kIn | mlstage::kOut});
+      else if (static_cast<uint64_t>(args[i]) >= kAddressLike)
+        return "op " + std::to_string(op) + " slot " + std::to_string(i) +
+               " holds an address outside every known buffer";
+    }
+    return "";
+  }
+
+  void run_recorded(int64_t op, std::vector<int64_t> &args) const {
+    std::vector<mlrecord::Span> spans;
+    std::string why;
+    try {
+      why = record_spans(op, args, spans);
+    } catch (const std::exception &e) {  // a table the staging would refuse
+      why = e.what();
+    }
+    if (!why.empty()) {
+      {
+        std::lock_guard<std::mutex> lock(g_record_mutex);
+        ++g_record_skipped;
+        g_record_last_skip = why;
+      }
+      run_unrecorded(op, args);
+      return;
+    }
+    mlrecord::Recording rec(op, args, spans);
+    run_unrecorded(op, args);
+    std::string path;
+    {
+      std::lock_guard<std::mutex> lock(g_record_mutex);
+      if (g_record_dir.empty()) return;  // switched off meanwhile
+      char num[32];
+      std::snprintf(num, sizeof num, "-%05lld-op%lld.mlrec", static_cast<long long>(g_record_count++),
+                    static_cast<long long>(op));
+      path = g_record_dir + "/" + g_record_prefix + num;
+    }
+    rec.write(path, abi_version);
+  }
+
+  void run_unrecorded(int64_t op, std::vector<int64_t> &args) const {
     bool on_host = host_op_fn != nullptr && host_op_fn(op) != 0;
     if (!on_host && (gpu_run || emulate_device)) {
       run_staged(op, args);
@@ -691,6 +796,30 @@ NB_MODULE(_native, m) {
       out.append(nb::make_tuple(kv.first.first, kv.first.second, kv.second.calls, kv.second.seconds));
     return out;
   }, "(op, phase, calls, seconds) of every phase run since the last reset.");
+  m.def(
+      "set_record_dir",
+      [](const std::string &dir, const std::string &prefix) {
+        std::lock_guard<std::mutex> lock(g_record_mutex);
+        if (dir != g_record_dir) {
+          g_record_count = g_record_skipped = 0;
+          g_record_last_skip.clear();
+          // Addresses taken before are forgotten (their buffers may be gone
+          // and the memory reused), unless the emulation still needs them.
+          std::lock_guard<std::mutex> rlock(g_regions_mutex);
+          if (g_emulating.load() == 0) g_recent_regions.clear();
+        }
+        g_record_dir = dir;
+        g_record_prefix = prefix;
+        g_recording.store(!dir.empty());
+      },
+      nb::arg("dir"), nb::arg("prefix") = "op",
+      "Test only: write a record of every op run into dir (an existing folder; '' stops), "
+      "named <prefix>-<n>-op<op>.mlrec, for tools/abi_replay (python/native/record.h).");
+  m.def("record_status", [] {
+    std::lock_guard<std::mutex> lock(g_record_mutex);
+    return nb::make_tuple(g_record_count, g_record_skipped, g_record_last_skip);
+  }, "(records written, ops run but not recorded, why the last one was not) since the record "
+     "directory last changed.");
   m.def("reset_phase_times", [] {
     std::lock_guard<std::mutex> lock(g_phase_mutex);
     g_phase_stats.clear();
