@@ -287,7 +287,9 @@ def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("lengths", m2.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
     _f32(s, "h_last", m2.FWD_HLAST, BUF_OUT, heads)
     _int(s, "save", m2.FWD_SAVE)
-    s.slot("work", m2.FWD_WORK, K_WORK, BUF_INOUT, 0)
+    # scratch: nothing in it outlives a call (a session's own copies live in
+    # its state arrays and the cache)
+    s.slot("work", m2.FWD_WORK, K_WORK, 0, 0)
     _f32(s, "cache", m2.FWD_CACHE, BUF_INOUT, b * m2.cache_floats_per_row(dm.nh))
 
 
@@ -344,7 +346,7 @@ def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("y", m3.FWD_Y, K_F32, BUF_OUT, bx)
     _f32(s, "blob", m3.FWD_BLOB, BUF_IN, dm.blob)
     s.slot("lengths", m3.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
-    s.slot("work", m3.FWD_WORK, K_WORK, BUF_INOUT, 0)
+    s.slot("work", m3.FWD_WORK, K_WORK, 0, 0)  # scratch: nothing in it outlives a call
     _int(s, "buffered_tokens", m3.FWD_N0)
     _int(s, "pending", m3.FWD_PENDING)
     _int(s, "mode", m3.FWD_MODE)

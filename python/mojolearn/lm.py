@@ -81,6 +81,10 @@ class MambaLM:
             if owned:
                 ck.layers[i] = None
         self._blob = self._prepare(ck)
+        if owned:
+            from ._loader import native
+            del ck
+            native().release_free_memory()  # the pieces read from the file
 
     def __repr__(self):
         return (f"MambaLM(kind={self.kind!r}, d_model={self.d_model}, "

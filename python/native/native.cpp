@@ -26,6 +26,15 @@
 #include "device.h"
 #include "record.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>  // malloc_trim
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define ML_HAVE_MMAP 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -608,9 +617,17 @@ struct Library {
 
 // Aligned memory with a shape and a format, exporting the buffer protocol.
 // A view shares the memory of its base and keeps it alive.
+// Arrays of at least this many bytes get their own anonymous mapping: it
+// comes zeroed (no memset for zero=True) and goes back to the system when
+// the array is freed. From malloc, a big freed block can stay in the
+// process (glibc raises its mmap threshold after such a free), so a model
+// loaded piece by piece would keep its transient pieces' pages.
+constexpr size_t kMapBytes = size_t(1) << 20;
+
 struct Storage {
   void *data = nullptr;
   size_t nbytes = 0;
+  size_t mapped = 0;  // bytes of data's own mapping (0: from aligned_alloc)
   bool owns = false;
   std::string format;
   Py_ssize_t itemsize = 4;
@@ -632,6 +649,12 @@ struct Storage {
         std::lock_guard<std::mutex> lock(g_regions_mutex);
         g_storage_regions.erase(reinterpret_cast<uintptr_t>(data));
       }
+#ifdef ML_HAVE_MMAP
+      if (mapped) {
+        munmap(data, mapped);
+        return;
+      }
+#endif
       std::free(data);
     }
   }
@@ -677,8 +700,21 @@ void storage_init(Storage *self, const std::vector<int64_t> &shape, const std::s
   self->set_shape(shape);
   size_t alloc = (self->nbytes + 63) / 64 * 64;
   if (alloc == 0) alloc = 64;
-  self->data = std::aligned_alloc(64, alloc);
-  if (!self->data) throw std::bad_alloc();
+#ifdef ML_HAVE_MMAP
+  if (alloc >= kMapBytes) {
+    static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    size_t len = (alloc + page - 1) / page * page;
+    void *p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    self->data = p;  // page aligned, zero filled
+    self->mapped = len;
+    zero = false;
+  }
+#endif
+  if (!self->data) {
+    self->data = std::aligned_alloc(64, alloc);
+    if (!self->data) throw std::bad_alloc();
+  }
   self->owns = true;
   if (zero) std::memset(self->data, 0, alloc);
   std::lock_guard<std::mutex> lock(g_regions_mutex);
@@ -783,6 +819,16 @@ NB_MODULE(_native, m) {
       nb::arg("n"));
   m.attr("MAX_THREADS") = kMaxThreads;
   m.def("get_num_threads", [] { return g_threads > 0 ? g_threads : default_threads(); });
+  m.def("release_free_memory", [] {
+#if defined(__GLIBC__)
+    // glibc keeps freed heap memory (its mmap threshold grows after a big
+    // free, so later big arrays come from the heap): give it back, so a
+    // model loaded piece by piece does not keep its transient pieces' pages.
+    return malloc_trim(0) != 0;
+#else
+    return false;
+#endif
+  }, "Return freed heap memory to the system (glibc); True if some was.");
   m.def("_live_storages", [] {
     std::lock_guard<std::mutex> lock(g_regions_mutex);
     return g_storage_regions.size();
