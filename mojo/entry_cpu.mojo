@@ -14,6 +14,7 @@ from mojolearn_kernels.slot_text import op_spec_text
 from mojolearn_kernels.checks import first_nonfinite
 from mojolearn_kernels.math_eval import math_eval
 from mojolearn_kernels.describe import U8Ptr, put_str
+from mojolearn_kernels.probe import workspace_offset
 
 comptime ARCH = get_defined_string["ML_ARCH", "x86-64-v3"]()
 comptime FEATURES = get_defined_string["ML_FEATURES", "avx2,fma,bmi2,f16c"]()
@@ -94,3 +95,10 @@ def ml_first_nonfinite(p: F32Ptr, n: Int64) abi("C") -> Int64:
     """First flat index of a NaN or infinity in p[0:n], or -1 (direct call:
     the per-step input check costs no task launch)."""
     return Int64(first_nonfinite(p, Int(n)))
+
+
+@export("ml_workspace_offset")
+def ml_workspace_offset(op: Int64, args: I64Ptr, which: Int64) abi("C") -> Int64:
+    """Test hook (probe.mojo): the float offset of activation `which` in the
+    workspace of op called with args; -1 if op has none."""
+    return Int64(workspace_offset(Int(op), args, Int(which)))

@@ -63,7 +63,7 @@ comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 
 
 @always_inline
-def _pow2_f32(e: Int) -> Float32:
+def pow2_f32(e: Int) -> Float32:
     """2^e exactly for e in [-149, 127] (through float64: no rounding)."""
     return Float32(bitcast[DType.float64, 1](UInt64(e + 1023) << 52))
 
@@ -83,7 +83,7 @@ def split_pack_wf(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr):
     if wf == WF_INT8:
         for o in range(mp):
             var e = Int(I32Ptr(unsafe_from_address=exps)[unsafe_offset=o]) if o < m else 0
-            dst[unsafe_offset=o] = _pow2_f32(e)
+            dst[unsafe_offset=o] = pow2_f32(e)
         codes = dst.unsafe_offset(mp)
     for o in range(mp):
         for kk in range(ld):

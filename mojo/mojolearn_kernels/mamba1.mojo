@@ -19,18 +19,17 @@ Reference: mojolearn.reference.mamba1 (float64 NumPy); tests compare
 against transformers' MambaBlock run in float64 (tests/reference/hf_mamba.py),
 itself checked equal to it to 1e-10.
 """
-from std.collections import Array
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from .linear import NR, WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
+from .linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
 from .weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
-from .norms import rmsnorm_row
-from .conv import causal_conv_silu
-from .numerics import exp_f32, softplus_f32, silu_f32
+from .numerics import exp_f32
+from .lanes import copy_floats
+from .mamba1_stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_FWD
 
 comptime NSTATE = 16
 comptime KCONV = 4
@@ -232,16 +231,10 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
         set_blob_section(blob, 1, dims.o_x)
         set_blob_section(blob, 2, dims.o_dt)
         set_blob_section(blob, 3, dims.o_out)
-        _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
-        _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
-        _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)
-        _copy(arg_f32(args, PREP_D_SKIP), blob.unsafe_offset(dims.o_dskip), di)
-
-
-@always_inline
-def _copy(src: F32Ptr, dst: F32Ptr, n: Int):
-    for i in range(n):
-        dst[unsafe_offset=i] = src[unsafe_offset=i]
+        copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
+        copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
+        copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)
+        copy_floats(arg_f32(args, PREP_D_SKIP), blob.unsafe_offset(dims.o_dskip), di)
 
 
 # ---------------------------------------------------------------- forward
@@ -271,20 +264,10 @@ def m1_forward_plan(args: I64Ptr, phase: Int) -> Int:
         return 0
     var c = (phase - 1) // NSTAGES
     var stage = (phase - 1) % NSTAGES
-    var rows = b * wk.chunk_tokens(c)
-    if stage == ST_NORM:
-        return ceil_div(rows, NORM_ROWS_PER_TASK)
-    if stage == ST_INPROJ:
-        return matmul_ntasks(rows, 2 * dims.di)
-    if stage == ST_CONV:
-        return ceil_div(dims.di, CONV_CHANNELS_PER_TASK)
-    if stage == ST_XPROJ:
-        return matmul_ntasks(rows, dims.nx)
-    if stage == ST_DTPROJ:
-        return matmul_ntasks(rows, dims.di)
-    if stage == ST_SCAN:
-        return b * ceil_div(dims.di, SCAN_LANES)
-    return matmul_ntasks(rows, dims.d)
+    var nc = wk.chunk_tokens(c)
+    if stage == ST_OUTPROJ:
+        return matmul_ntasks(b * nc, dims.d)
+    return m1_stage_ntasks(dims, stage, b, nc)
 
 
 def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
@@ -304,89 +287,22 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
     var nc = wk.chunk_tokens(c)
     var rows = b * nc
     var blob = arg_f32(args, FWD_BLOB)
-    var d = dims.d
-    var di = dims.di
     var xn = work.unsafe_offset(wk.o_xn)
-    var hg = work.unsafe_offset(wk.o_hg)
-    var u = work.unsafe_offset(wk.o_u)
-    var dbc = work.unsafe_offset(wk.o_dbc)
-    var dl = work.unsafe_offset(wk.o_dl)
-    var yg = work.unsafe_offset(wk.o_yg)
-    if stage == ST_NORM:
-        _norm_rows(args, dims, t0, nc, task, blob.unsafe_offset(dims.o_norm), xn)
-    elif stage == ST_INPROJ:
-        _ = matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
-                           2 * di, hg, 2 * di)
-    elif stage == ST_CONV:
-        var c0 = task * CONV_CHANNELS_PER_TASK
-        var c1 = min(di, c0 + CONV_CHANNELS_PER_TASK)
-        for bb in range(b):
-            causal_conv_silu(
-                work.unsafe_offset(wk.o_win + bb * KCONV * di), di,
-                hg.unsafe_offset(bb * nc * 2 * di), 2 * di, nc,
-                blob.unsafe_offset(dims.o_convw), di,
-                blob.unsafe_offset(dims.o_convb), c0, c1,
-                u.unsafe_offset(bb * nc * di), di,
-            )
-    elif stage == ST_XPROJ:
-        _ = matmul_task_wf(dims.wf, task, u, di, rows, blob.unsafe_offset(dims.o_x), di,
-                           dims.nx, dbc, dims.nx)
-    elif stage == ST_DTPROJ:
-        var t = matmul_task_wf(dims.wf, task, dbc, dims.nx, rows,
-                               blob.unsafe_offset(dims.o_dt), dims.r, di, dl, di)
-        var bias = blob.unsafe_offset(dims.o_dtb)
-        for r in range(t.r0, t.r1):
-            _bias_softplus(dl.unsafe_offset(r * di), bias, t.c0, t.c1)
-    elif stage == ST_SCAN:
-        var nblk = ceil_div(di, SCAN_LANES)
-        var bb = task // nblk
-        var c0 = (task % nblk) * SCAN_LANES
-        var c1 = min(di, c0 + SCAN_LANES)
-        var row0 = bb * nc
-        var ht = work.unsafe_offset(wk.o_ht + bb * NSTATE * di)
-        if c1 - c0 == SCAN_LANES:
-            _scan_lanes[SCAN_LANES](dims, blob, ht, dl, u, dbc, hg, yg, row0, nc, c0)
-        else:
-            for cc in range(c0, c1):
-                _scan_lanes[1](dims, blob, ht, dl, u, dbc, hg, yg, row0, nc, cc)
-    else:
-        var t = matmul_task_wf(dims.wf, task, yg, di, rows, blob.unsafe_offset(dims.o_out),
-                               di, d, xn, d)
+    if stage == ST_OUTPROJ:
+        var t = matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+                               blob.unsafe_offset(dims.o_out), dims.di, dims.d, xn, dims.d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
-
-
-def _bias_softplus(row: F32Ptr, bias: F32Ptr, c0: Int, c1: Int):
-    """row[c] = softplus(row[c] + bias[c]) for c in [c0, c1), lane-wise."""
-    comptime W = 16
-    var c = c0
-    while c + W <= c1:
-        var v = row.unsafe_load[width=W](c) + bias.unsafe_load[width=W](c)
-        row.unsafe_store(c, softplus_f32[W](v))
-        c += W
-    while c < c1:
-        row[unsafe_offset=c] = softplus_f32[1](row[unsafe_offset=c] + bias[unsafe_offset=c])
-        c += 1
-
-
-def _norm_rows(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int, task: Int,
-               w: F32Ptr, xn: F32Ptr):
-    var b = arg_int(args, FWD_B)
-    var l = arg_int(args, FWD_L)
-    var x = arg_f32(args, FWD_X)
-    var lens = arg_i64(args, FWD_LENGTHS)
-    var ragged = arg_int(args, FWD_LENGTHS) != 0
-    var d = dims.d
-    var r0 = task * NORM_ROWS_PER_TASK
-    var r1 = min(b * nc, r0 + NORM_ROWS_PER_TASK)
-    for r in range(r0, r1):
-        var bb = r // nc
-        var t = t0 + r % nc
-        var dst = xn.unsafe_offset(r * d)
-        if ragged and t >= Int(lens[unsafe_offset=bb]):
-            for j in range(d):  # padding reads as +0.0, whatever it holds
-                dst[unsafe_offset=j] = 0.0
-        else:
-            rmsnorm_row(x.unsafe_offset((bb * l + t) * d), d, w, dst)
+        return
+    var ch = M1Chunk(b, nc, t0, arg_int(args, FWD_L), arg_f32(args, FWD_X), xn,
+                     work.unsafe_offset(wk.o_hg), work.unsafe_offset(wk.o_u),
+                     work.unsafe_offset(wk.o_dbc), work.unsafe_offset(wk.o_dl),
+                     work.unsafe_offset(wk.o_yg))
+    ch.lens = arg_int(args, FWD_LENGTHS)
+    ch.win_in = work.unsafe_offset(wk.o_win)  # the state lives in the workspace
+    ch.win_out = ch.win_in
+    ch.h_in = work.unsafe_offset(wk.o_ht)
+    ch.h_out = ch.h_in
+    m1_stage[RUN_FWD](dims, blob, ch, stage, task)
 
 
 def _residual(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int,
@@ -414,40 +330,6 @@ def _residual(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int,
             while col < c1:
                 y[unsafe_offset=off + col] = x[unsafe_offset=off + col] + proj[unsafe_offset=r * d + col]
                 col += 1
-
-
-@always_inline
-def _scan_lanes[W: Int](
-    dims: M1Dims, blob: F32Ptr, ht: F32Ptr, dl: F32Ptr, u: F32Ptr,
-    dbc: F32Ptr, hg: F32Ptr, yg: F32Ptr, row0: Int, nc: Int, c: Int,
-):
-    """Selective scan of W channels from c over nc tokens (rows row0..)."""
-    comptime V = SIMD[DType.float32, W]
-    var di = dims.di
-    var nx = dims.nx
-    var r = dims.r
-    var h = Array[V, NSTATE](fill=V(0.0))
-    var a = Array[V, NSTATE](fill=V(0.0))
-    comptime for n in range(NSTATE):
-        h[n] = ht.unsafe_load[width=W](n * di + c)
-        a[n] = blob.unsafe_load[width=W](dims.o_a + n * di + c)
-    var dskip = blob.unsafe_load[width=W](dims.o_dskip + c)
-    for j in range(nc):
-        var row = row0 + j
-        var delta = dl.unsafe_load[width=W](row * di + c)
-        var uu = u.unsafe_load[width=W](row * di + c)
-        var bc = dbc.unsafe_offset(row * nx + r)
-        var y = V(0.0)
-        comptime for n in range(NSTATE):
-            var da = exp_f32[W](delta * a[n])
-            var dbu = (delta * V(bc[unsafe_offset=n])) * uu
-            h[n] = da.fma(h[n], dbu)
-            y = V(bc[unsafe_offset=NSTATE + n]).fma(h[n], y)
-        y = uu.fma(dskip, y)
-        var gate = hg.unsafe_load[width=W](row * 2 * di + di + c)
-        yg.unsafe_store(row * di + c, y * silu_f32[W](gate))
-    comptime for n in range(NSTATE):
-        ht.unsafe_store(n * di + c, h[n])
 
 
 def _load_state(args: I64Ptr, dims: M1Dims, wk: M1Work, work: F32Ptr, bb: Int):

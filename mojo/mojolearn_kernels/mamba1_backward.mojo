@@ -4,8 +4,11 @@ Two passes over chunks of TC = 32 tokens (B rows x TC tokens of workspace):
   pass A (chunks 0 .. n-2, forward order): the forward, keeping only the
          SSM state h and the conv window at every chunk start (checkpoints);
   pass B (chunks n-1 .. 0, backward order): recompute the chunk's forward
-         from its checkpoints (same formulas, same bits as the forward op),
-         keep h after every token of the chunk, then run the chunk's VJP.
+         from its checkpoints, keep h after every token of the chunk, then
+         run the chunk's VJP.
+Both passes run the forward op's own stage code (mamba1_stages.mojo), so
+the recomputed activations have the forward's bits
+(tests/test_recompute_bits.py).
 Gradients flowing back in time (dh of the scan, the conv's look-ahead of 3
 rows of d(pre-activation)) are carried between chunks per row.
 
@@ -34,16 +37,17 @@ from .abi import (
 from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
 from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task
-from .norms import rmsnorm_row, rms_scale
-from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
-from .mamba1 import M1Dims, NSTATE, KCONV
+from .norms import rmsnorm_row_vjp
+from .numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
+from .lanes import ld16, st16
+from .mamba1 import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK
+from .mamba1_stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
 from .mamba1_backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_W_IN, BW_W_X, BW_W_DT,
     BW_W_OUT, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB, BW_G_X, BW_G_DT, BW_G_DTB,
     BW_G_ALOG, BW_G_D, BW_G_OUT, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, F_NORM,
     F_INPROJ, F_CONV, F_XPROJ, F_DTPROJ, F_SCAN, NF, B_OUT, B_SCAN, B_RED, B_XPROJ,
-    B_CONV, B_INPROJ, B_NORM, B_NORMW, NB, BWork, _ld, _st, _silu_grad,
-    _softplus_grad,
+    B_CONV, B_INPROJ, B_NORM, B_NORMW, NB, BWork,
 )
 
 
@@ -55,18 +59,8 @@ def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int) -> Int:
     var rows = b * nc
     var di = dims.di
     var d = dims.d
-    if stage == F_NORM:
-        return ceil_div(rows, ROWS_PER_TASK)
-    if stage == F_INPROJ:
-        return matmul_ntasks(rows, 2 * di)
-    if stage == F_CONV:
-        return ceil_div(di, CH_PER_TASK)
-    if stage == F_XPROJ:
-        return matmul_ntasks(rows, dims.nx)
-    if stage == F_DTPROJ:
-        return matmul_ntasks(rows, di)
-    if stage == F_SCAN:
-        return b * wk.nblk
+    if stage < NF:
+        return m1_stage_ntasks(dims, stage, b, nc)
     if stage == B_OUT:
         return matmul_ntasks(rows, di) + gemm_ntasks(d, di)
     if stage == B_SCAN:
@@ -185,150 +179,40 @@ def _pack_transposed(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, which:
 
 def _forward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                    task: Int, is_b: Bool):
+    """Forward stage `stage` of chunk c (mamba1_stages.mojo, the forward's
+    own code) from the chunk's checkpoints: pass A writes the checkpoints
+    of chunk c + 1; pass B keeps what the VJP reads, and copies the chunk's
+    grad_output rows."""
     var b = wk.b
-    var l = wk.l
-    var d = dims.d
     var di = dims.di
-    var nx = dims.nx
     var nc = wk.chunk_tokens(c)
-    var t0 = c * wk.tc
-    var rows = b * nc
     var work = arg_f32(args, BW_WORK)
-    var blob = arg_f32(args, BW_BLOB)
-    var xn = work.unsafe_offset(wk.o_xn)
-    var hg = work.unsafe_offset(wk.o_hg)
-    var u = work.unsafe_offset(wk.o_u)
-    var dbc = work.unsafe_offset(wk.o_dbc)
-    var v = work.unsafe_offset(wk.o_v)
-    var dl = work.unsafe_offset(wk.o_dl)
+    var ch = M1Chunk(b, nc, c * wk.tc, wk.l, arg_f32(args, BW_X),
+                     work.unsafe_offset(wk.o_xn), work.unsafe_offset(wk.o_hg),
+                     work.unsafe_offset(wk.o_u), work.unsafe_offset(wk.o_dbc),
+                     work.unsafe_offset(wk.o_dl), work.unsafe_offset(wk.o_yg))
+    ch.win_in = work.unsafe_offset(wk.o_ckw + c * b * KCONV * di)
+    ch.h_in = work.unsafe_offset(wk.o_ckh + c * b * NSTATE * di)
+    if not is_b:
+        ch.win_out = work.unsafe_offset(wk.o_ckw + (c + 1) * b * KCONV * di)
+        ch.h_out = work.unsafe_offset(wk.o_ckh + (c + 1) * b * NSTATE * di)
+        m1_stage[RUN_A](dims, arg_f32(args, BW_BLOB), ch, stage, task)
+        return
+    ch.pre = work.unsafe_offset(wk.o_pre)
+    ch.v = work.unsafe_offset(wk.o_v)
+    ch.y = work.unsafe_offset(wk.o_y)
+    ch.hs = work.unsafe_offset(wk.o_hs)
+    ch.hs_tokens = wk.tc
+    m1_stage[RUN_B](dims, arg_f32(args, BW_BLOB), ch, stage, task)
     if stage == F_NORM:
-        var x = arg_f32(args, BW_X)
         var g = arg_f32(args, BW_G)
         var gch = work.unsafe_offset(wk.o_gch)
-        var r0 = task * ROWS_PER_TASK
-        var r1 = min(rows, r0 + ROWS_PER_TASK)
-        for r in range(r0, r1):
-            var off = ((r // nc) * l + t0 + r % nc) * d
-            rmsnorm_row(x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
-                        xn.unsafe_offset(r * d))
-            if is_b:
-                for j in range(d):
-                    gch[unsafe_offset=r * d + j] = g[unsafe_offset=off + j]
-    elif stage == F_INPROJ:
-        _ = matmul_task(task, xn, d, rows, blob.unsafe_offset(dims.o_in), d, 2 * di, hg, 2 * di)
-    elif stage == F_CONV:
-        var c0 = task * CH_PER_TASK
-        var c1 = min(di, c0 + CH_PER_TASK)
-        var pre = work.unsafe_offset(wk.o_pre)
-        for bb in range(b):
-            var win = work.unsafe_offset(wk.o_ckw + (c * b + bb) * KCONV * di)
-            var save = work.unsafe_offset(wk.o_ckw + ((c + 1) * b + bb) * KCONV * di)
-            var ch = c0
-            while ch < c1:
-                var nv = min(LANES, c1 - ch)
-                _conv_lanes(dims, blob, win, hg.unsafe_offset(bb * nc * 2 * di), nc,
-                            pre.unsafe_offset(bb * nc * di), u.unsafe_offset(bb * nc * di),
-                            save, not is_b, ch, nv)
-                ch += LANES
-    elif stage == F_XPROJ:
-        _ = matmul_task(task, u, di, rows, blob.unsafe_offset(dims.o_x), di, nx, dbc, nx)
-    elif stage == F_DTPROJ:
-        var t = matmul_task(task, dbc, nx, rows, blob.unsafe_offset(dims.o_dt), dims.r, di, v, di)
-        var bias = blob.unsafe_offset(dims.o_dtb)
-        for r in range(t.r0, t.r1):  # lane-wise: same bits as the forward
-            var col = t.c0
-            while col < t.c1:
-                var nv = min(LANES, t.c1 - col)
-                var vv = _ld(v, r * di + col, nv) + _ld(bias, col, nv)
-                _st(v, r * di + col, vv, nv)
-                _st(dl, r * di + col, softplus_f32[LANES](vv), nv)
-                col += LANES
-    else:
-        var bb = task // wk.nblk
-        var q = task % wk.nblk
-        _scan_forward(dims, wk, work, blob, c, bb, q, is_b)
-
-
-@always_inline
-def _conv_lanes(dims: M1Dims, blob: F32Ptr, win: F32Ptr, inp: F32Ptr, nc: Int,
-                pre: F32Ptr, u: F32Ptr, save: F32Ptr, do_save: Bool, c: Int, nv: Int):
-    """conv.mojo's formula for channels [c, c+nv) of one row; also keeps
-    the pre-activation. Lane-wise, so the bits equal the forward's."""
-    var di = dims.di
-    var s0 = _ld(win, c, nv)
-    var s1 = _ld(win, di + c, nv)
-    var s2 = _ld(win, 2 * di + c, nv)
-    var s3 = _ld(win, 3 * di + c, nv)
-    var w0 = _ld(blob, dims.o_convw + c, nv)
-    var w1 = _ld(blob, dims.o_convw + di + c, nv)
-    var w2 = _ld(blob, dims.o_convw + 2 * di + c, nv)
-    var w3 = _ld(blob, dims.o_convw + 3 * di + c, nv)
-    var bias = _ld(blob, dims.o_convb + c, nv)
-    for j in range(nc):
-        s0 = s1
-        s1 = s2
-        s2 = s3
-        s3 = _ld(inp, j * 2 * di + c, nv)
-        var acc = w0.fma(s0, bias)
-        acc = w1.fma(s1, acc)
-        acc = w2.fma(s2, acc)
-        acc = w3.fma(s3, acc)
-        _st(pre, j * di + c, acc, nv)
-        _st(u, j * di + c, silu_f32[LANES](acc), nv)
-    if do_save:
-        _st(save, c, s0, nv)
-        _st(save, di + c, s1, nv)
-        _st(save, 2 * di + c, s2, nv)
-        _st(save, 3 * di + c, s3, nv)
-
-
-def _scan_forward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
-                  c: Int, bb: Int, q: Int, is_b: Bool):
-    """mamba1.mojo's scan for 16 channels of row bb over chunk c. Pass A
-    saves h at the next chunk start; pass B keeps h after every token in
-    hs, and y, yg."""
-    var di = dims.di
-    var nx = dims.nx
-    var b = wk.b
-    var nc = wk.chunk_tokens(c)
-    var c0 = q * LANES
-    var nv = min(LANES, di - c0)
-    var ck = work.unsafe_offset(wk.o_ckh + (c * b + bb) * NSTATE * di)
-    var dl = work.unsafe_offset(wk.o_dl)
-    var u = work.unsafe_offset(wk.o_u)
-    var dbc = work.unsafe_offset(wk.o_dbc)
-    var hg = work.unsafe_offset(wk.o_hg)
-    var y_out = work.unsafe_offset(wk.o_y)
-    var yg = work.unsafe_offset(wk.o_yg)
-    var hs = work.unsafe_offset(wk.o_hs + (bb * wk.nblk + q) * wk.tc * NSTATE * LANES)
-    var h = Array[LV, NSTATE](fill=LV(0.0))
-    var a = Array[LV, NSTATE](fill=LV(0.0))
-    comptime for n in range(NSTATE):
-        h[n] = _ld(ck, n * di + c0, nv)
-        a[n] = _ld(blob, dims.o_a + n * di + c0, nv)
-    var dskip = _ld(blob, dims.o_dskip + c0, nv)
-    for j in range(nc):
-        var row = bb * nc + j
-        var delta = _ld(dl, row * di + c0, nv)
-        var uu = _ld(u, row * di + c0, nv)
-        var bc = dbc.unsafe_offset(row * nx + dims.r)
-        var y = LV(0.0)
-        comptime for n in range(NSTATE):
-            var da = exp_f32[LANES](delta * a[n])
-            var dbu = (delta * LV(bc[unsafe_offset=n])) * uu
-            h[n] = da.fma(h[n], dbu)
-            y = LV(bc[unsafe_offset=NSTATE + n]).fma(h[n], y)
-        if is_b:
-            comptime for n in range(NSTATE):
-                hs.unsafe_store((j * NSTATE + n) * LANES, h[n])
-            y = uu.fma(dskip, y)
-            var gate = _ld(hg, row * 2 * di + di + c0, nv)
-            _st(y_out, row * di + c0, y, nv)
-            _st(yg, row * di + c0, y * silu_f32[LANES](gate), nv)
-    if not is_b:
-        var nxt = work.unsafe_offset(wk.o_ckh + ((c + 1) * b + bb) * NSTATE * di)
-        comptime for n in range(NSTATE):
-            _st(nxt, n * di + c0, h[n], nv)
+        var d = dims.d
+        var r0 = task * NORM_ROWS_PER_TASK
+        for r in range(r0, min(b * nc, r0 + NORM_ROWS_PER_TASK)):
+            var off = ((r // nc) * wk.l + c * wk.tc + r % nc) * d
+            for j in range(d):
+                gch[unsafe_offset=r * d + j] = g[unsafe_offset=off + j]
 
 
 # ------------------------------------------------------------ backward stages
@@ -386,8 +270,8 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                 while col < t.c1:
                     var nv = min(LANES, t.c1 - col)
                     var o = r * di + col
-                    var s = _ld(du, o, nv) + _ld(dpre, o, nv)
-                    _st(dpre, o, s * _silu_grad[LANES](_ld(pre, o, nv)), nv)
+                    var s = ld16(du, o, nv) + ld16(dpre, o, nv)
+                    st16(dpre, o, s * silu_grad_f32[LANES](ld16(pre, o, nv)), nv)
                     col += LANES
         else:  # dW_x[j, c] += sum_r ddbc[r, j] u[r, c]
             _ = gemm_task(task - n1, work.unsafe_offset(wk.o_ddbc), 1, nx,
@@ -412,10 +296,10 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         var gn = arg_f32(args, BW_G_NORM)
         var j0 = task * LANES
         var nv = min(LANES, d - j0)
-        var acc = _ld(gn, j0, nv)
+        var acc = ld16(gn, j0, nv)
         for r in range(rows):
-            acc = acc + _ld(pn, r * d + j0, nv)
-        _st(gn, j0, acc, nv)
+            acc = acc + ld16(pn, r * d + j0, nv)
+        st16(gn, j0, acc, nv)
 
 
 def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
@@ -448,23 +332,23 @@ def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
     var dh = Array[LV, NSTATE](fill=LV(0.0))
     var a = Array[LV, NSTATE](fill=LV(0.0))
     comptime for n in range(NSTATE):
-        dh[n] = _ld(dhc, n * di + c0, nv)
-        a[n] = _ld(blob, dims.o_a + n * di + c0, nv)
-    var dskip = _ld(blob, dims.o_dskip + c0, nv)
+        dh[n] = ld16(dhc, n * di + c0, nv)
+        a[n] = ld16(blob, dims.o_a + n * di + c0, nv)
+    var dskip = ld16(blob, dims.o_dskip + c0, nv)
     var j = nc - 1
     while j >= 0:
         var row = bb * nc + j
         var o = row * di + c0
-        var delta = _ld(dl, o, nv)
-        var uu = _ld(u, o, nv)
-        var gate = _ld(hg, row * 2 * di + di + c0, nv)
-        var g_yg = _ld(dyg, o, nv)
-        var y = _ld(yb, o, nv)
+        var delta = ld16(dl, o, nv)
+        var uu = ld16(u, o, nv)
+        var gate = ld16(hg, row * 2 * di + di + c0, nv)
+        var g_yg = ld16(dyg, o, nv)
+        var y = ld16(yb, o, nv)
         var bc = dbc.unsafe_offset(row * nx + dims.r)
         var pp = part.unsafe_offset((row * wk.nblk + q) * 2 * NSTATE)
         var dy = g_yg * silu_f32[LANES](gate)
-        _st(dhg, row * 2 * di + di + c0, (g_yg * y) * _silu_grad[LANES](gate), nv)
-        _st(ddc, o, dy * uu, nv)
+        st16(dhg, row * 2 * di + di + c0, (g_yg * y) * silu_grad_f32[LANES](gate), nv)
+        st16(ddc, o, dy * uu, nv)
         var du = dy * dskip
         var ddl = LV(0.0)
         var dlu = delta * uu
@@ -476,7 +360,7 @@ def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
             if j > 0:
                 hp = hs.unsafe_load[width=LANES](((j - 1) * NSTATE + n) * LANES)
             else:
-                hp = _ld(ck, n * di + c0, nv)
+                hp = ld16(ck, n * di + c0, nv)
             var dH = dy.fma(cn, dh[n])
             pp[unsafe_offset=NSTATE + n] = tree16(dy * hn)
             pp[unsafe_offset=n] = tree16(dH * dlu)
@@ -487,11 +371,11 @@ def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
             du = dH.fma(delta * bn, du)
             hs.unsafe_store((j * NSTATE + n) * LANES, garg * delta)
             dh[n] = dH * da
-        _st(du_o, o, du, nv)
-        _st(dv_o, o, ddl * _softplus_grad[LANES](_ld(vv, o, nv)), nv)
+        st16(du_o, o, du, nv)
+        st16(dv_o, o, ddl * softplus_grad_f32[LANES](ld16(vv, o, nv)), nv)
         j -= 1
     comptime for n in range(NSTATE):
-        _st(dhc, n * di + c0, dh[n], nv)
+        st16(dhc, n * di + c0, dh[n], nv)
 
 
 def _reduce_bc(dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int, task: Int):
@@ -525,13 +409,13 @@ def _column_sums(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int,
     var gdtb = arg_f32(args, BW_G_DTB)
     var gd = arg_f32(args, BW_G_D)
     var ga = arg_f32(args, BW_G_ALOG)
-    var s1 = _ld(gdtb, c0, nv)
-    var s2 = _ld(gd, c0, nv)
+    var s1 = ld16(gdtb, c0, nv)
+    var s2 = ld16(gd, c0, nv)
     for r in range(rows):
-        s1 = s1 + _ld(dv, r * di + c0, nv)
-        s2 = s2 + _ld(ddc, r * di + c0, nv)
-    _st(gdtb, c0, s1, nv)
-    _st(gd, c0, s2, nv)
+        s1 = s1 + ld16(dv, r * di + c0, nv)
+        s2 = s2 + ld16(ddc, r * di + c0, nv)
+    st16(gdtb, c0, s1, nv)
+    st16(gd, c0, s2, nv)
     for n in range(NSTATE):
         var acc = LV(0.0)
         for jl in range(nv):
@@ -564,10 +448,10 @@ def _conv_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
         var w = Array[LV, KCONV](fill=LV(0.0))
         var gw = Array[LV, KCONV](fill=LV(0.0))
         comptime for k in range(KCONV):
-            w[k] = _ld(blob, dims.o_convw + k * di + ch, nv)
+            w[k] = ld16(blob, dims.o_convw + k * di + ch, nv)
             for jl in range(nv):
                 gw[k][jl] = gcw[unsafe_offset=(ch + jl) * KCONV + k]
-        var gb = _ld(gcb, ch, nv)
+        var gb = ld16(gcb, ch, nv)
         for bb in range(b):
             var carry = work.unsafe_offset(wk.o_dpc + bb * 3 * di)
             var win = work.unsafe_offset(wk.o_ckw + (c * b + bb) * KCONV * di)
@@ -578,72 +462,53 @@ def _conv_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
                 comptime for m in range(KCONV):
                     var src: LV
                     if j + m < nc:
-                        src = _ld(dpre, (base + j + m) * di + ch, nv)
+                        src = ld16(dpre, (base + j + m) * di + ch, nv)
                     else:
-                        src = _ld(carry, (j + m - nc) * di + ch, nv)
+                        src = ld16(carry, (j + m - nc) * di + ch, nv)
                     acc = w[KCONV - 1 - m].fma(src, acc)
-                _st(dhg, (base + j) * 2 * di + ch, acc, nv)
+                st16(dhg, (base + j) * 2 * di + ch, acc, nv)
                 # weight and bias terms of token j
-                var g = _ld(dpre, (base + j) * di + ch, nv)
+                var g = ld16(dpre, (base + j) * di + ch, nv)
                 comptime for k in range(KCONV):
                     var pos = j - 3 + k
                     var inp: LV
                     if pos >= 0:
-                        inp = _ld(hg, (base + pos) * 2 * di + ch, nv)
+                        inp = ld16(hg, (base + pos) * 2 * di + ch, nv)
                     else:
-                        inp = _ld(win, (KCONV + pos) * di + ch, nv)
+                        inp = ld16(win, (KCONV + pos) * di + ch, nv)
                     gw[k] = g.fma(inp, gw[k])
                 gb = gb + g
             # new carry: dpre rows 0..2 of this chunk (older carry past nc)
             var nw = Array[LV, 3](fill=LV(0.0))
             comptime for m in range(3):
                 if m < nc:
-                    nw[m] = _ld(dpre, (base + m) * di + ch, nv)
+                    nw[m] = ld16(dpre, (base + m) * di + ch, nv)
                 else:
-                    nw[m] = _ld(carry, (m - nc) * di + ch, nv)
+                    nw[m] = ld16(carry, (m - nc) * di + ch, nv)
             comptime for m in range(3):
-                _st(carry, m * di + ch, nw[m], nv)
+                st16(carry, m * di + ch, nw[m], nv)
         comptime for k in range(KCONV):
             for jl in range(nv):
                 gcw[unsafe_offset=(ch + jl) * KCONV + k] = gw[k][jl]
-        _st(gcb, ch, gb, nv)
+        st16(gcb, ch, gb, nv)
         ch += LANES
 
 
 def _norm_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
                    blob: F32Ptr, c: Int, task: Int):
-    """dx = g + RMSNorm VJP; pn = dxn * (x * r) (norm weight terms).
-    Per row: gx_j = dxn_j * w_j; dot = fma chain over j of gx_j x_j;
-    coef = (dot * ((r * r) * r)) / d; dx_j = g_j + fma(-x_j, coef, r * gx_j)."""
-    var b = wk.b
-    var l = wk.l
+    """dx = g + RMSNorm VJP of dxn; pn = the norm weight's terms
+    (norms.rmsnorm_row_vjp)."""
     var d = dims.d
     var nc = wk.chunk_tokens(c)
-    var t0 = c * wk.tc
-    var rows = b * nc
     var x = arg_f32(args, BW_X)
     var g = arg_f32(args, BW_G)
     var dx = arg_f32(args, BW_DX)
-    var w = blob.unsafe_offset(dims.o_norm)
-    var dxn = work.unsafe_offset(wk.o_dxn)
-    var pn = work.unsafe_offset(wk.o_pn)
     var r0 = task * ROWS_PER_TASK
-    var r1 = min(rows, r0 + ROWS_PER_TASK)
-    for r in range(r0, r1):
-        var off = ((r // nc) * l + t0 + r % nc) * d
-        var xr = x.unsafe_offset(off)
-        var rs = rms_scale(xr, d)
-        var dot: Float32 = 0.0
-        for j in range(d):
-            var gx = dxn[unsafe_offset=r * d + j] * w[unsafe_offset=j]
-            dot = gx.fma(xr[unsafe_offset=j], dot)
-        var coef = (dot * ((rs * rs) * rs)) / Float32(d)
-        for j in range(d):
-            var xj = xr[unsafe_offset=j]
-            var gxn = dxn[unsafe_offset=r * d + j]
-            var gx = gxn * w[unsafe_offset=j]
-            dx[unsafe_offset=off + j] = g[unsafe_offset=off + j] + (-xj).fma(coef, rs * gx)
-            pn[unsafe_offset=r * d + j] = gxn * (xj * rs)
+    for r in range(r0, min(wk.b * nc, r0 + ROWS_PER_TASK)):
+        var off = ((r // nc) * wk.l + c * wk.tc + r % nc) * d
+        rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
+                              work.unsafe_offset(wk.o_dxn + r * d), g.unsafe_offset(off),
+                              dx.unsafe_offset(off), work.unsafe_offset(wk.o_pn + r * d))
 
 
 def _finish_alog(args: I64Ptr, dims: M1Dims, wk: BWork, q: Int):

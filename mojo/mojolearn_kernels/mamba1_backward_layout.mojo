@@ -1,5 +1,5 @@
-"""Mamba-1 backward: argument slots, the workspace layout (BWork) and small
-vector helpers. The algorithm is described in mamba1_backward.mojo."""
+"""Mamba-1 backward: argument slots and the workspace layout (BWork). The
+algorithm is described in mamba1_backward.mojo."""
 from std.collections import Array
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
@@ -172,41 +172,3 @@ struct BWork(ImplicitlyCopyable):
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(self.tc, self.l - c * self.tc)
-
-
-# ------------------------------------------------------------ small helpers
-
-
-@always_inline
-def _ld(p: F32Ptr, off: Int, nv: Int) -> LV:
-    """16 lanes from p[off:], lanes >= nv read as +0.0."""
-    if nv == LANES:
-        return p.unsafe_load[width=LANES](off)
-    var v = LV(0.0)
-    for j in range(nv):
-        v[j] = p[unsafe_offset=off + j]
-    return v
-
-
-@always_inline
-def _st(p: F32Ptr, off: Int, v: LV, nv: Int):
-    if nv == LANES:
-        p.unsafe_store(off, v)
-        return
-    for j in range(nv):
-        p[unsafe_offset=off + j] = v[j]
-
-
-@always_inline
-def _silu_grad[W: Int](z: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
-    """d silu / dz = s * (1 + z (1 - s)), s = sigmoid(z): s * fma(z, 1 - s, 1)."""
-    comptime V = SIMD[DType.float32, W]
-    var s = sigmoid_f32[W](z)
-    return s * z.fma(V(1.0) - s, V(1.0))
-
-
-@always_inline
-def _softplus_grad[W: Int](v: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
-    """1 where softplus is the identity (v > 20), else sigmoid(v)."""
-    comptime V = SIMD[DType.float32, W]
-    return v.gt(V(20.0)).select(V(1.0), sigmoid_f32[W](v))

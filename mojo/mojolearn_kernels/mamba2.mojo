@@ -34,12 +34,13 @@ recurrence); tests compare against transformers' Mamba2Block run in float64
 (tests/reference/hf_mamba.py), itself checked equal to it to 1e-10.
 """
 from std.memory import bitcast
-from .abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
+from .abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from .linear_split import split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
 from .weight_panels import set_blob_format, set_blob_section, set_blob_layout, valid_format, LAYOUT_SPLIT
 from .norms import rmsnorm_row
 from .conv import causal_conv_silu
 from .numerics import exp_f32
+from .lanes import copy_floats
 from .mamba2_layout import (
     P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
     PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
@@ -90,22 +91,16 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
         set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
         set_blob_section(blob, 1, dims.o_out)
         set_blob_layout(blob, LAYOUT_SPLIT)
-        _copy(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
-        _copy(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
-        _copy(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
-        _copy(arg_f32(args, PREP_DSKIP), blob.unsafe_offset(dims.o_dskip), dims.nh)
-        _copy(arg_f32(args, PREP_GNORM), blob.unsafe_offset(dims.o_gnorm), dims.di)
+        copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
+        copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
+        copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
+        copy_floats(arg_f32(args, PREP_DSKIP), blob.unsafe_offset(dims.o_dskip), dims.nh)
+        copy_floats(arg_f32(args, PREP_GNORM), blob.unsafe_offset(dims.o_gnorm), dims.di)
         var alog = arg_f32(args, PREP_ALOG)
         for hh in range(dims.nh):
             blob[unsafe_offset=dims.o_a + hh] = -exp_f32[1](alog[unsafe_offset=hh])
         blob[unsafe_offset=dims.o_lim] = _f32_bits(arg_int(args, PREP_LO))
         blob[unsafe_offset=dims.o_lim + 1] = _f32_bits(arg_int(args, PREP_HI))
-
-
-@always_inline
-def _copy(src: F32Ptr, dst: F32Ptr, n: Int):
-    for i in range(n):
-        dst[unsafe_offset=i] = src[unsafe_offset=i]
 
 
 # ---------------------------------------------------------------- forward

@@ -40,8 +40,8 @@ from .linear import WF_F32, matmul_ntasks, matmul_task
 from .linear_split import split_matmul_ntasks, split_matmul_task, split_ld
 from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task, TPanels
-from .norms import rmsnorm_row, rms_scale
-from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from .norms import rmsnorm_row, rms_scale, rmsnorm_row_vjp
+from .numerics import exp_f32, softplus_f32, silu_f32, silu_grad_f32
 from .mamba2_layout import P, N, Q, KCONV, M2Dims
 from .mamba2_ssd import seg_row
 from .mamba2_backward_layout import (
@@ -55,16 +55,6 @@ from .mamba2_backward_recompute import (
 )
 
 # ------------------------------------------------------------ helpers
-
-
-@always_inline
-def _silu_grad[W: Int](z: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
-    """d silu / dz = s * fma(z, 1 - s, 1), s = sigmoid(z)."""
-    comptime V = SIMD[DType.float32, W]
-    var s = sigmoid_f32[W](z)
-    return s * z.fma(V(1.0) - s, V(1.0))
-
-
 
 
 def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
@@ -280,7 +270,7 @@ def _gate_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
             var z = work.unsafe_load[width=LANES](bw.o_zx + r * npj + j)
             var y = work.unsafe_load[width=LANES](bw.o_y + r * di + j)
             work.unsafe_store(bw.o_dy + r * di + j, dyg * silu_f32[LANES](z))
-            work.unsafe_store(bw.o_dzx + r * npj + j, (dyg * y) * _silu_grad[LANES](z))
+            work.unsafe_store(bw.o_dzx + r * npj + j, (dyg * y) * silu_grad_f32[LANES](z))
             j += LANES
 
 
@@ -578,7 +568,7 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
         for r in range(b * nc):
             var o = bw.o_dcx + r * cd + ch
             work.unsafe_store(o, work.unsafe_load[width=LANES](o)
-                              * _silu_grad[LANES](work.unsafe_load[width=LANES](bw.o_pre + r * cd + ch)))
+                              * silu_grad_f32[LANES](work.unsafe_load[width=LANES](bw.o_pre + r * cd + ch)))
         var w = Array[LV, KCONV](fill=LV(0.0))
         var gw = Array[LV, KCONV](fill=LV(0.0))
         comptime for k in range(KCONV):
@@ -625,34 +615,19 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
 
 
 def _norm_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
-    """dx = grad_out + RMSNorm VJP (the formula of the gated norm VJP);
-    pn = dxn * (x * r)."""
+    """dx = grad_out + RMSNorm VJP of dxn; pn = the norm weight's terms
+    (norms.rmsnorm_row_vjp)."""
     var d = bw.dims.d
-    var l = bw.l
     var nc = bw.nc(c)
-    var rows = bw.b * nc
     var x = arg_f32(args, BW_X)
     var g = arg_f32(args, BW_G)
     var dx = arg_f32(args, BW_DX)
-    var w = blob.unsafe_offset(bw.dims.o_norm)
-    var dxn = work.unsafe_offset(bw.o_dxn)
-    var pn = work.unsafe_offset(bw.o_pn)
     var r0 = task * ROWS_PER_TASK
-    for r in range(r0, min(rows, r0 + ROWS_PER_TASK)):
-        var off = ((r // nc) * l + c * Q + r % nc) * d
-        var xr = x.unsafe_offset(off)
-        var rs = rms_scale(xr, d)
-        var dot: Float32 = 0.0
-        for j in range(d):
-            var gx = dxn[unsafe_offset=r * d + j] * w[unsafe_offset=j]
-            dot = gx.fma(xr[unsafe_offset=j], dot)
-        var coef = (dot * ((rs * rs) * rs)) / Float32(d)
-        for j in range(d):
-            var xj = xr[unsafe_offset=j]
-            var gxn = dxn[unsafe_offset=r * d + j]
-            var gx = gxn * w[unsafe_offset=j]
-            dx[unsafe_offset=off + j] = g[unsafe_offset=off + j] + (-xj).fma(coef, rs * gx)
-            pn[unsafe_offset=r * d + j] = gxn * (xj * rs)
+    for r in range(r0, min(bw.b * nc, r0 + ROWS_PER_TASK)):
+        var off = ((r // nc) * bw.l + c * Q + r % nc) * d
+        rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(bw.dims.o_norm),
+                              work.unsafe_offset(bw.o_dxn + r * d), g.unsafe_offset(off),
+                              dx.unsafe_offset(off), work.unsafe_offset(bw.o_pn + r * d))
 
 
 def _column_sums(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int):

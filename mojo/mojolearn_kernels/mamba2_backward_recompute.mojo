@@ -1,8 +1,9 @@
 """Mamba-2 backward: the forward recompute of one chunk from its checkpoint
-(norm rows, conv, dt rows, CB, the SSD outputs and the fold), in the
-forward's formulas and order (mamba2_ssd.mojo), so o and y have the
-forward's bits."""
-from std.collections import Array
+(norm rows, conv, dt rows, CB, the SSD outputs and the fold). The conv, CB,
+SSD outputs and fold run the forward's own functions (conv.mojo,
+mamba2_ssd.mojo) on the backward's rows, and dt its clamp, so the
+recomputed activations have the forward's bits
+(tests/test_recompute_bits.py)."""
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
@@ -12,20 +13,14 @@ from .linear_split import split_matmul_ntasks, split_matmul_task, split_ld
 from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task, TPanels
 from .norms import rmsnorm_row, rms_scale
-from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from .numerics import softplus_f32, softplus_grad_f32
 from .mamba2_layout import P, N, Q, KCONV, M2Dims
-from .mamba2_ssd import seg_row
+from .mamba2_ssd import dt_clamp, cb_row_direct, ssd_row, fold_chunk
+from .mamba2_layout import XRows
+from .conv import conv_silu
 from .mamba2_backward_layout import (
-    BW_X, BW_G, BW_BLOB, BW_WORK, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, SCR, BW2,
+    BW_X, BW_G, BW_BLOB, BW_WORK, LV, ROWS_PER_TASK, CH_PER_TASK, SCR, BW2,
 )
-
-
-@always_inline
-def _softplus_grad(v: Float32) -> Float32:
-    """1 where softplus is the identity (v > 20, PyTorch's threshold), else sigmoid(v)."""
-    if v > 20.0:
-        return 1.0
-    return sigmoid_f32[1](v)
 
 
 # ------------------------------------------------------------ forward recompute
@@ -64,39 +59,21 @@ def _norm_rows(args: I64Ptr, bw: BW2, c: Int, task: Int, is_b: Bool):
 
 
 def _conv_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
-    """conv.mojo's formula for 64 channels of every row of the chunk; the
-    window is the xBC of the 3 tokens before the chunk. Keeps pre and cx."""
+    """conv.mojo for 64 channels of every row of the chunk (keeping the
+    pre-activation); the window is the in_proj output of the 3 tokens
+    before the chunk (conv_silu never reads the row before them)."""
     var dims = bw.dims
     var cd = dims.cd
     var npj = dims.npj
-    var di = dims.di
     var nc = bw.nc(c)
     var c0 = task * CH_PER_TASK
     for bb in range(bw.b):
-        var ch = c0
-        while ch < c0 + CH_PER_TASK:
-            var w0 = blob.unsafe_load[width=LANES](dims.o_convw + ch)
-            var w1 = blob.unsafe_load[width=LANES](dims.o_convw + cd + ch)
-            var w2 = blob.unsafe_load[width=LANES](dims.o_convw + 2 * cd + ch)
-            var w3 = blob.unsafe_load[width=LANES](dims.o_convw + 3 * cd + ch)
-            var bias = blob.unsafe_load[width=LANES](dims.o_convb + ch)
-            var zp = work.unsafe_offset(bw.o_zxp + bb * 3 * npj + di + ch)
-            var s1 = zp.unsafe_load[width=LANES](0)
-            var s2 = zp.unsafe_load[width=LANES](npj)
-            var s3 = zp.unsafe_load[width=LANES](2 * npj)
-            for j in range(nc):
-                var r = bb * nc + j
-                var s0 = s1
-                s1 = s2
-                s2 = s3
-                s3 = work.unsafe_load[width=LANES](bw.o_zx + r * npj + di + ch)
-                var acc = w0.fma(s0, bias)
-                acc = w1.fma(s1, acc)
-                acc = w2.fma(s2, acc)
-                acc = w3.fma(s3, acc)
-                work.unsafe_store(bw.o_pre + r * cd + ch, acc)
-                work.unsafe_store(bw.o_cx + r * cd + ch, silu_f32[LANES](acc))
-            ch += LANES
+        var prev = work.unsafe_offset(bw.o_zxp + bb * 3 * npj + dims.di)
+        conv_silu[True](prev.unsafe_offset(-npj), npj,
+                        work.unsafe_offset(bw.o_zx + bb * nc * npj + dims.di), npj, nc,
+                        blob.unsafe_offset(dims.o_convw), cd, blob.unsafe_offset(dims.o_convb),
+                        c0, c0 + CH_PER_TASK, work.unsafe_offset(bw.o_cx + bb * nc * cd), cd,
+                        prev, False, work.unsafe_offset(bw.o_pre + bb * nc * cd))
 
 
 def _dt_rows(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
@@ -117,10 +94,9 @@ def _dt_rows(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
         if j < nc:
             var v = work[unsafe_offset=bw.o_zx + (bb * nc + j) * dims.npj + dims.di + dims.cd + hh] + bias
             var sp = softplus_f32[1](v)
-            dt = lo if sp < lo else sp
-            dt = hi if dt > hi else dt
+            dt = dt_clamp[1](sp, lo, hi)
             if sp >= lo and sp <= hi:
-                sg = _softplus_grad(v)
+                sg = softplus_grad_f32[1](v)
         work[unsafe_offset=bw.o_dt + o + j] = dt
         work[unsafe_offset=bw.o_da + o + j] = dt * a
         work[unsafe_offset=bw.o_sg + o + j] = sg
@@ -131,101 +107,56 @@ def _cx(bw: BW2, work: F32Ptr, bb: Int, nc: Int, j: Int) -> F32Ptr:
     return work.unsafe_offset(bw.o_cx + (bb * nc + j) * bw.dims.cd)
 
 
+@always_inline
+def _xrows(bw: BW2, work: F32Ptr, bb: Int, nc: Int) -> XRows:
+    """Row bb's xBC rows of the chunk, for mamba2_ssd's functions."""
+    var rows = _cx(bw, work, bb, nc, 0)
+    return XRows(rows, 0, rows, 0, bw.dims.cd)
+
+
 def _cb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
-    """CB_ij = fma chain over n of C_i[n] B_j[n], j <= i (the forward's chain)."""
+    """CB_ij for the task's rows i, j <= i (mamba2_ssd.cb_row_direct)."""
     var di = bw.dims.di
     var nc = bw.nc(c)
+    var xr = _xrows(bw, work, bb, nc)
     var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
     for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-        var crow = _cx(bw, work, bb, nc, i).unsafe_offset(di + N)
-        for j in range(i + 1):
-            var brow = _cx(bw, work, bb, nc, j).unsafe_offset(di)
-            var acc: Float32 = 0.0
-            for n in range(N):
-                acc = crow[unsafe_offset=n].fma(brow[unsafe_offset=n], acc)
-            cb[unsafe_offset=i * Q + j] = acc
+        cb_row_direct(xr, di, i, xr.row(i).unsafe_offset(di + N), cb.unsafe_offset(i * Q))
 
 
 def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task: Int):
     """Head hh of row bb: y (before the gate) and yg = y * silu(z) of the
-    chunk's rows, in the forward's order (docs/mamba2.md steps 4-9)."""
+    chunk's rows (mamba2_ssd.ssd_row, from h^T of the checkpoint)."""
     var dims = bw.dims
     var di = dims.di
     var nc = bw.nc(c)
     var scr = work.unsafe_offset(bw.o_scr + task * SCR)
-    var seg = scr
-    var urow = scr.unsafe_offset(Q)
     var ht = scr.unsafe_offset(2 * Q)
     var h0 = work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N)
-    var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
-    var dts = work.unsafe_offset(bw.o_dt + bw.hq(bb, hh))
-    var da = work.unsafe_offset(bw.o_da + bw.hq(bb, hh))
-    var dskip = LV(blob[unsafe_offset=dims.o_dskip + hh])
     for p in range(P):
         for n in range(N):
             ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
+    var xr = _xrows(bw, work, bb, nc)
+    var dskip = LV(blob[unsafe_offset=dims.o_dskip + hh])
     for i in range(nc):
         var r = bb * nc + i
-        var ci = seg_row(da, i, seg)
-        var jv = 0
-        while jv <= i:
-            var e = exp_f32[LANES](seg.unsafe_load[width=LANES](jv))
-            var w = cb.unsafe_load[width=LANES](i * Q + jv) * e
-            urow.unsafe_store(jv, w * dts.unsafe_load[width=LANES](jv))
-            jv += LANES
-        var acc = Array[LV, 4](fill=LV(0.0))
-        for j in range(i + 1):
-            var uj = LV(urow[unsafe_offset=j])
-            var xp = _cx(bw, work, bb, nc, j).unsafe_offset(hh * P)
-            comptime for q in range(4):
-                acc[q] = uj.fma(xp.unsafe_load[width=LANES](q * LANES), acc[q])
-        var row = _cx(bw, work, bb, nc, i)
-        var crow = row.unsafe_offset(di + N)
-        var yo = Array[LV, 4](fill=LV(0.0))
-        for n in range(N):
-            var cn = LV(crow[unsafe_offset=n])
-            comptime for q in range(4):
-                yo[q] = cn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), yo[q])
-        var ec = LV(exp_f32[1](ci))
-        comptime for q in range(4):
-            var y = acc[q] + yo[q] * ec
-            y = row.unsafe_load[width=LANES](hh * P + q * LANES).fma(dskip, y)
-            var z = work.unsafe_load[width=LANES](bw.o_zx + r * dims.npj + hh * P + q * LANES)
-            work.unsafe_store(bw.o_y + r * di + hh * P + q * LANES, y)
-            work.unsafe_store(bw.o_yg + r * di + hh * P + q * LANES, y * silu_f32[LANES](z))
+        var o = r * di + hh * P
+        ssd_row[True](xr, di, hh, i, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
+                      work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)),
+                      work.unsafe_offset(bw.o_cb + (bb * Q + i) * Q), scr, scr.unsafe_offset(Q),
+                      h0, ht, False, dskip, work.unsafe_offset(bw.o_zx + r * dims.npj + hh * P),
+                      work.unsafe_offset(bw.o_yg + o), work.unsafe_offset(bw.o_y + o))
 
 
 def _fold(args: I64Ptr, bw: BW2, c: Int, bb: Int, hh: Int):
-    """Pass A: h at the start of chunk c + 1 = the forward's fold of chunk c."""
+    """Pass A: h at the start of chunk c + 1 = the forward's fold of chunk c
+    (mamba2_ssd.fold_chunk)."""
     var dims = bw.dims
-    var di = dims.di
     var work = arg_f32(args, BW_WORK)
     var nc = bw.nc(c)
     var scr = work.unsafe_offset(bw.o_scr + (bb * dims.nh + hh) * SCR)
-    var seg = scr
-    var wrow = scr.unsafe_offset(Q)
-    var src = work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N)
-    var dst = work.unsafe_offset(bw.o_ckh + (((c + 1) * bw.b + bb) * dims.nh + hh) * P * N)
-    var da = work.unsafe_offset(bw.o_da + bw.hq(bb, hh))
-    var dts = work.unsafe_offset(bw.o_dt + bw.hq(bb, hh))
-    var total = seg_row(da, nc - 1, seg)
-    var el = LV(exp_f32[1](total))
-    var k = 0
-    while k < P * N:
-        dst.unsafe_store(k, el * src.unsafe_load[width=LANES](k))
-        k += LANES
-    var jv = 0
-    while jv < nc:
-        var e = exp_f32[LANES](seg.unsafe_load[width=LANES](jv))
-        wrow.unsafe_store(jv, e * dts.unsafe_load[width=LANES](jv))
-        jv += LANES
-    for i in range(nc):
-        var row = _cx(bw, work, bb, nc, i)
-        var br = row.unsafe_offset(di)
-        var si = wrow[unsafe_offset=i]
-        for p in range(P):
-            var coef = LV(si * row[unsafe_offset=hh * P + p])
-            var tp = dst.unsafe_offset(p * N)
-            comptime for q in range(N // LANES):
-                tp.unsafe_store(q * LANES, coef.fma(br.unsafe_load[width=LANES](q * LANES),
-                                                    tp.unsafe_load[width=LANES](q * LANES)))
+    fold_chunk(_xrows(bw, work, bb, nc), dims.di, hh, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
+               work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)), nc,
+               work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N),
+               work.unsafe_offset(bw.o_ckh + (((c + 1) * bw.b + bb) * dims.nh + hh) * P * N),
+               scr, scr.unsafe_offset(Q))

@@ -267,6 +267,32 @@ struct M2Group(ImplicitlyCopyable):
         self.last = k == wk.ngroups(c) - 1
 
 
+struct XRows(ImplicitlyCopyable):
+    """Where one batch row's post-conv xBC rows (cd floats each) of a chunk
+    live: rows i < nbuf in buf (a state's buffered rows, row 0 first), the
+    others in new (its first row is chunk row i0). The SSD functions
+    (mamba2_ssd.mojo) read rows only through this, so the forward and the
+    backward's recompute run the same code on their own memory."""
+    var buf: F32Ptr
+    var nbuf: Int
+    var new: F32Ptr
+    var i0: Int
+    var cd: Int
+
+    def __init__(out self, buf: F32Ptr, nbuf: Int, new: F32Ptr, i0: Int, cd: Int):
+        self.buf = buf
+        self.nbuf = nbuf
+        self.new = new
+        self.i0 = i0
+        self.cd = cd
+
+    @always_inline
+    def row(self, i: Int) -> F32Ptr:
+        if i < self.nbuf:
+            return self.buf.unsafe_offset(i * self.cd)
+        return self.new.unsafe_offset((i - self.i0) * self.cd)
+
+
 struct M2Call(ImplicitlyCopyable):
     """The arguments of one forward call, decoded once per task."""
     var dims: M2Dims
@@ -316,12 +342,17 @@ struct M2Call(ImplicitlyCopyable):
             return Int(self.lens[unsafe_offset=bb])
         return self.wk.s + self.wk.l
 
+    def xrows(self, bb: Int, c: Int) -> XRows:
+        """Post-conv xBC rows of row bb's chunk c: the state buffer's, then
+        the new rows'."""
+        var cd = self.dims.cd
+        return XRows(self.bufx.unsafe_offset(bb * Q * cd), self.wk.s if c == 0 else 0,
+                     self.work.unsafe_offset(self.wk.o_cx + bb * self.wk.nn * cd),
+                     self.wk.i0(c), cd)
+
     def xbc_row(self, bb: Int, c: Int, i: Int) -> F32Ptr:
         """Post-conv xBC of chunk row i: the state buffer or a new row."""
-        if c == 0 and i < self.wk.s:
-            return self.bufx.unsafe_offset((bb * Q + i) * self.dims.cd)
-        var r = bb * self.wk.nn + i - self.wk.i0(c)
-        return self.work.unsafe_offset(self.wk.o_cx + r * self.dims.cd)
+        return self.xrows(bb, c).row(i)
 
     def dtraw(self, bb: Int, c: Int, i: Int, hh: Int) -> Float32:
         if c == 0 and i < self.wk.s:

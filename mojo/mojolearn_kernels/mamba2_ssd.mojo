@@ -1,12 +1,23 @@
 """Mamba-2 SSD chunk math (the canonical order of docs/mamba2.md, steps
 3-11): dt and dA rows, CB, the per-head outputs of the new rows, the fold and
-the h_last report. Every path (prefill, decode, report) calls these."""
+the h_last report. Every path (prefill, decode, report) calls these, and so
+does the backward's recompute (mamba2_backward_recompute.mojo): the row
+functions take pointers and an XRows (where the xBC rows are), not a call."""
 from std.collections import Array
 from .abi import F32Ptr, ceil_div
 from .numerics import exp_f32, softplus_f32, silu_f32
 from .mamba2_layout import (
-    P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, CACHE_HDR, M2Call, M2Group,
+    P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, CACHE_HDR, M2Call, M2Group, XRows,
 )
+
+
+@always_inline
+def dt_clamp[W: Int](sp: SIMD[DType.float32, W], lo: SIMD[DType.float32, W],
+                     hi: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
+    """dt = clamp(sp, lo, hi) of sp = softplus(dtraw + dt_bias): t = lo if
+    sp < lo else sp; dt = hi if t > hi else t."""
+    var dt = sp.lt(lo).select(lo, sp)
+    return dt.gt(hi).select(hi, dt)
 
 
 def dt_rows(cl: M2Call, c: Int, bb: Int, hh: Int, lo_row: Int, hi_row: Int):
@@ -30,9 +41,7 @@ def dt_rows(cl: M2Call, c: Int, bb: Int, hh: Int, lo_row: Int, hi_row: Int):
         var m = min(VW, hi_row - i0)
         for k in range(m):
             raw[k] = cl.dtraw(bb, c, i0 + k, hh)
-        var sp = softplus_f32[VW](raw + bias)
-        var dt = sp.lt(lo).select(lo, sp)
-        dt = dt.gt(hi).select(hi, dt)
+        var dt = dt_clamp[VW](softplus_f32[VW](raw + bias), lo, hi)
         var dav = dt * a
         for k in range(m):  # rows past hi_row belong to a later group
             da[unsafe_offset=i0 + k] = dav[k]
@@ -60,7 +69,7 @@ def cb_task(cl: M2Call, gp: M2Group, task: Int):
             if cl.has_cache:
                 cb_row_cached(cl, c, bb, i, crow, dst)
             else:
-                cb_row_direct(cl, c, bb, i, crow, dst)
+                cb_row_direct(cl.xrows(bb, c), di, i, crow, dst)
             continue
         var jv = 0
         while jv + 4 * VW <= i + 1:  # four independent chains at a time
@@ -111,17 +120,16 @@ def cb_row_cached(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr
         jv += VW
 
 
-def cb_row_direct(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
+def cb_row_direct(xr: XRows, di: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
     """CB_ij for j = 0..i from row-major B rows: the same fma chain over n
     per element as the transposed path, eight chains interleaved."""
     comptime G = 8
-    var di = cl.dims.di
     var j0 = 0
     while j0 <= i:
         var g = min(G, i + 1 - j0)
         var rows = Array[F32Ptr, G](fill=crow)
         for k in range(g):
-            rows[k] = cl.xbc_row(bb, c, j0 + k).unsafe_offset(di)
+            rows[k] = xr.row(j0 + k).unsafe_offset(di)
         var acc = SIMD[DType.float32, G](0.0)
         for n in range(N):
             var cn = crow[unsafe_offset=n]
@@ -170,56 +178,13 @@ def ssd_task(cl: M2Call, gp: M2Group, bb: Int, hh: Int, task: Int):
         _transpose_h(hh_home, ht)
     if out_end > g_lo:
         var dskip = V(cl.blob[unsafe_offset=dims.o_dskip + hh])
+        var xr = cl.xrows(bb, c)
         for i in range(g_lo, out_end):
             var r = bb * gn + i - g_lo
-            var ci = seg_row(da, i, seg)
-            var cbrow = work.unsafe_offset(wk.o_cb + r * Q)
-            var jv = 0
-            while jv <= i:
-                var e = exp_f32[VW](seg.unsafe_load[width=VW](jv))
-                var w = cbrow.unsafe_load[width=VW](jv) * e
-                wrow.unsafe_store(jv, w * dts.unsafe_load[width=VW](jv))
-                jv += VW
-            var d0 = V(0.0)
-            var d1 = V(0.0)
-            var d2 = V(0.0)
-            var d3 = V(0.0)
-            for j in range(i + 1):
-                var wj = V(wrow[unsafe_offset=j])
-                var xp = cl.xbc_row(bb, c, j).unsafe_offset(hh * P)
-                d0 = wj.fma(xp.unsafe_load[width=VW](0), d0)
-                d1 = wj.fma(xp.unsafe_load[width=VW](VW), d1)
-                d2 = wj.fma(xp.unsafe_load[width=VW](2 * VW), d2)
-                d3 = wj.fma(xp.unsafe_load[width=VW](3 * VW), d3)
-            var row = cl.xbc_row(bb, c, i)
-            var crow = row.unsafe_offset(di + N)
-            var o0 = V(0.0)
-            var o1 = V(0.0)
-            var o2 = V(0.0)
-            var o3 = V(0.0)
-            if direct:
-                var yo = ht  # 64 floats: C_i . h[p] from the row-major h
-                yoff_direct(crow, hh_home, yo)
-                o0 = yo.unsafe_load[width=VW](0)
-                o1 = yo.unsafe_load[width=VW](VW)
-                o2 = yo.unsafe_load[width=VW](2 * VW)
-                o3 = yo.unsafe_load[width=VW](3 * VW)
-            else:
-                for n in range(N):
-                    var cn = V(crow[unsafe_offset=n])
-                    var hp = ht.unsafe_offset(n * P)
-                    o0 = cn.fma(hp.unsafe_load[width=VW](0), o0)
-                    o1 = cn.fma(hp.unsafe_load[width=VW](VW), o1)
-                    o2 = cn.fma(hp.unsafe_load[width=VW](2 * VW), o2)
-                    o3 = cn.fma(hp.unsafe_load[width=VW](3 * VW), o3)
-            var ec = V(exp_f32[1](ci))
-            var xr = row.unsafe_offset(hh * P)
-            var zr = zx.unsafe_offset(r * dims.npj + hh * P)
             var dst = yg.unsafe_offset(r * di + hh * P)
-            finish_rows(d0, o0, ec, xr, zr, dskip, dst, 0)
-            finish_rows(d1, o1, ec, xr, zr, dskip, dst, VW)
-            finish_rows(d2, o2, ec, xr, zr, dskip, dst, 2 * VW)
-            finish_rows(d3, o3, ec, xr, zr, dskip, dst, 3 * VW)
+            ssd_row[False](xr, di, hh, i, da, dts, work.unsafe_offset(wk.o_cb + r * Q), seg,
+                           wrow, hh_home, ht, direct, dskip,
+                           zx.unsafe_offset(r * dims.npj + hh * P), dst, dst)
     for i in range(out_end, g_hi):  # padding rows of a ragged batch
         var dst = yg.unsafe_offset((bb * gn + i - g_lo) * di + hh * P)
         for p in range(P):
@@ -230,14 +195,14 @@ def ssd_task(cl: M2Call, gp: M2Group, bb: Int, hh: Int, task: Int):
     var want = cl.has_hlast and c == last_c
     var hl = cl.hlast.unsafe_offset((bb * nh + hh) * P * N)
     if n_real == Q:
-        fold_chunk(cl, c, bb, hh, Q, hh_home, hh_home, seg, wrow)
+        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, Q, hh_home, hh_home, seg, wrow)
         if cl.has_cache:
             cl.hcache(bb, hh)[unsafe_offset=0] = 0.0
         if want:
             for k in range(P * N):
                 hl[unsafe_offset=k] = hh_home[unsafe_offset=k]
     elif want:
-        fold_chunk(cl, c, bb, hh, n_real, hh_home, hl, seg, wrow)
+        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, n_real, hh_home, hl, seg, wrow)
 
 
 def _transpose_h(h: F32Ptr, ht: F32Ptr):
@@ -261,10 +226,72 @@ def yoff_direct(crow: F32Ptr, h: F32Ptr, dst: F32Ptr):
 
 
 @always_inline
-def finish_rows(yd: V, yo: V, ec: V, xr: F32Ptr, zr: F32Ptr, dskip: V, dst: F32Ptr, off: Int):
-    """y = fma(x, D, Ydiag + Yoff * exp(S_i(-1))); dst = y * silu(z)."""
+def ssd_row[KEEP_Y: Bool](xr: XRows, di: Int, hh: Int, i: Int, da: F32Ptr, dts: F32Ptr,
+                          cbrow: F32Ptr, seg: F32Ptr, wrow: F32Ptr, h: F32Ptr, ht: F32Ptr,
+                          direct: Bool, dskip: V, zr: F32Ptr, dst: F32Ptr, ydst: F32Ptr):
+    """Head hh's output of chunk row i (docs/mamba2.md steps 4-9): w_j =
+    (CB_ij exp(S_i(j))) dt_j; Ydiag = fma chain over j <= i of w_j x_j;
+    Yoff = fma chain over n of C_i[n] h[., n] (from h^T at ht, or direct:
+    from the row-major h, ht then only 64 floats of scratch); then
+    finish_rows into dst (and y before the gate into ydst if KEEP_Y).
+    seg, wrow: Q floats of scratch each; da, dts, cbrow: the head's dA and
+    dt rows and CB row i."""
+    var ci = seg_row(da, i, seg)
+    var jv = 0
+    while jv <= i:
+        var e = exp_f32[VW](seg.unsafe_load[width=VW](jv))
+        var w = cbrow.unsafe_load[width=VW](jv) * e
+        wrow.unsafe_store(jv, w * dts.unsafe_load[width=VW](jv))
+        jv += VW
+    var d0 = V(0.0)
+    var d1 = V(0.0)
+    var d2 = V(0.0)
+    var d3 = V(0.0)
+    for j in range(i + 1):
+        var wj = V(wrow[unsafe_offset=j])
+        var xp = xr.row(j).unsafe_offset(hh * P)
+        d0 = wj.fma(xp.unsafe_load[width=VW](0), d0)
+        d1 = wj.fma(xp.unsafe_load[width=VW](VW), d1)
+        d2 = wj.fma(xp.unsafe_load[width=VW](2 * VW), d2)
+        d3 = wj.fma(xp.unsafe_load[width=VW](3 * VW), d3)
+    var row = xr.row(i)
+    var crow = row.unsafe_offset(di + N)
+    var o0 = V(0.0)
+    var o1 = V(0.0)
+    var o2 = V(0.0)
+    var o3 = V(0.0)
+    if direct:
+        var yo = ht  # 64 floats: C_i . h[p] from the row-major h
+        yoff_direct(crow, h, yo)
+        o0 = yo.unsafe_load[width=VW](0)
+        o1 = yo.unsafe_load[width=VW](VW)
+        o2 = yo.unsafe_load[width=VW](2 * VW)
+        o3 = yo.unsafe_load[width=VW](3 * VW)
+    else:
+        for n in range(N):
+            var cn = V(crow[unsafe_offset=n])
+            var hp = ht.unsafe_offset(n * P)
+            o0 = cn.fma(hp.unsafe_load[width=VW](0), o0)
+            o1 = cn.fma(hp.unsafe_load[width=VW](VW), o1)
+            o2 = cn.fma(hp.unsafe_load[width=VW](2 * VW), o2)
+            o3 = cn.fma(hp.unsafe_load[width=VW](3 * VW), o3)
+    var ec = V(exp_f32[1](ci))
+    var xp = row.unsafe_offset(hh * P)
+    finish_rows[KEEP_Y](d0, o0, ec, xp, zr, dskip, dst, ydst, 0)
+    finish_rows[KEEP_Y](d1, o1, ec, xp, zr, dskip, dst, ydst, VW)
+    finish_rows[KEEP_Y](d2, o2, ec, xp, zr, dskip, dst, ydst, 2 * VW)
+    finish_rows[KEEP_Y](d3, o3, ec, xp, zr, dskip, dst, ydst, 3 * VW)
+
+
+@always_inline
+def finish_rows[KEEP_Y: Bool](yd: V, yo: V, ec: V, xr: F32Ptr, zr: F32Ptr, dskip: V,
+                              dst: F32Ptr, ydst: F32Ptr, off: Int):
+    """y = fma(x, D, Ydiag + Yoff * exp(S_i(-1))); dst = y * silu(z); y
+    itself into ydst if KEEP_Y."""
     var y = yd + yo * ec
     y = xr.unsafe_load[width=VW](off).fma(dskip, y)
+    comptime if KEEP_Y:
+        ydst.unsafe_store(off, y)
     dst.unsafe_store(off, y * silu_f32[VW](zr.unsafe_load[width=VW](off)))
 
 
@@ -283,14 +310,12 @@ def seg_row(da: F32Ptr, i: Int, seg: F32Ptr) -> Float32:
     return acc + da[unsafe_offset=0]
 
 
-def fold_chunk(cl: M2Call, c: Int, bb: Int, hh: Int, nr: Int, src: F32Ptr, dst: F32Ptr,
-          seg: F32Ptr, wrow: F32Ptr):
+def fold_chunk(xr: XRows, di: Int, hh: Int, da: F32Ptr, dts: F32Ptr, nr: Int,
+               src: F32Ptr, dst: F32Ptr, seg: F32Ptr, wrow: F32Ptr):
     """dst = exp(S_last(-1)) * src, then for i = 0..nr-1 ascending:
     dst[p][n] = fma((exp(S_last(i)) * dt_i) * x_i[p], B_i[n], dst[p][n]),
-    last = nr - 1 (nr = 0: dst = exp(0) * src = src)."""
-    var di = cl.dims.di
-    var da = cl.work.unsafe_offset(cl.wk.o_da + (bb * cl.dims.nh + hh) * Q)
-    var dts = cl.work.unsafe_offset(cl.wk.o_dt + (bb * cl.dims.nh + hh) * Q)
+    last = nr - 1 (nr = 0: dst = exp(0) * src = src). da, dts: the head's
+    dA and dt rows; seg, wrow: Q floats of scratch each."""
     var total: Float32 = 0.0
     if nr > 0:
         total = seg_row(da, nr - 1, seg)
@@ -305,15 +330,15 @@ def fold_chunk(cl: M2Call, c: Int, bb: Int, hh: Int, nr: Int, src: F32Ptr, dst: 
         wrow.unsafe_store(jv, e * dts.unsafe_load[width=VW](jv))
         jv += VW
     for i in range(nr):
-        var row = cl.xbc_row(bb, c, i)
+        var row = xr.row(i)
         var br = row.unsafe_offset(di)
         var bv = Array[V, N // VW](fill=V(0.0))
         comptime for q in range(N // VW):
             bv[q] = br.unsafe_load[width=VW](q * VW)
         var si = wrow[unsafe_offset=i]
-        var xr = row.unsafe_offset(hh * P)
+        var xp = row.unsafe_offset(hh * P)
         for p in range(P):
-            var coef = V(si * xr[unsafe_offset=p])
+            var coef = V(si * xp[unsafe_offset=p])
             var tp = dst.unsafe_offset(p * N)
             comptime for q in range(N // VW):
                 tp.unsafe_store(q * VW, coef.fma(bv[q], tp.unsafe_load[width=VW](q * VW)))

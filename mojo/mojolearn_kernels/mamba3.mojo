@@ -31,8 +31,9 @@ from .linear import matmul_ntasks, matmul_task_wf
 from .weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
-from .norms import rms_scales_of, scale_row
+from .mamba3_stages import norm_rows, bc_norm_rows
 from .mamba3_layout import *
+from .lanes import copy_floats
 from .mamba3_scan import scan_task, row_gates, report_task
 
 
@@ -130,27 +131,20 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
     # head's scan reads its z block, then writes its o block in its place
     var o = proj
     if stage == ST_NORM:
-        _norm_rows(args, dims, t0, nc, task, blob.unsafe_offset(dims.o_norm), xn)
+        var r0 = task * NORM_ROWS_PER_TASK
+        norm_rows(arg_f32(args, FWD_X), arg_int(args, FWD_L), d, t0, nc, r0,
+                  min(rows, r0 + NORM_ROWS_PER_TASK), blob.unsafe_offset(dims.o_norm), xn,
+                  arg_int(args, FWD_LENGTHS))
     elif stage == ST_INPROJ:
         _ = matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
                            dims.np, proj, dims.np)
     elif stage == ST_BCNORM:
         var r0 = task * BC_ROWS_PER_TASK
         var r1 = min(rows, r0 + BC_ROWS_PER_TASK)
-        var r = r0
-        while r < r1:
-            var ng = min(BC_ROWS_PER_TASK, r1 - r)
-            var p0 = proj.unsafe_offset(r * dims.np)
-            var sb = rms_scales_of[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_b), dims.np, NST, ng)
-            var scc = rms_scales_of[BC_ROWS_PER_TASK](p0.unsafe_offset(dims.c_c), dims.np, NST, ng)
-            for g in range(ng):
-                var pr = p0.unsafe_offset(g * dims.np)
-                scale_row(pr.unsafe_offset(dims.c_b), NST, sb[g], blob.unsafe_offset(dims.o_bnw),
-                          pr.unsafe_offset(dims.c_b))
-                scale_row(pr.unsafe_offset(dims.c_c), NST, scc[g], blob.unsafe_offset(dims.o_cnw),
-                          pr.unsafe_offset(dims.c_c))
-                row_gates(pr, dims, blob)
-            r += ng
+        bc_norm_rows(proj, dims.np, dims.c_b, dims.c_c, r0, r1, blob.unsafe_offset(dims.o_bnw),
+                     blob.unsafe_offset(dims.o_cnw), proj, dims.np, dims.c_b, dims.c_c)
+        for r in range(r0, r1):
+            row_gates(proj.unsafe_offset(r * dims.np), dims, blob)
     elif stage == ST_SCAN:
         var bb = task // dims.nh
         var hh = task % dims.nh
@@ -160,38 +154,6 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
         var t = matmul_task_wf(dims.wf, task, o, dims.np, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
-
-
-def _norm_rows(args: I64Ptr, dims: M3Dims, t0: Int, nc: Int, task: Int,
-               w: F32Ptr, xn: F32Ptr):
-    var b = arg_int(args, FWD_B)
-    var l = arg_int(args, FWD_L)
-    var x = arg_f32(args, FWD_X)
-    var lens = arg_i64(args, FWD_LENGTHS)
-    var ragged = arg_int(args, FWD_LENGTHS) != 0
-    var d = dims.d
-    var r0 = task * NORM_ROWS_PER_TASK
-    var r1 = min(b * nc, r0 + NORM_ROWS_PER_TASK)
-    var r = r0
-    while r < r1:
-        # NG rows consecutive in x (one batch row's tokens, or whole batch
-        # rows when the pass holds every token, as in a decode step) in a
-        # group: one stride; their scales come out side by side
-        # (norms.rms_scales_of, the same chains as one row alone)
-        var xr = x.unsafe_offset(((r // nc) * l + t0 + r % nc) * d)
-        var ng = min(NG, r1 - r)
-        if nc != l:
-            ng = min(ng, nc - r % nc)
-        var sc = rms_scales_of[NG](xr, d, d, ng)
-        for g in range(ng):
-            var dst = xn.unsafe_offset((r + g) * d)
-            var bb = (r + g) // nc
-            if ragged and t0 + (r + g) % nc >= Int(lens[unsafe_offset=bb]):
-                for j in range(d):
-                    dst[unsafe_offset=j] = 0.0
-            else:
-                scale_row(xr.unsafe_offset(g * d), d, sc[g], w, dst)
-        r += ng
 
 
 def _residual(args: I64Ptr, dims: M3Dims, t0: Int, nc: Int,

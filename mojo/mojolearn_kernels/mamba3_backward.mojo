@@ -8,9 +8,13 @@ forward's chunks), B rows x 64 tokens of workspace at a time:
          rotated k and the fold of the chunk into h. Checkpoints kept at every
          chunk start: h, theta, and the previous chunk's last rotated k and v.
   pass B (chunks n-1 .. 0, backward order): recompute the chunk's forward from
-         its checkpoint (the forward op's formulas and order, so o and y have
-         the forward's bits), then the VJP of out_proj, of the chunked scan
-         (per row and head), the head reductions, in_proj and the RMSNorms.
+         its checkpoint, then the VJP of out_proj, of the chunked scan (per
+         row and head), the head reductions, in_proj and the RMSNorms.
+Both passes run the forward's own pieces (mamba3_stages.mojo: the norms,
+the angles and rotation, the fold, each token's output), so o, y and the
+checkpoints have the forward's bits (tests/test_recompute_bits.py). Only
+the loops around them differ: the recompute keeps whole-chunk matrices
+(G, L, C, q . h) for the VJP where the forward streams token by token.
 Carried between chunks (per row and head): dh (the cotangent of the state
 entering the later chunk), the running angle cotangent, and the beta of the
 later chunk's first token.
@@ -28,7 +32,6 @@ Reference: torch autograd of the float64 recurrence of
 tests/reference/torch_mamba3.py, whose forward equals mojolearn.reference.mamba3
 (float64 NumPy) to 1e-12.
 """
-from std.collections import Array
 from std.sys import get_defined_int
 from .abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
@@ -37,23 +40,23 @@ from .abi import (
 from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
 from .weight_panels import blob_format
 from .linear_grad import gemm_ntasks, gemm_task, TPanels
-from .norms import rmsnorm_row, rms_scale
-from .numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sincos_f32, mod2pi_f32,
-)
+from .norms import rmsnorm_row_vjp
+from .numerics import exp_f32, softplus_f32, sigmoid_f32, tanh_f32
 from .mamba3_layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
 from .dot128 import dot128, dots128x4, dots128_block
+from .lanes import copy_floats
+from .mamba3_stages import norm_rows, bc_norm_rows, phi_a, rotate_token, fold_into, out_token
 
 from .mamba3_backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN,
     BW_G_DTB, BW_G_BNW, BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, V16,
-    ROWS_PER_TASK, NHF, HW, TB, QK, CSW, A_NORM, A_INPROJ, A_BCNORM, A_SCAN, A_KEEP,
+    ROWS_PER_TASK, TB, QK, CSW, A_NORM, A_INPROJ, A_BCNORM, A_SCAN, A_KEEP,
     NA, F_NORM, F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ, B_NORM,
     B_NORMW, NB, M_G, M_L, M_C, M_HQ, M_DG, V_DT, V_SG, V_ADT, V_A, V_SCALE, V_E, V_QK,
     V_TMP, SCR, BW3,
 )
 from .mamba3_backward_scan import (
-    V4, _phi_a_v, _scan_bwd,
+    V4, _scan_bwd,
 )
 
 # ------------------------------------------------------------ transposed panels
@@ -220,14 +223,12 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
     var gch = work.unsafe_offset(wk.o_gch)
     var r0 = task * ROWS_PER_TASK
     var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
-    for r in range(r0, r1):
-        var off = ((r // nr) * l + c * QC + r % nr) * d
-        if norm:
-            rmsnorm_row(x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
-                        xn.unsafe_offset(r * d))
-        if copy_g:
-            for j in range(d):
-                gch[unsafe_offset=r * d + j] = g[unsafe_offset=off + j]
+    if norm:  # the forward's (mamba3_stages)
+        norm_rows(x, l, d, c * QC, nr, r0, r1, blob.unsafe_offset(dims.o_norm), xn, 0)
+    if copy_g:
+        for r in range(r0, r1):
+            copy_floats(g.unsafe_offset(((r // nr) * l + c * QC + r % nr) * d),
+                        gch.unsafe_offset(r * d), d)
 
 
 def _inproj(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
@@ -262,22 +263,11 @@ def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
     var kb = wk.keep_bcn(c, d, npj)
     for r in range(r0, r1):
         var src = (r // QC) * (QC + 1) + r % QC
-        _copy_row(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)
-        _copy_row(work.unsafe_offset(wk.o_proj + src * npj),
+        copy_floats(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)
+        copy_floats(work.unsafe_offset(wk.o_proj + src * npj),
                   work.unsafe_offset(kp + r * npj), npj)
-        _copy_row(work.unsafe_offset(wk.o_bcn + src * 2 * NST),
+        copy_floats(work.unsafe_offset(wk.o_bcn + src * 2 * NST),
                   work.unsafe_offset(kb + r * 2 * NST), 2 * NST)
-
-
-@always_inline
-def _copy_row(src: F32Ptr, dst: F32Ptr, n: Int):
-    var j = 0
-    while j + 16 <= n:
-        dst.unsafe_store(j, src.unsafe_load[width=16](j))
-        j += 16
-    while j < n:
-        dst[unsafe_offset=j] = src[unsafe_offset=j]
-        j += 1
 
 
 def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
@@ -287,12 +277,8 @@ def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     var bcn = work.unsafe_offset(wk.o_bcn)
     var r0 = task * ROWS_PER_TASK
     var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
-    for r in range(r0, r1):
-        var pr = proj.unsafe_offset(r * dims.np)
-        rmsnorm_row(pr.unsafe_offset(dims.c_b), NST, blob.unsafe_offset(dims.o_bnw),
-                    bcn.unsafe_offset(r * 2 * NST))
-        rmsnorm_row(pr.unsafe_offset(dims.c_c), NST, blob.unsafe_offset(dims.o_cnw),
-                    bcn.unsafe_offset(r * 2 * NST + NST))
+    bc_norm_rows(proj, dims.np, dims.c_b, dims.c_c, r0, r1, blob.unsafe_offset(dims.o_bnw),
+                 blob.unsafe_offset(dims.o_cnw), bcn, 2 * NST, 0, NST)  # the forward's
 
 
 # ------------------------------------------------------------ per (row, head) recompute
@@ -323,43 +309,23 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
     var i0 = 0
     while i0 < n:
         var dtv = softplus_f32[16](scr.unsafe_load[width=16](V_DT + i0) + V16(dtb))
-        var av = _phi_a_v(scr.unsafe_load[width=16](V_A + i0))
+        var av = phi_a[16](scr.unsafe_load[width=16](V_A + i0))
         scr.unsafe_store(V_DT + i0, dtv)
         scr.unsafe_store(V_SG + i0, sigmoid_f32[16](scr.unsafe_load[width=16](V_SG + i0)))
         scr.unsafe_store(V_ADT + i0, av * dtv)
         scr.unsafe_store(V_A + i0, av)
         i0 += 16
-    for i in range(n):
+    for i in range(n):  # the forward's rotation (mamba3_stages.rotate_token)
         var r = bb * nr + i
         var pr = proj.unsafe_offset(r * dims.np)
-        var dt = scr[unsafe_offset=V_DT + i]
         var bc = bcn.unsafe_offset(r * 2 * NST)
-        comptime for c in range(8):
-            qu.unsafe_store(c * 16, bc.unsafe_load[width=16](NST + c * 16)
-                            + cbias.unsafe_load[width=16](c * 16))
-            ku.unsafe_store(c * 16, bc.unsafe_load[width=16](c * 16)
-                            + bbias.unsafe_load[width=16](c * 16))
-        scr[unsafe_offset=V_QK + i] = dot128(qu, ku)
         var qrow = work.unsafe_offset(wk.o_qkr + wk.qk_row(r, hh))
-        var krow = qrow.unsafe_offset(NST)
-        var csr = work.unsafe_offset(wk.o_cs + (hh * wk.rmax + r) * CSW)
-        comptime for c in range(2):
-            var ang = tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + c * 16)) * V16(PI_F32)
-            var th = mod2pi_f32[16](ang.fma(V16(dt), theta.unsafe_load[width=16](c * 16)))
-            theta.unsafe_store(c * 16, th)
-            var sc2 = sincos_f32[16](th)
-            var sn = sc2[0]
-            var cs = sc2[1]
-            csr.unsafe_store(c * 16, cs)
-            csr.unsafe_store(NANG + c * 16, sn)
-            # rotate 16 pairs at once (split even | odd, same per-lane ops)
-            var q = qu.unsafe_load[width=32](c * 32).deinterleave()
-            var k = ku.unsafe_load[width=32](c * 32).deinterleave()
-            qrow.unsafe_store(c * 32, (q[0] * cs - q[1] * sn).interleave(q[0] * sn + q[1] * cs))
-            krow.unsafe_store(c * 32, (k[0] * cs - k[1] * sn).interleave(k[0] * sn + k[1] * cs))
-        comptime for c in range(4, 8):
-            qrow.unsafe_store(c * 16, qu.unsafe_load[width=16](c * 16))
-            krow.unsafe_store(c * 16, ku.unsafe_load[width=16](c * 16))
+        scr[unsafe_offset=V_QK + i] = rotate_token[True](
+            bc, bc.unsafe_offset(NST), bbias, cbias,
+            tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang)) * V16(PI_F32),
+            tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + 16)) * V16(PI_F32),
+            scr[unsafe_offset=V_DT + i], theta, qu, ku, qrow, qrow.unsafe_offset(NST),
+            work.unsafe_offset(wk.o_cs + (hh * wk.rmax + r) * CSW))
 
 
 @always_inline
@@ -419,27 +385,9 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var h1 = work.unsafe_offset(wk.o_ckh + ((c + 1) * nbh + bh) * HP * NST)
     var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
-    # 128 columns in NHF passes (no register spills); chains unchanged.
-    for p0 in range(0, HP, TB):  # TB state rows share each loaded k row
-        comptime for hf in range(NHF):
-            var acc = Array[V16, TB * HW](fill=V16(0.0))
-            comptime for t in range(TB):
-                comptime for cc in range(HW):
-                    acc[t * HW + cc] = V16(hdec) * h0.unsafe_load[width=16](
-                        (p0 + t) * NST + (hf * HW + cc) * 16)
-            for j in range(n):
-                var vrow = proj.unsafe_offset((bb * nr + j) * dims.np + dims.c_v + hh * HP + p0)
-                var wv = Array[V16, TB](fill=V16(0.0))
-                comptime for t in range(TB):
-                    wv[t] = V16(w[unsafe_offset=j] * vrow[unsafe_offset=t])
-                var kr = qkr.unsafe_offset(wk.qk_row(bb * nr + j, hh) + NST)
-                comptime for cc in range(HW):
-                    var kv = kr.unsafe_load[width=16]((hf * HW + cc) * 16)
-                    comptime for t in range(TB):
-                        acc[t * HW + cc] = wv[t].fma(kv, acc[t * HW + cc])
-            comptime for t in range(TB):
-                comptime for cc in range(HW):
-                    h1.unsafe_store((p0 + t) * NST + (hf * HW + cc) * 16, acc[t * HW + cc])
+    fold_into(proj.unsafe_offset(bb * nr * dims.np + dims.c_v + hh * HP), dims.np,
+              qkr.unsafe_offset(wk.qk_row(bb * nr, hh) + NST), QK, w, n, hdec, h0, h1,
+              scr.unsafe_offset(M_G))  # the forward's fold (M_G is free in pass A)
     var rl = bb * nr + n - 1
     var kv = work.unsafe_offset(wk.o_ckv + ((c + 1) * nbh + bh) * HP)
     var kk = work.unsafe_offset(wk.o_ckk + ((c + 1) * nbh + bh) * NST)
@@ -510,31 +458,15 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                 dots128_block[1](q0, QK, h.unsafe_offset(p * NST), NST,
                                   scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
             i0 += 1
-    for i in range(n):  # y and o
+    var v0 = proj.unsafe_offset(bb * n * dims.np + dims.c_v + hh * HP)
+    for i in range(n):  # y and o: the forward's out_token
         var r = bb * n + i
-        var e = scr[unsafe_offset=V_E + i]
-        var crow = scr.unsafe_offset(M_C + i * QC)
-        var hq = scr.unsafe_offset(M_HQ + i * HP)
         var diag = scr[unsafe_offset=V_QK + i] * (scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i])
-        var pr = proj.unsafe_offset(r * dims.np)
-        var vrow = pr.unsafe_offset(dims.c_v + hh * HP)
-        var yrow = work.unsafe_offset(wk.o_y + r * dims.di + hh * HP)
-        var orow = work.unsafe_offset(wk.o_o + r * dims.di + hh * HP)
-        # the four column blocks' chains side by side (one alone is latency bound)
-        var ys = Array[V16, 4](fill=V16(0.0))
-        comptime for cc in range(4):
-            ys[cc] = V16(e) * hq.unsafe_load[width=16](cc * 16)
-        for jj in range(i):
-            var cj = V16(crow[unsafe_offset=jj])
-            var vj = proj.unsafe_offset((bb * n + jj) * dims.np + dims.c_v + hh * HP)
-            comptime for cc in range(4):
-                ys[cc] = cj.fma(vj.unsafe_load[width=16](cc * 16), ys[cc])
-        comptime for cc in range(4):
-            var vi = vrow.unsafe_load[width=16](cc * 16)
-            var y = V16(diag).fma(vi, ys[cc])
-            y = V16(dsk).fma(vi, y)
-            yrow.unsafe_store(cc * 16, y)
-            orow.unsafe_store(cc * 16, y * silu_f32[16](pr.unsafe_load[width=16](hh * HP + cc * 16)))
+        out_token[True](scr.unsafe_offset(M_C + i * QC), i, scr[unsafe_offset=V_E + i],
+                        scr.unsafe_offset(M_HQ + i * HP), v0, dims.np, diag, dsk,
+                        proj.unsafe_offset(r * dims.np + hh * HP),
+                        work.unsafe_offset(wk.o_o + r * dims.di + hh * HP),
+                        work.unsafe_offset(wk.o_y + r * dims.di + hh * HP))
 
 
 # ------------------------------------------------------------ out_proj VJP
@@ -561,23 +493,6 @@ def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: In
 
 
 # ------------------------------------------------------------ reductions
-
-
-def _norm_vjp(v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr, dv: F32Ptr, pw: F32Ptr):
-    """RMSNorm VJP of one row (norms.mojo's forward): gx_j = dout_j w_j;
-    dot = fma chain over j of gx_j v_j; coef = (dot ((r r) r)) / n;
-    dv_j = fma(-v_j, coef, r gx_j); pw_j = dout_j (v_j r)."""
-    var rs = rms_scale(v, n)
-    var dot: Float32 = 0.0
-    for j in range(n):
-        var gx = dout[unsafe_offset=j] * w[unsafe_offset=j]
-        dot = gx.fma(v[unsafe_offset=j], dot)
-    var coef = (dot * ((rs * rs) * rs)) / Float32(n)
-    for j in range(n):
-        var vj = v[unsafe_offset=j]
-        var gxn = dout[unsafe_offset=j]
-        dv[unsafe_offset=j] = (-vj).fma(coef, rs * (gxn * w[unsafe_offset=j]))
-        pw[unsafe_offset=j] = gxn * (vj * rs)
 
 
 def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
@@ -615,11 +530,13 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
                 dpr.unsafe_store(dims.c_ang + rc, sa)
             var pr = proj.unsafe_offset(r * npj)
             # in place: each dBn_j is read before dBp_j is written
-            _norm_vjp(pr.unsafe_offset(dims.c_b), NST, blob.unsafe_offset(dims.o_bnw),
-                      dpr.unsafe_offset(dims.c_b), dpr.unsafe_offset(dims.c_b), pbc)
-            _norm_vjp(pr.unsafe_offset(dims.c_c), NST, blob.unsafe_offset(dims.o_cnw),
-                      dpr.unsafe_offset(dims.c_c), dpr.unsafe_offset(dims.c_c),
-                      pbc.unsafe_offset(NST))
+            var db = dpr.unsafe_offset(dims.c_b)  # in place: dout_j is read first
+            var dc = dpr.unsafe_offset(dims.c_c)
+            rmsnorm_row_vjp[False](pr.unsafe_offset(dims.c_b), NST,
+                                   blob.unsafe_offset(dims.o_bnw), db, db, db, pbc)
+            rmsnorm_row_vjp[False](pr.unsafe_offset(dims.c_c), NST,
+                                   blob.unsafe_offset(dims.o_cnw), dc, dc, dc,
+                                   pbc.unsafe_offset(NST))
         return
     var hh = task - nrt
     var gbb = arg_f32(args, BW_G_BB).unsafe_offset(hh * NST)
@@ -689,11 +606,9 @@ def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: I
     var r1 = min(wk.b * nc, r0 + ROWS_PER_TASK)
     for r in range(r0, r1):
         var off = ((r // nc) * l + c * QC + r % nc) * d
-        _norm_vjp(x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
-                  work.unsafe_offset(wk.o_dxn + r * d), dx.unsafe_offset(off),
-                  work.unsafe_offset(wk.o_pn + r * d))
-        for j in range(d):
-            dx[unsafe_offset=off + j] = g[unsafe_offset=off + j] + dx[unsafe_offset=off + j]
+        rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
+                              work.unsafe_offset(wk.o_dxn + r * d), g.unsafe_offset(off),
+                              dx.unsafe_offset(off), work.unsafe_offset(wk.o_pn + r * d))
 
 
 def _normw(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):

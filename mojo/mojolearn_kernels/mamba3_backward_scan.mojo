@@ -53,14 +53,6 @@ def _dots64x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
 
 
 @always_inline
-def _phi_a_v(u: V16) -> V16:
-    """A = min(-phi(u), -1e-4) (mamba3.mojo's _phi_a) on 16 lanes: both
-    branches computed, one chosen per lane, so the same bits."""
-    var ph = u.ge(V16(0.0)).select(V16(1.0) + u, V16(1.0) / (V16(1.0) - u))
-    return min(-ph, V16(-A_FLOOR))
-
-
-@always_inline
 def _dphi_a(u: Float32) -> Float32:
     """dA/du of A = min(-phi(u), -1e-4): -phi'(u) where -phi < -1e-4, half of
     it at an exact tie (torch.minimum's convention), 0 on the floor.

@@ -192,8 +192,3 @@ def count_after(n0: Int, k: Int) -> Int:
         return n0
     return (n0 + k - 1) % QC + 1
 
-
-@always_inline
-def copy_floats(src: F32Ptr, dst: F32Ptr, n: Int):
-    for i in range(n):
-        dst[unsafe_offset=i] = src[unsafe_offset=i]

@@ -2,32 +2,19 @@
 (the canonical per-token formula of mamba3.mojo's docstring, in segments
 that batch the dot products), the per-row gates every head reads, and the
 lazy reports."""
-from std.collections import Array
 from std.sys.intrinsics import prefetch, PrefetchOptions
 from .abi import F32Ptr, I64Ptr, arg_int, arg_f32, arg_i64
 from .linear import WIDE
-from .dot128 import dot128, dots128_grid, GRID_T
-from .numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sincos_f32, mod2pi_f32,
-)
+from .dot128 import dots128_grid, GRID_T
+from .numerics import exp_f32, softplus_f32, sigmoid_f32, tanh_f32
 from .mamba3_layout import (
-    M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32, V16, FWD_L, FWD_LENGTHS, FWD_N0,
+    M3Dims, NST, HP, NANG, QC, PI_F32, V16, FWD_L, FWD_LENGTHS, FWD_N0,
     FWD_PENDING, FWD_THETA, FWD_H, FWD_BQ, FWD_BK, FWD_BV, FWD_BDT, FWD_BSG, FWD_BADT,
     FWD_PK, FWD_PV, FWD_RH, FWD_RK, FWD_RV, FWD_RTHETA, FWD_WORK,
     S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, S_CHUNK, COPY_TOKENS, FOLD_SCR, count_after,
-    copy_floats,
 )
-
-
-@always_inline
-def _phi_a(u: Float32) -> Float32:
-    """A = min(-phi(u), -1e-4); phi(u) = 1 + u (u >= 0), 1 / (1 - u) (u < 0)."""
-    var ph: Float32
-    if u >= 0.0:
-        ph = Float32(1.0) + u
-    else:
-        ph = Float32(1.0) / (Float32(1.0) - u)
-    return min(-ph, -A_FLOOR)
+from .lanes import copy_floats
+from .mamba3_stages import phi_a, rotate_token, fold_into, out_token
 
 
 struct HeadState(ImplicitlyCopyable):
@@ -141,58 +128,13 @@ def _init_scales(hs: HeadState, cnt: Int, sc: F32Ptr):
         sc[unsafe_offset=j] = hs.scale(j, cnt - 1, Float32(0.0))
 
 
-comptime FOLD_P = 4 if WIDE else 1  # rows p of h per register block
-
-
 def _fold(hs: HeadState, count: Int, beta_last: Float32, sc: F32Ptr, u: F32Ptr,
           w: F32Ptr, dst: F32Ptr):
-    """dst[p, n] = exp(cum) h[p, n], then fma((w_j * v_j[p]), k_j[n], .) for
-    j = 0..count-1 ascending. dst may be hs.h; u is (64, 64) scratch that
-    holds the products w_j * v_j[p], FOLD_P rows of h in flight at once."""
+    """dst = the fold of the working chunk's count rows into h
+    (mamba3_stages.fold_into, with _weights' w and exp(cum)); dst may be
+    hs.h; u is (64, 64) scratch."""
     var hdec = _weights(hs, count - 1, beta_last, sc, w)
-    for j in range(count):
-        var wj = V16(w[unsafe_offset=j])
-        var vr = hs.bv.unsafe_offset(j * hs.vs)
-        comptime for c in range(4):
-            u.unsafe_store(j * HP + c * 16, wj * vr.unsafe_load[width=16](c * 16))
-    for p0 in range(0, HP, FOLD_P):
-        comptime for half in range(2):
-            var acc = Array[V16, FOLD_P * 4](fill=V16(0.0))
-            comptime for pp in range(FOLD_P):
-                comptime for c in range(4):
-                    acc[pp * 4 + c] = V16(hdec) * hs.h.unsafe_load[width=16](
-                        (p0 + pp) * NST + half * 64 + c * 16)
-            for j in range(count):
-                var kr = hs.bk.unsafe_offset(j * hs.rs + half * 64)
-                var kv = Array[V16, 4](fill=V16(0.0))
-                comptime for c in range(4):
-                    kv[c] = kr.unsafe_load[width=16](c * 16)
-                comptime for pp in range(FOLD_P):
-                    var uv = V16(u[unsafe_offset=j * HP + p0 + pp])
-                    comptime for c in range(4):
-                        acc[pp * 4 + c] = uv.fma(kv[c], acc[pp * 4 + c])
-            comptime for pp in range(FOLD_P):
-                comptime for c in range(4):
-                    dst.unsafe_store((p0 + pp) * NST + half * 64 + c * 16, acc[pp * 4 + c])
-
-
-@always_inline
-def _rotate16(u: V16, cd: V16, sd: V16) -> V16:
-    """Pairs (2r, 2r+1) of u rotated by angles whose cos / sin sit in lanes
-    2r and 2r+1 of cd / sd: (u0 c - u1 s, u0 s + u1 c), each product rounded,
-    then one add, as the scalar form does (a - b = a + (-b) exactly)."""
-    var sw = u.shuffle[1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14]()
-    var sgn = V16(-1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0,
-                  -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0)
-    return u * cd + sw * (sd * sgn)
-
-
-@always_inline
-def _dup_half[HALF: Int](v: V16) -> V16:
-    """Lanes 8 HALF .. 8 HALF + 7 of v, each twice."""
-    comptime o = 8 * HALF
-    return v.shuffle[o, o, o + 1, o + 1, o + 2, o + 2, o + 3, o + 3,
-                     o + 4, o + 4, o + 5, o + 5, o + 6, o + 6, o + 7, o + 7]()
+    fold_into(hs.bv, hs.vs, hs.bk, hs.rs, w, count, hdec, hs.h, dst, u)
 
 
 def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
@@ -203,29 +145,10 @@ def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
     row_gates."""
     var dt = pr[unsafe_offset=dims.c_dt + hh]
     var sg = pr[unsafe_offset=dims.c_tr + hh]
-    comptime for c in range(8):
-        qu.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_c + c * 16)
-                        + cbias.unsafe_load[width=16](c * 16))
-        ku.unsafe_store(c * 16, pr.unsafe_load[width=16](dims.c_b + c * 16)
-                        + bbias.unsafe_load[width=16](c * 16))
-    var qrow = hs.bq.unsafe_offset(i * hs.rs)
-    var krow = hs.bk.unsafe_offset(i * hs.rs)
-    comptime for c in range(2):  # angles 16 c .. 16 c + 15 rotate lanes 32 c .. 32 c + 31
-        var ang = pr.unsafe_load[width=16](dims.c_ang + c * 16)
-        var th = mod2pi_f32[16](ang.fma(V16(dt), hs.theta.unsafe_load[width=16](c * 16)))
-        hs.theta.unsafe_store(c * 16, th)
-        var sc2 = sincos_f32[16](th)
-        var sn = sc2[0]
-        var cs = sc2[1]
-        comptime for half in range(2):
-            comptime o = c * 32 + half * 16
-            var cd = _dup_half[half](cs)
-            var sd = _dup_half[half](sn)
-            qrow.unsafe_store(o, _rotate16(qu.unsafe_load[width=16](o), cd, sd))
-            krow.unsafe_store(o, _rotate16(ku.unsafe_load[width=16](o), cd, sd))
-    comptime for c in range(4, 8):
-        qrow.unsafe_store(c * 16, qu.unsafe_load[width=16](c * 16))
-        krow.unsafe_store(c * 16, ku.unsafe_load[width=16](c * 16))
+    var qk = rotate_token[False](
+        pr.unsafe_offset(dims.c_b), pr.unsafe_offset(dims.c_c), bbias, cbias,
+        pr.unsafe_load[width=16](dims.c_ang), pr.unsafe_load[width=16](dims.c_ang + 16), dt,
+        hs.theta, qu, ku, hs.bq.unsafe_offset(i * hs.rs), hs.bk.unsafe_offset(i * hs.rs), qu)
     var vsrc = pr.unsafe_offset(dims.c_v + hh * HP)
     var vrow = hs.bv.unsafe_offset(i * hs.vs)
     comptime for c in range(4):
@@ -233,7 +156,7 @@ def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
     hs.bdt[unsafe_offset=i * hs.ss] = dt
     hs.bsg[unsafe_offset=i * hs.ss] = sg
     hs.badt[unsafe_offset=i * hs.ss] = pr[unsafe_offset=dims.c_a + hh]
-    return dot128(qu, ku) * (dt * sg)
+    return qk * (dt * sg)
 
 
 def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
@@ -325,24 +248,9 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
             while c < i:  # lanes at or past i are not read below
                 w.unsafe_store(c, w.unsafe_load[width=16](c) * qk.unsafe_load[width=16](c))
                 c += 16
-            var hq = hqs.unsafe_offset(uu * HP)
-            var y = Array[V16, 4](fill=V16(0.0))
-            comptime for cc in range(4):
-                y[cc] = V16(hdec) * hq.unsafe_load[width=16](cc * 16)
-            for j in range(i):
-                var wj = V16(w[unsafe_offset=j])
-                var vj = hs.bv.unsafe_offset(j * hs.vs)
-                comptime for cc in range(4):
-                    y[cc] = wj.fma(vj.unsafe_load[width=16](cc * 16), y[cc])
-            var vrow = hs.bv.unsafe_offset(i * hs.vs)
-            var dg = diag[unsafe_offset=uu]
-            var zrow = pr.unsafe_offset(hh * HP)
-            var orow = o.unsafe_offset(r * dims.np + hh * HP)  # in place of z
-            comptime for cc in range(4):
-                var vi = vrow.unsafe_load[width=16](cc * 16)
-                var yy = V16(dg).fma(vi, y[cc])
-                yy = V16(dsk).fma(vi, yy)
-                orow.unsafe_store(cc * 16, yy * silu_f32[16](zrow.unsafe_load[width=16](cc * 16)))
+            out_token[False](w, i, hdec, hqs.unsafe_offset(uu * HP), hs.bv, hs.vs,
+                             diag[unsafe_offset=uu], dsk, pr.unsafe_offset(hh * HP),
+                             o.unsafe_offset(r * dims.np + hh * HP), w)  # o in place of z
         cnt = i0 + ns
         t += ns
     if copied:  # after a fold every row holds what the in-place scan leaves
@@ -376,7 +284,7 @@ def row_gates(pr: F32Ptr, dims: M3Dims, blob: F32Ptr):
         _gates[1](pr, dims, dtb, h)
         h += 1
     for hh in range(nh):
-        pr[unsafe_offset=dims.c_a + hh] = (_phi_a(pr[unsafe_offset=dims.c_a + hh])
+        pr[unsafe_offset=dims.c_a + hh] = (phi_a[1](pr[unsafe_offset=dims.c_a + hh])
                                            * pr[unsafe_offset=dims.c_dt + hh])
     comptime for c in range(2):
         pr.unsafe_store(dims.c_ang + c * 16, tanh_f32[16](

@@ -61,3 +61,27 @@ def scale_row(v: F32Ptr, n: Int, r: Float32, w: F32Ptr, dst: F32Ptr):
 def rmsnorm_row(v: F32Ptr, n: Int, w: F32Ptr, dst: F32Ptr):
     """dst = w * (v * r), r = rms_scale(v)."""
     scale_row(v, n, rms_scale(v, n), w, dst)
+
+
+def rmsnorm_row_vjp[ADD_G: Bool](v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr, g: F32Ptr,
+                                 dv: F32Ptr, pw: F32Ptr):
+    """VJP of rmsnorm_row for one row (every backward's, one definition):
+    gx_j = dout_j w_j; dot = fma chain over j of gx_j v_j from +0.0;
+    coef = (dot ((r r) r)) / n; dv_j = fma(-v_j, coef, r gx_j), plus g_j
+    (g_j + that) if ADD_G (a residual's gradient); pw_j = dout_j (v_j r),
+    the weight's per-row terms."""
+    var rs = rms_scale(v, n)
+    var dot: Float32 = 0.0
+    for j in range(n):
+        var gx = dout[unsafe_offset=j] * w[unsafe_offset=j]
+        dot = gx.fma(v[unsafe_offset=j], dot)
+    var coef = (dot * ((rs * rs) * rs)) / Float32(n)
+    for j in range(n):
+        var vj = v[unsafe_offset=j]
+        var gxn = dout[unsafe_offset=j]
+        var t = (-vj).fma(coef, rs * (gxn * w[unsafe_offset=j]))
+        comptime if ADD_G:
+            dv[unsafe_offset=j] = g[unsafe_offset=j] + t
+        else:
+            dv[unsafe_offset=j] = t
+        pw[unsafe_offset=j] = gxn * (vj * rs)

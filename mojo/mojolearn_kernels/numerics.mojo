@@ -609,3 +609,23 @@ def mod2pi_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     r = r.ge(V(_TWO_PI)).select(V(0.0), r)
     r = (_bits[W](vd) & _ABS).eq(SIMD[I32, W](_PINF)).select(_qnan[W](), r)
     return _is_nan[W](v).select(v, r)
+
+
+# ---------------------------------------------------------------- derivatives
+# Shared by the backwards (one definition, so one set of bits).
+
+
+@always_inline
+def silu_grad_f32[W: Int](z: SIMD[F32, W]) -> SIMD[F32, W]:
+    """d silu / dz = s * (1 + z (1 - s)), s = sigmoid(z): s * fma(z, 1 - s, 1)."""
+    comptime V = SIMD[F32, W]
+    var s = sigmoid_f32[W](z)
+    return s * z.fma(V(1.0) - s, V(1.0))
+
+
+@always_inline
+def softplus_grad_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
+    """1 where softplus is the identity (v > 20, PyTorch's threshold), else
+    sigmoid(v)."""
+    comptime V = SIMD[F32, W]
+    return v.gt(V(20.0)).select(V(1.0), sigmoid_f32[W](v))

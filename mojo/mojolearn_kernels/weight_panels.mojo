@@ -20,7 +20,7 @@ a copy, not a conversion, so the panels hold exactly the given values:
 from std.memory import Pointer, bitcast
 from .abi import F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, arg_int, arg_f32, ceil_div
 from .linear import NR, WF_F32, WF_BF16, WF_INT8, panel_floats, pack_panels
-from .linear_split import split_extract
+from .linear_split import split_extract, pow2_f32
 
 comptime U16Ptr = Pointer[UInt16, MutUntrackedOrigin]
 comptime I8Ptr = Pointer[Int8, MutUntrackedOrigin]
@@ -74,12 +74,6 @@ def valid_format(wf: Int) -> Bool:
     return wf == WF_F32 or wf == WF_BF16 or wf == WF_INT8
 
 
-@always_inline
-def _pow2_f32(e: Int) -> Float32:
-    """2^e exactly for e in [-149, 127] (through float64: no rounding)."""
-    return Float32(bitcast[DType.float64, 1](UInt64(e + 1023) << 52))
-
-
 def _pack_bf16(src: U16Ptr, m: Int, k: Int, dst: F32Ptr):
     var ps = panel_floats[WF_BF16](k)
     for p in range(ceil_div(m, NR)):
@@ -102,7 +96,7 @@ def _pack_int8(src: I8Ptr, exps: I32Ptr, m: Int, k: Int, dst: F32Ptr):
             var row = p * NR + j
             var s: Float32 = 1.0
             if row < m:
-                s = _pow2_f32(Int(exps[unsafe_offset=row]))
+                s = pow2_f32(Int(exps[unsafe_offset=row]))
             panel[unsafe_offset=j] = s
         for kk in range(k):
             for j in range(NR):

@@ -1,0 +1,222 @@
+"""Mamba-1's forward stages over one chunk of B rows x nc tokens, written
+once. The forward op (mamba1.mojo) runs them, and so does the backward's
+recompute (mamba1_backward.mojo, both passes), so the activations the
+gradients are taken of are the forward's, bit for bit
+(tests/test_recompute_bits.py compares them).
+
+A stage reads and writes only through an M1Chunk (pointers to the chunk's
+rows and to its state), never an op's argument record. The run kind, a
+compile-time parameter, only adds stores (pass B keeps what the VJP
+needs) or drops outputs nobody reads (pass A wants only the state at the
+next chunk start); it never changes an operation or its order.
+"""
+from std.collections import Array
+from .abi import F32Ptr, I64Ptr, ceil_div
+from .linear import matmul_ntasks, matmul_task_wf
+from .norms import rmsnorm_row
+from .conv import conv_silu
+from .lanes import LANES, LV, ld_lanes, st_lanes
+from .numerics import exp_f32, softplus_f32, silu_f32
+from .mamba1 import (
+    M1Dims, NSTATE, KCONV, ST_NORM, ST_INPROJ, ST_CONV, ST_XPROJ, ST_DTPROJ,
+    NORM_ROWS_PER_TASK, CONV_CHANNELS_PER_TASK, SCAN_LANES,
+)
+
+comptime RUN_FWD = 0  # the forward op
+comptime RUN_A = 1  # backward pass A: the state at the next chunk start
+comptime RUN_B = 2  # backward pass B: the outputs, and pre, v, y, hs
+
+
+struct M1Chunk(ImplicitlyCopyable):
+    """Where one chunk's stages read and write. Row arrays start at the
+    chunk's first row, rows b-major (row = bb * nc + j); state arrays are
+    per batch row, in the kernel's layouts. Pointers a run kind does not
+    use stay at xn (a Pointer is never null)."""
+    var b: Int
+    var nc: Int  # tokens of the chunk, per row
+    var t0: Int  # index in x of the chunk's first token
+    var l: Int  # tokens per row of x
+    var x: F32Ptr  # (B, L, d) the block input
+    var lens: Int  # address of the (B) row lengths (int64); 0: not ragged
+    var xn: F32Ptr  # (B nc, d)
+    var hg: F32Ptr  # (B nc, 2 di) hidden | gate
+    var u: F32Ptr  # (B nc, di)
+    var dbc: F32Ptr  # (B nc, nx) dt_raw | B | C
+    var dl: F32Ptr  # (B nc, di) softplus(dt)
+    var yg: F32Ptr  # (B nc, di)
+    var win_in: F32Ptr  # (B, 4, di) conv window at the chunk start
+    var win_out: F32Ptr  # (B, 4, di) at its end (may be win_in); not RUN_B
+    var h_in: F32Ptr  # (B, 16, di) SSM state at the chunk start
+    var h_out: F32Ptr  # at its end (may be h_in); not RUN_B
+    var pre: F32Ptr  # RUN_B: (B nc, di) conv output before the SiLU
+    var v: F32Ptr  # RUN_B: (B nc, di) softplus input
+    var y: F32Ptr  # RUN_B: (B nc, di) scan output before the gate
+    var hs: F32Ptr  # RUN_B: (B, nblk, hs_tokens, 16, 16) h after each token
+    var hs_tokens: Int
+
+    def __init__(out self, b: Int, nc: Int, t0: Int, l: Int, x: F32Ptr, xn: F32Ptr,
+                 hg: F32Ptr, u: F32Ptr, dbc: F32Ptr, dl: F32Ptr, yg: F32Ptr):
+        var unused = xn
+        self.b = b
+        self.nc = nc
+        self.t0 = t0
+        self.l = l
+        self.x = x
+        self.lens = 0
+        self.xn = xn
+        self.hg = hg
+        self.u = u
+        self.dbc = dbc
+        self.dl = dl
+        self.yg = yg
+        self.win_in = unused
+        self.win_out = unused
+        self.h_in = unused
+        self.h_out = unused
+        self.pre = unused
+        self.v = unused
+        self.y = unused
+        self.hs = unused
+        self.hs_tokens = 0
+
+
+def m1_stage_ntasks(dims: M1Dims, stage: Int, b: Int, nc: Int) -> Int:
+    """Tasks of a forward stage over a chunk of b rows x nc tokens."""
+    var rows = b * nc
+    if stage == ST_NORM:
+        return ceil_div(rows, NORM_ROWS_PER_TASK)
+    if stage == ST_INPROJ:
+        return matmul_ntasks(rows, 2 * dims.di)
+    if stage == ST_CONV:
+        return ceil_div(dims.di, CONV_CHANNELS_PER_TASK)
+    if stage == ST_XPROJ:
+        return matmul_ntasks(rows, dims.nx)
+    if stage == ST_DTPROJ:
+        return matmul_ntasks(rows, dims.di)
+    return b * ceil_div(dims.di, SCAN_LANES)  # ST_SCAN
+
+
+def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task: Int):
+    """Task `task` of forward stage `stage` of the chunk."""
+    var d = dims.d
+    var di = dims.di
+    var rows = ch.b * ch.nc
+    if stage == ST_NORM:
+        var ragged = ch.lens != 0
+        var r0 = task * NORM_ROWS_PER_TASK
+        for r in range(r0, min(rows, r0 + NORM_ROWS_PER_TASK)):
+            var bb = r // ch.nc
+            var t = ch.t0 + r % ch.nc
+            var dst = ch.xn.unsafe_offset(r * d)
+            if ragged and t >= Int(I64Ptr(unsafe_from_address=ch.lens)[unsafe_offset=bb]):
+                for j in range(d):  # padding reads as +0.0, whatever it holds
+                    dst[unsafe_offset=j] = 0.0
+            else:
+                rmsnorm_row(ch.x.unsafe_offset((bb * ch.l + t) * d), d,
+                            blob.unsafe_offset(dims.o_norm), dst)
+    elif stage == ST_INPROJ:
+        _ = matmul_task_wf(dims.wf, task, ch.xn, d, rows, blob.unsafe_offset(dims.o_in), d,
+                           2 * di, ch.hg, 2 * di)
+    elif stage == ST_CONV:
+        var c0 = task * CONV_CHANNELS_PER_TASK
+        var c1 = min(di, c0 + CONV_CHANNELS_PER_TASK)
+        for bb in range(ch.b):
+            var win = ch.win_in.unsafe_offset(bb * KCONV * di)
+            var pre = ch.pre.unsafe_offset(bb * ch.nc * di) if RUN == RUN_B else ch.pre
+            conv_silu[RUN == RUN_B](
+                win, di, ch.hg.unsafe_offset(bb * ch.nc * 2 * di), 2 * di, ch.nc,
+                blob.unsafe_offset(dims.o_convw), di, blob.unsafe_offset(dims.o_convb),
+                c0, c1, ch.u.unsafe_offset(bb * ch.nc * di), di,
+                ch.win_out.unsafe_offset(bb * KCONV * di), RUN != RUN_B, pre)
+    elif stage == ST_XPROJ:
+        _ = matmul_task_wf(dims.wf, task, ch.u, di, rows, blob.unsafe_offset(dims.o_x), di,
+                           dims.nx, ch.dbc, dims.nx)
+    elif stage == ST_DTPROJ:
+        var raw = ch.v if RUN == RUN_B else ch.dl  # the dt_proj product, then
+        var t = matmul_task_wf(dims.wf, task, ch.dbc, dims.nx, rows,
+                               blob.unsafe_offset(dims.o_dt), dims.r, di, raw, di)
+        var bias = blob.unsafe_offset(dims.o_dtb)
+        for r in range(t.r0, t.r1):  # v = raw + bias in place; dl = softplus(v)
+            _bias_softplus(raw.unsafe_offset(r * di), ch.dl.unsafe_offset(r * di), bias,
+                           t.c0, t.c1)
+    else:  # ST_SCAN
+        var nblk = ceil_div(di, SCAN_LANES)
+        var bb = task // nblk
+        var q = task % nblk
+        var c0 = q * SCAN_LANES
+        var nv = min(SCAN_LANES, di - c0)
+        if nv == SCAN_LANES:
+            _scan[RUN, False](dims, blob, ch, bb, q, c0, nv)
+        else:
+            _scan[RUN, True](dims, blob, ch, bb, q, c0, nv)
+
+
+def _bias_softplus(raw: F32Ptr, dst: F32Ptr, bias: F32Ptr, c0: Int, c1: Int):
+    """raw[c] += bias[c]; dst[c] = softplus(raw[c]) for c in [c0, c1),
+    lane-wise (raw may be dst)."""
+    comptime W = 16
+    var c = c0
+    while c + W <= c1:
+        var v = raw.unsafe_load[width=W](c) + bias.unsafe_load[width=W](c)
+        raw.unsafe_store(c, v)
+        dst.unsafe_store(c, softplus_f32[W](v))
+        c += W
+    while c < c1:
+        var v = raw[unsafe_offset=c] + bias[unsafe_offset=c]
+        raw[unsafe_offset=c] = v
+        dst[unsafe_offset=c] = softplus_f32[1](v)
+        c += 1
+
+
+@always_inline
+def _scan[RUN: Int, MASKED: Bool](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, bb: Int,
+                                  q: Int, c0: Int, nv: Int):
+    """Selective scan of channels [c0, c0 + nv) of row bb over the chunk's
+    tokens, 16 lanes (MASKED: lanes past nv read +0.0 and are not stored;
+    each lane is its own channel, so the bits do not depend on it):
+        h_n = fma(exp(dl * A_n), h_n, (dl * B_n) * u);  y = fma(C_n, h_n, y)
+        y = fma(u, D, y);  yg = y * silu(gate)
+    RUN_A leaves out y; RUN_B also keeps y and h after every token (hs)."""
+    var di = dims.di
+    var nx = dims.nx
+    var r = dims.r
+    var nc = ch.nc
+    var dl = ch.dl  # locals: the loop's stores cannot be taken to change them
+    var u = ch.u
+    var dbc = ch.dbc
+    var hg = ch.hg
+    var yg = ch.yg
+    var ys = ch.y
+    var hin = ch.h_in.unsafe_offset(bb * NSTATE * di)
+    var hs = ch.hs.unsafe_offset((bb * ceil_div(di, LANES) + q) * ch.hs_tokens * NSTATE * LANES)
+    var h = Array[LV, NSTATE](fill=LV(0.0))
+    var a = Array[LV, NSTATE](fill=LV(0.0))
+    comptime for n in range(NSTATE):
+        h[n] = ld_lanes[MASKED](hin, n * di + c0, nv)
+        a[n] = ld_lanes[MASKED](blob, dims.o_a + n * di + c0, nv)
+    var dskip = ld_lanes[MASKED](blob, dims.o_dskip + c0, nv)
+    for j in range(nc):
+        var row = bb * nc + j
+        var delta = ld_lanes[MASKED](dl, row * di + c0, nv)
+        var uu = ld_lanes[MASKED](u, row * di + c0, nv)
+        var bc = dbc.unsafe_offset(row * nx + r)
+        var y = LV(0.0)
+        comptime for n in range(NSTATE):
+            var da = exp_f32[LANES](delta * a[n])
+            var dbu = (delta * LV(bc[unsafe_offset=n])) * uu
+            h[n] = da.fma(h[n], dbu)
+            comptime if RUN != RUN_A:
+                y = LV(bc[unsafe_offset=NSTATE + n]).fma(h[n], y)
+        comptime if RUN == RUN_B:
+            comptime for n in range(NSTATE):
+                hs.unsafe_store((j * NSTATE + n) * LANES, h[n])
+        comptime if RUN != RUN_A:
+            y = uu.fma(dskip, y)
+            var gate = ld_lanes[MASKED](hg, row * 2 * di + di + c0, nv)
+            comptime if RUN == RUN_B:
+                st_lanes[MASKED](ys, row * di + c0, y, nv)
+            st_lanes[MASKED](yg, row * di + c0, y * silu_f32[LANES](gate), nv)
+    comptime if RUN != RUN_B:
+        var hout = ch.h_out.unsafe_offset(bb * NSTATE * di)
+        comptime for n in range(NSTATE):
+            st_lanes[MASKED](hout, n * di + c0, h[n], nv)

@@ -1,0 +1,128 @@
+"""Test hook: where an op's workspace holds a named activation once the op
+has returned.
+
+tests/test_recompute_bits.py reads the activations a backward recomputed
+and those of the forward out of the caller's workspace and compares their
+bytes. The offsets come from the ops' own layout structs, built from the
+op's own argument record, so no test restates a layout or a slot number.
+No op calls this.
+"""
+from .abi import (
+    I64Ptr, OP_M1_FORWARD, OP_M1_BACKWARD, OP_M2_FORWARD, OP_M2_BACKWARD,
+    OP_M3_FORWARD, OP_M3_BACKWARD, arg_int,
+)
+from .mamba1 import M1Dims, M1Work, forward_dims as m1_forward_dims
+from .mamba1 import FWD_B as M1_FWD_B, FWD_L as M1_FWD_L
+from .mamba1_backward_layout import BWork, BW_B as M1_BW_B, BW_L as M1_BW_L, BW_D as M1_BW_D
+from .mamba2_layout import M2Call
+from .mamba2_backward_layout import BW2
+from .mamba3_layout import M3Dims, M3Work
+from .mamba3 import forward_dims as m3_forward_dims
+from .mamba3_layout import FWD_B as M3_FWD_B, FWD_L as M3_FWD_L
+from .mamba3_backward_layout import BW3, BW_B as M3_BW_B, BW_L as M3_BW_L, BW_D as M3_BW_D
+
+# Names of the activations; an op answers -1 for one it does not have.
+# PR_TOKENS and PR_ROWS answer a count, not an offset.
+comptime PR_TOKENS = 0  # tokens per chunk
+comptime PR_XN = 1  # normed input rows of the chunk
+comptime PR_HG = 2  # in_proj output (Mamba-1 hg, Mamba-2 zx, Mamba-3 proj)
+comptime PR_U = 3  # conv + SiLU output (Mamba-1 u, Mamba-2 xBC)
+comptime PR_DBC = 4  # Mamba-1 x_proj output
+comptime PR_DL = 5  # Mamba-1 softplus(dt); Mamba-2 dt (B, H, Q)
+comptime PR_YG = 6  # gated scan output (Mamba-1 yg, Mamba-2 the gated norm's
+# output, Mamba-3 o); the forward's at the chunk's rows
+comptime PR_WIN = 7  # Mamba-1 conv window: at the end (forward), per chunk start
+comptime PR_H = 8  # SSM state: at the end (forward), per chunk start (backward)
+comptime PR_DA = 9  # Mamba-2 dA (B, H, Q)
+comptime PR_CB = 10  # Mamba-2 C_i . B_j (B, Q, Q)
+comptime PR_BCN = 11  # Mamba-3 normed B | C (backward: its own array)
+comptime PR_QKR = 12  # Mamba-3 rotated q | k rows, (H, PR_ROWS, 256)
+comptime PR_THETA = 13  # Mamba-3 angles at each chunk start
+comptime PR_KLAST = 14  # Mamba-3 previous chunk's last rotated k, per chunk
+comptime PR_VLAST = 15  # Mamba-3 previous chunk's last v, per chunk
+comptime PR_ROWS = 16  # Mamba-3 rows per head of the qkr array
+
+
+def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
+    """Float offset of activation `which` in op's workspace; -1 if none."""
+    if op == OP_M1_FORWARD:
+        var wk = M1Work(m1_forward_dims(args), arg_int(args, M1_FWD_B), arg_int(args, M1_FWD_L))
+        if which == PR_TOKENS:
+            return wk.tc
+        return _pick(which, -1, wk.o_hg, wk.o_u, wk.o_dbc, wk.o_dl, wk.o_yg, wk.o_win, wk.o_ht)
+    if op == OP_M1_BACKWARD:
+        var bw = BWork(M1Dims(arg_int(args, M1_BW_D)), arg_int(args, M1_BW_B),
+                       arg_int(args, M1_BW_L))
+        if which == PR_TOKENS:
+            return bw.tc
+        return _pick(which, bw.o_xn, bw.o_hg, bw.o_u, bw.o_dbc, bw.o_dl, bw.o_yg, bw.o_ckw,
+                     bw.o_ckh)
+    if op == OP_M2_FORWARD:
+        var cl = M2Call(args)
+        var wk = cl.wk
+        if which == PR_TOKENS:
+            return wk.g  # tokens per row of one group
+        if which == PR_DA:
+            return wk.o_da
+        if which == PR_CB:
+            return wk.o_cb
+        return _pick(which, -1, wk.o_zx, wk.o_cx, -1, wk.o_dt, wk.o_yg, -1,
+                     wk.o_h if not cl.has_state else -1)
+    if op == OP_M2_BACKWARD:
+        var bw = BW2(args)
+        if which == PR_TOKENS:
+            return bw.nc(0)
+        if which == PR_DA:
+            return bw.o_da
+        if which == PR_CB:
+            return bw.o_cb
+        return _pick(which, bw.o_xn, bw.o_zx, bw.o_cx, -1, bw.o_dt, bw.o_g, -1, bw.o_ckh)
+    if op == OP_M3_FORWARD:
+        var wk = M3Work(m3_forward_dims(args), arg_int(args, M3_FWD_B), arg_int(args, M3_FWD_L))
+        if which == PR_TOKENS:
+            return wk.tc
+        return _pick(which, -1, wk.o_proj, -1, -1, -1, wk.o_proj, -1, -1)
+    if op == OP_M3_BACKWARD:
+        var dims = M3Dims(arg_int(args, M3_BW_D))
+        var bw = BW3(dims, arg_int(args, M3_BW_B), arg_int(args, M3_BW_L))
+        if bw.defer:  # where pass B of chunk 0 (the last it runs) left its rows
+            bw.use_store(0, dims.d, dims.np, dims.di)
+        if bw.kept(0):
+            bw.use_kept(0, dims.d, dims.np)
+        if which == PR_TOKENS:
+            return bw.chunk_tokens(0)
+        if which == PR_BCN:
+            return bw.o_bcn
+        if which == PR_QKR:
+            return bw.o_qkr
+        if which == PR_THETA:
+            return bw.o_ckt
+        if which == PR_KLAST:
+            return bw.o_ckk
+        if which == PR_VLAST:
+            return bw.o_ckv
+        if which == PR_ROWS:
+            return bw.rmax
+        return _pick(which, bw.o_xn, bw.o_proj, -1, -1, -1, bw.o_o, -1, bw.o_ckh)
+    return -1
+
+
+def _pick(which: Int, xn: Int, hg: Int, u: Int, dbc: Int, dl: Int, yg: Int, win: Int,
+          h: Int) -> Int:
+    if which == PR_XN:
+        return xn
+    if which == PR_HG:
+        return hg
+    if which == PR_U:
+        return u
+    if which == PR_DBC:
+        return dbc
+    if which == PR_DL:
+        return dl
+    if which == PR_YG:
+        return yg
+    if which == PR_WIN:
+        return win
+    if which == PR_H:
+        return h
+    return -1
