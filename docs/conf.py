@@ -64,14 +64,14 @@ myst_heading_anchors = 3
 suppress_warnings = ["myst.header", "myst.xref_missing"]
 
 # Every example in the docs runs under `-b doctest` (tests/test_docs.py).
-# The setup builds small float32 weights with NumPy (mojolearn.reference.weights).
+# The setup imports NumPy and mojolearn, and writes a tiny checkpoint folder
+# (lm_folder) for the language-model pages.
 doctest_global_setup = """
 import numpy as np
 import mojolearn
 from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_weights, random_input
-weights = mamba1_weights(32, seed=0)      # Mamba1Block weights, d_model = 32
-weights2 = mamba2_weights(32, seed=0)     # Mamba2Block weights, d_model = 32
-weights3 = mamba3_weights(32, seed=0)     # Mamba3Block weights, d_model = 32
+# No weights are predefined: every page's examples make theirs in plain
+# sight (mojolearn.init_weights), so each can be copied and run as written.
 import tempfile
 from mojolearn.save import save_checkpoint
 lm_folder = save_checkpoint(               # a tiny 2-layer Mamba language model, vocab 64

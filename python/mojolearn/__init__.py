@@ -35,6 +35,7 @@ _LAZY = {
     "torch": None,            # torch.nn.Modules over the kernels (imports PyTorch; optional)
     "load_checkpoint": ".checkpoints",
     "MambaLM": ".lm",
+    "init_weights": ".init",
     "save": None,              # save_checkpoint: folders that load_checkpoint reads
     "lm": None,
     "generate": None,          # generation and continuous batching over a MambaLM

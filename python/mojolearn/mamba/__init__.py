@@ -11,9 +11,10 @@ so PyTorch and NumPy are not required.
 
 Examples
 --------
-With float32 weights and x of the right shapes:
-
+>>> import numpy as np, mojolearn
 >>> from mojolearn.mamba import Mamba2Block
+>>> weights = mojolearn.init_weights("mamba2", 32, seed=0)
+>>> x = np.ones((2, 16, 32), np.float32)            # any float32 (B, L, d_model) buffer
 >>> block = Mamba2Block(weights, numeric_mode="identical")
 >>> y = block.forward(x)
 >>> state = block.allocate_state(batch_size=x.shape[0])

@@ -128,7 +128,8 @@ class Mamba1Block(_MambaBase):
     Examples
     --------
     >>> import numpy as np, mojolearn
-    >>> block = mojolearn.Mamba1Block(weights)   # dict of float32 arrays, as above
+    >>> weights = mojolearn.init_weights("mamba1", 32, seed=0)   # or a checkpoint's
+    >>> block = mojolearn.Mamba1Block(weights)   # a dict of float32 arrays, as above
     >>> x = np.random.default_rng(0).random((2, 16, block.d_model), dtype=np.float32)
     >>> y = block.forward(x)
     >>> state = block.allocate_state(2)

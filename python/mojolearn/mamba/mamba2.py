@@ -188,6 +188,7 @@ class Mamba2Block(_MambaBase):
     Examples
     --------
     >>> import numpy as np, mojolearn
+    >>> weights = mojolearn.init_weights("mamba2", 32, seed=0)   # or a checkpoint's
     >>> block = mojolearn.Mamba2Block(weights, numeric_mode="identical")
     >>> x = np.random.default_rng(0).random((2, 16, block.d_model), dtype=np.float32)
     >>> y = block.forward(x)

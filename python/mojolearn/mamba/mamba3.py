@@ -220,6 +220,7 @@ class Mamba3Block(_MambaBase):
     Examples
     --------
     >>> import numpy as np, mojolearn
+    >>> weights = mojolearn.init_weights("mamba3", 32, seed=0)   # or a checkpoint's
     >>> block = mojolearn.Mamba3Block(weights)
     >>> x = np.random.default_rng(0).random((2, 16, block.d_model), dtype=np.float32)
     >>> y = block.forward(x)
