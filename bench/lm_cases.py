@@ -56,3 +56,16 @@ def lm_cases(mojolearn, perturb: bool = False):
             parts = [np.asarray(r.tokens, np.int64).tobytes()
                      + b"".join(_bytes(x) for x in r.logits) for r in reqs]
             yield f"{tag} generate", b"".join(parts)
+            if kind != 1 and fmt == "float32":  # rows folding at different steps
+                yield f"{tag} chunk ends", _chunk_ends(lm, {2: 256, 3: 64}[kind])
+
+
+def _chunk_ends(lm, q: int) -> bytes:
+    """Rows whose chunks end at different decode steps, in one batch."""
+    import numpy as np
+    b = lm.batcher(keep_logits=True)
+    reqs = [b.submit([(3 * j + i) % VOCAB for j in range(n)], max_new_tokens=6)
+            for i, n in enumerate([q - 4, q - 1, 2, 2 * q - 2])]
+    list(b.run())
+    return b"".join(np.asarray(r.tokens, np.int64).tobytes()
+                    + b"".join(_bytes(x) for x in r.logits) for r in reqs)

@@ -165,6 +165,30 @@ def test_mamba3_greedy_tokens_match_the_reference(m3_folder, m3_lm):
         assert got == want
 
 
+def _alone(lm, prompt, n, temperature=0.0, top_k=0, top_p=1.0, seed=0):
+    """One request by the block API alone, independent of the Batcher:
+    a B=1 state per layer, forward over the prompt, then block.step per
+    token (the state's own scalar position, no session, no row_tokens);
+    the head and next-token ops; the request's random stream."""
+    import random
+    rng = random.Random(seed)
+    states = lm.allocate_state(1)
+    x = lm.forward_tokens([prompt], states)
+    row = x.address + (len(prompt) - 1) * lm.d_model * 4
+    toks, logits = [], []
+    while True:
+        lg = lm._head(row, 1)
+        logits.append(np.asarray(lg)[0].copy())
+        u = rng.getrandbits(24) / float(1 << 24)
+        toks.append(lm.next_tokens(lg, [temperature], [top_k], [top_p], [u])[0])
+        if len(toks) == n:
+            return toks, logits
+        x = lm._embed_ids([toks[-1]]).reshape((1, 1, lm.d_model))
+        for blk, st in zip(lm.blocks, states):
+            x = blk.step(x, st)
+        row = x.address
+
+
 def _bytes(logits_lists):
     return [b"".join(np.asarray(a).tobytes() for a in lst) for lst in logits_lists]
 
@@ -185,9 +209,9 @@ def _check_bits(lm):
     toks, lg = lm.generate(prompts, **kw)
     assert [len(t) for t in toks] == [6, 9, 4, 7]
     for i, p in enumerate(prompts):
-        one = {k: ([v[i]] if isinstance(v, list) else v) for k, v in kw.items()}
-        t1, l1 = lm.generate([p], **one)
-        assert t1[0] == toks[i] and _bytes(l1) == _bytes([lg[i]])
+        one = {k: v[i] for k, v in kw.items() if k not in ("return_logits", "max_new_tokens")}
+        t1, l1 = _alone(lm, p, kw["max_new_tokens"][i], **one)
+        assert t1 == toks[i] and _bytes([l1]) == _bytes([lg[i]]), i
     # joined mid-stream: request 3 arrives after two steps, request 0 after four
     b = lm.batcher(keep_logits=True)
     sub = lambda i: b.submit(prompts[i], **{k: v[i] for k, v in kw.items()  # noqa: E731
@@ -383,3 +407,35 @@ def test_a_folder_is_read_lazily_in_row_ranges_with_the_same_bits(hf, fmt, monke
     assert bytes(memoryview(lazy._blob)) == bytes(memoryview(whole._blob))
     tokens = [[1, 5, 9, 3, 7], [2, 2, 8, 61, 0]]
     assert bytes(memoryview(lazy.logits(tokens))) == bytes(memoryview(whole.logits(tokens)))
+
+
+def _crossing(lm, prompts, n):
+    """Tokens and logits bytes of prompts generated together and alone."""
+    kw = dict(max_new_tokens=n, temperature=0.7, top_k=8, seed=[5 + i for i in range(len(prompts))],
+              return_logits=True)
+    toks, lg = lm.generate(prompts, **kw)
+    for i, p in enumerate(prompts):
+        t1, l1 = _alone(lm, p, n, temperature=0.7, top_k=8, seed=5 + i)
+        assert t1 == toks[i] and _bytes([l1]) == _bytes([lg[i]]), i
+
+
+@pytest.fixture(scope="module")
+def m2_lm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mamba2_lm")
+    _hf_model("mamba2").save_pretrained(folder)
+    return mojolearn.MambaLM(folder)
+
+
+def test_mamba2_rows_crossing_their_chunk_ends_at_different_steps(m2_lm):
+    """Rows at their own chunk positions fold (256th token) at different
+    decode steps: each row still has the bits it has alone."""
+    lm = m2_lm
+    prompts = [[(7 * j + i) % 64 for j in range(length)] for i, length in
+               enumerate([250, 253, 5, 256])]
+    _crossing(lm, prompts, 9)
+
+
+def test_mamba3_rows_crossing_their_chunk_ends_at_different_steps(m3_lm):
+    prompts = [[(5 * j + i) % 48 for j in range(length)] for i, length in
+               enumerate([60, 63, 2, 64, 127])]
+    _crossing(m3_lm, prompts, 8)

@@ -109,8 +109,8 @@ def test_staged_buffer_table_matches_the_declaration():
         lib.emulate_device = False
     spec = _abi.op_spec(lib, _abi.OP_M2_FORWARD)
     buffers = [n for n, k in spec.kinds.items() if k != "int"]
-    # x, y, blob, the 4 state arrays, work (no lengths, h_last or cache here)
-    assert rows[_abi.OP_M2_FORWARD] == 8 and len(buffers) == 11
+    # x, y, blob, the 4 state arrays, work (no lengths, h_last, cache or row_tokens here)
+    assert rows[_abi.OP_M2_FORWARD] == 8 and len(buffers) == 12
 
 
 SLOT_NUMBER = (r"args\[\d", r"\.run\([^)\n]*,\s*\[", r"_SLOTS?\w* = \d")

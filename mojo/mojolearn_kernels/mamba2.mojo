@@ -47,7 +47,7 @@ from .mamba2_layout import (
     PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
     PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP,
     ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
-    M2Dims, M2Call, M2Group,
+    M2Dims, M2Call, M2Group, FWD_ROW_S,
 )
 from .mamba2_ssd import dt_rows, cb_task, ssd_task
 
@@ -110,6 +110,8 @@ def m2_forward_plan(args: I64Ptr, phase: Int) -> Int:
     var cl = M2Call(args)
     var wk = cl.wk
     var dims = cl.dims
+    if arg_int(args, FWD_ROW_S) != 0 and (wk.l != 1 or not cl.has_state or wk.s != 0):
+        return -3  # per-row positions: one-token steps of a state only
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
     if phase == 0:
@@ -248,6 +250,7 @@ def _conv_task(cl: M2Call, gp: M2Group, task: Int):
     var gn = gp.gn
     var c0 = task * P
     for bb in range(wk.b):
+        var rg = cl.row_group(gp, bb)  # (rows with their own positions)
         if gn > 0:
             causal_conv_silu(
                 work.unsafe_offset(wk.o_win + bb * KCONV * cd), cd,
@@ -260,14 +263,14 @@ def _conv_task(cl: M2Call, gp: M2Group, task: Int):
             var hh = task
             var draw = work.unsafe_offset(wk.o_draw + (bb * nh + hh) * Q)
             for r in range(gn):
-                draw[unsafe_offset=gp.i0 + gp.gs + r] = work[
+                draw[unsafe_offset=rg.i0 + rg.gs + r] = work[
                     unsafe_offset=wk.o_zx + (bb * gn + r) * dims.npj + di + cd + hh]
-            dt_rows(cl, gp.c, bb, hh, gp.lo, gp.hi)
-        elif task < nh + 2 and gp.nnew > DIRECT_CB_MAX:
+            dt_rows(cl, rg.c, bb, hh, rg.lo, rg.hi)
+        elif task < nh + 2 and rg.nnew > DIRECT_CB_MAX:
             var n0 = (task - nh) * P
             var bt = work.unsafe_offset(wk.o_bt + bb * N * Q)
-            for i in range(gp.lo, gp.hi):
-                var br = cl.xbc_row(bb, gp.c, i).unsafe_offset(di)
+            for i in range(rg.lo, rg.hi):
+                var br = cl.xbc_row(bb, rg.c, i).unsafe_offset(di)
                 for n in range(n0, n0 + P):
                     bt[unsafe_offset=n * Q + i] = br[unsafe_offset=n]
 
@@ -291,7 +294,7 @@ def _save_state(cl: M2Call, bb: Int):
     """Conv window back; the open chunk's new rows into the buffers; rows
     past the open chunk cleared once a chunk completed in this call."""
     var dims = cl.dims
-    var wk = cl.wk
+    var wk = cl.row_work(bb)
     var cd = dims.cd
     var nh = dims.nh
     var win = cl.work.unsafe_offset(wk.o_win + bb * KCONV * cd)

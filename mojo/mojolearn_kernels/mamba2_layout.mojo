@@ -50,6 +50,11 @@ comptime FWD_HLAST = 12  # 0: no h_last report
 comptime FWD_SAVE = 13  # 1: write the conv window and buffers back
 comptime FWD_WORK = 14
 comptime FWD_CACHE = 15  # 0, or a decode session's cache (see M2Call.hcache)
+# 0, or int64 (B,): each row's own buffered_tokens (then FWD_S is 0). Only
+# for one-token steps (L = 1) with a state: rows at different positions of
+# their chunks decode in one call (continuous batching), each row exactly as
+# it would alone.
+comptime FWD_ROW_S = 16
 
 # Stages of one chunk.
 comptime ST_NORM = 0
@@ -313,6 +318,8 @@ struct M2Call(ImplicitlyCopyable):
     var work: F32Ptr
     var cache: F32Ptr
     var has_cache: Bool
+    var row_s: I64Ptr
+    var per_row: Bool
 
     def __init__(out self, args: I64Ptr):
         self.dims = M2Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
@@ -335,27 +342,51 @@ struct M2Call(ImplicitlyCopyable):
         self.work = arg_f32(args, FWD_WORK)
         self.has_cache = arg_int(args, FWD_CACHE) != 0
         self.cache = arg_f32(args, FWD_CACHE)
+        self.row_s = arg_i64(args, FWD_ROW_S)
+        self.per_row = self.has_state and arg_int(args, FWD_ROW_S) != 0
+
+    def s_of(self, bb: Int) -> Int:
+        """Buffered tokens of row bb on entry."""
+        if self.per_row:
+            return Int(self.row_s[unsafe_offset=bb])
+        return self.wk.s
+
+    def row_work(self, bb: Int) -> M2Work:
+        """The call's chunk bookkeeping as row bb sees it (its own position
+        with FWD_ROW_S; the layout offsets do not depend on it)."""
+        if self.per_row:
+            return M2Work(self.dims, self.wk.b, self.wk.l, self.s_of(bb), self.has_state)
+        return self.wk
+
+    def row_group(self, gp: M2Group, bb: Int) -> M2Group:
+        """Group gp as row bb sees it (gp itself unless rows have their own
+        positions: a one-token step has one group, of chunk 0)."""
+        if self.per_row:
+            return M2Group(self.row_work(bb), gp.c, gp.k)
+        return gp
 
     def vlen(self, bb: Int) -> Int:
         """Virtual rows of batch row bb (buffered + its real tokens)."""
         if self.ragged:
             return Int(self.lens[unsafe_offset=bb])
-        return self.wk.s + self.wk.l
+        return self.s_of(bb) + self.wk.l
 
     def xrows(self, bb: Int, c: Int) -> XRows:
         """Post-conv xBC rows of row bb's chunk c: the state buffer's, then
         the new rows'."""
         var cd = self.dims.cd
-        return XRows(self.bufx.unsafe_offset(bb * Q * cd), self.wk.s if c == 0 else 0,
+        var s = self.s_of(bb)
+        var i0 = s if c == 0 else 0  # M2Work.i0 for the row's own position
+        return XRows(self.bufx.unsafe_offset(bb * Q * cd), s if c == 0 else 0,
                      self.work.unsafe_offset(self.wk.o_cx + bb * self.wk.nn * cd),
-                     self.wk.i0(c), cd)
+                     i0, cd)
 
     def xbc_row(self, bb: Int, c: Int, i: Int) -> F32Ptr:
         """Post-conv xBC of chunk row i: the state buffer or a new row."""
         return self.xrows(bb, c).row(i)
 
     def dtraw(self, bb: Int, c: Int, i: Int, hh: Int) -> Float32:
-        if c == 0 and i < self.wk.s:
+        if c == 0 and i < self.s_of(bb):
             return self.bufd[unsafe_offset=(bb * Q + i) * self.dims.nh + hh]
         return self.work[unsafe_offset=self.wk.o_draw + (bb * self.dims.nh + hh) * Q + i]
 

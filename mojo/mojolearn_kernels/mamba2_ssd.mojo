@@ -54,18 +54,19 @@ def cb_task(cl: M2Call, gp: M2Group, task: Int):
     j <= i (computed 16 j at a time; lanes past i are never read)."""
     var wk = cl.wk
     var di = cl.dims.di
-    var c = gp.c
-    var gn = gp.gn
-    var nrb = ceil_div(gn, CB_ROWS_PER_TASK)
+    var nrb = ceil_div(gp.gn, CB_ROWS_PER_TASK)
     var bb = task // nrb
     var rb = task % nrb
+    var rg = cl.row_group(gp, bb)  # (rows with their own positions)
+    var c = rg.c
+    var gn = rg.gn
     var bt = cl.work.unsafe_offset(wk.o_bt + bb * N * Q)
     var r1 = min(gn, rb * CB_ROWS_PER_TASK + CB_ROWS_PER_TASK)
     for r in range(rb * CB_ROWS_PER_TASK, r1):
-        var i = gp.i0 + gp.gs + r
+        var i = rg.i0 + rg.gs + r
         var crow = cl.xbc_row(bb, c, i).unsafe_offset(di + N)
         var dst = cl.work.unsafe_offset(wk.o_cb + (bb * gn + r) * Q)
-        if gp.nnew <= DIRECT_CB_MAX:
+        if rg.nnew <= DIRECT_CB_MAX:
             if cl.has_cache:
                 cb_row_cached(cl, c, bb, i, crow, dst)
             else:
@@ -140,10 +141,11 @@ def cb_row_direct(xr: XRows, di: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
         j0 += G
 
 
-def ssd_task(cl: M2Call, gp: M2Group, bb: Int, hh: Int, task: Int):
+def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     """Head hh of row bb, one group of chunk gp.c: outputs of the group's
     rows; after the chunk's last group, the fold (chunk complete) and/or the
     h_last report."""
+    var gp = cl.row_group(group, bb)  # (rows with their own positions)
     var dims = cl.dims
     var wk = cl.wk
     var di = dims.di

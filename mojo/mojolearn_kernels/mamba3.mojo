@@ -92,6 +92,9 @@ def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
             return b * dims.nh
         return PHASE_END
     var wk = M3Work(dims, b, arg_int(args, FWD_L))
+    if arg_int(args, FWD_ROW_N0) != 0 and (wk.l != 1 or arg_int(args, FWD_N0) != 0
+                                          or arg_int(args, FWD_PENDING) != 0):
+        return -3  # per-row positions: one-token steps, nothing pending
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
     if phase >= wk.nchunks * NSTAGES:

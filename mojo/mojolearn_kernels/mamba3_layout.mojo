@@ -1,7 +1,7 @@
 """Mamba-3 SISO block: sizes, argument slots, the weight blob's and the
 workspace's layouts (mamba3.mojo runs the block, mamba3_scan.mojo its scan;
 the backward modules share these)."""
-from .abi import F32Ptr, ALIGN_FLOATS, round_up, ceil_div
+from .abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
 from .linear import WF_F32, packed_floats
 
 comptime NST = 128  # N, q/k head dimension
@@ -53,6 +53,10 @@ comptime FWD_RH = 21  # reports (mode 1): h_last (B,H,P,N)
 comptime FWD_RK = 22  # k_last (B,H,N)
 comptime FWD_RV = 23  # v_last (B,H,P)
 comptime FWD_RTHETA = 24  # theta_last (B,H,R)
+# 0, or int64 (B,): each row's own buffered_tokens on entry (then FWD_N0 is
+# 0 and nothing is pending): rows at different positions of their chunks
+# step in one call (continuous batching), each row exactly as alone.
+comptime FWD_ROW_N0 = 25
 
 comptime ST_NORM = 0
 comptime ST_INPROJ = 1
@@ -184,6 +188,13 @@ struct M3Work(ImplicitlyCopyable):
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(self.tc, self.l - c * self.tc)
+
+
+def n0_of(args: I64Ptr, bb: Int) -> Int:
+    """Row bb's buffered tokens on entry (FWD_ROW_N0, else FWD_N0)."""
+    if arg_int(args, FWD_ROW_N0) != 0:
+        return Int(arg_i64(args, FWD_ROW_N0)[unsafe_offset=bb])
+    return arg_int(args, FWD_N0)
 
 
 def count_after(n0: Int, k: Int) -> Int:

@@ -11,7 +11,7 @@ from .mamba3_layout import (
     M3Dims, NST, HP, NANG, QC, PI_F32, V16, FWD_L, FWD_LENGTHS, FWD_N0,
     FWD_PENDING, FWD_THETA, FWD_H, FWD_BQ, FWD_BK, FWD_BV, FWD_BDT, FWD_BSG, FWD_BADT,
     FWD_PK, FWD_PV, FWD_RH, FWD_RK, FWD_RV, FWD_RTHETA, FWD_WORK,
-    S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, S_CHUNK, COPY_TOKENS, FOLD_SCR, count_after,
+    S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, S_CHUNK, COPY_TOKENS, FOLD_SCR, count_after, n0_of,
 )
 from .lanes import copy_floats
 from .mamba3_stages import phi_a, rotate_token, fold_into, out_token
@@ -173,7 +173,7 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
     var t_end = min(t0 + nc, len_b)
     if t_end <= t0:
         return
-    var n0 = arg_int(args, FWD_N0)
+    var n0 = n0_of(args, bb)
     var pending = arg_int(args, FWD_PENDING) != 0
     var cnt = count_after(n0, t0)
     var hs = HeadState(args, dims, bb, hh)
@@ -296,7 +296,7 @@ def report_task(args: I64Ptr, dims: M3Dims, task: Int):
     last row at gamma only), k_last, v_last, theta_last."""
     var bb = task // dims.nh
     var hh = task % dims.nh
-    var n0 = arg_int(args, FWD_N0)
+    var n0 = n0_of(args, bb)
     var cnt = n0
     if arg_int(args, FWD_LENGTHS) != 0:
         cnt = count_after(0, Int(arg_i64(args, FWD_LENGTHS)[unsafe_offset=bb]))

@@ -291,6 +291,7 @@ def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     # its state arrays and the cache)
     s.slot("work", m2.FWD_WORK, K_WORK, 0, 0)
     _f32(s, "cache", m2.FWD_CACHE, BUF_INOUT, b * m2.cache_floats_per_row(dm.nh))
+    s.slot("row_tokens", m2.FWD_ROW_S, K_I64, BUF_IN, b * I8)
 
 
 def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
@@ -366,6 +367,7 @@ def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "report:k", m3.FWD_RK, BUF_OUT, bh * m3.NST)
     _f32(s, "report:v", m3.FWD_RV, BUF_OUT, bh * m3.HP)
     _f32(s, "report:theta", m3.FWD_RTHETA, BUF_OUT, bh * m3.NANG)
+    s.slot("row_tokens", m3.FWD_ROW_N0, K_I64, BUF_IN, b * I8)
 
 
 def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):

@@ -9,13 +9,12 @@ makes a row's bits independent of the batch, so each request's tokens and
 logits are bit-identical to generating its prompt alone, whatever else is in
 the batch and whenever it joined.
 
-Rows batched into one block step share the block's state, and with it the
-position within the block's chunk (Mamba-2: the buffered tokens of its
-256-token chunk; Mamba-3: of its 64-token chunk, and the pending flag). The
-Batcher keeps requests in groups of equal position: Mamba-1 needs no
-position, so all its requests decode in one group; Mamba-2/3 requests decode
-together when their positions match (a group per position otherwise; every
-group still shares the one LM-head pass).
+All active requests decode in one batched step per layer: one pass over
+each layer's weights and one over the LM head for all of them. Mamba-2/3
+rows sit at different positions of their blocks' chunks (the buffered
+tokens of the 256- or 64-token chunk): each row's own position goes to the
+kernels (the forward op's row_tokens), which compute every row exactly as it
+would alone.
 """
 from __future__ import annotations
 
@@ -87,37 +86,45 @@ class Request:
                 f"generated={len(self.tokens)}, done={self.done})")
 
 
-class _Group:
-    """Requests decoded in one batched block step, and their layer states
-    (row i of each is request i). While the membership stays the same the
-    states are decoded through open decode sessions (the state is checked
-    once, not at every token); a change of membership closes them first."""
+class _Rows:
+    """The active requests and their layer states (row i of each state is
+    request i), decoded through open decode sessions while the membership
+    stays the same (the state is checked once, not at every token); a change
+    of membership closes them first. Mamba-2/3 rows keep their own chunk
+    positions (``pos``, given to the sessions as row_tokens)."""
 
-    def __init__(self):
+    def __init__(self, kind):
+        self.kind = kind
         self.requests = []
         self.states = None
+        self.pos = []
         self.sessions = None
 
     def open(self, blocks):
         if self.sessions is None:
-            self.sessions = [blk.decode_session(st) for blk, st in zip(blocks, self.states)]
+            from .mamba.sessions import Mamba2DecodeSession, Mamba3DecodeSession
+            cls = {"mamba2": Mamba2DecodeSession, "mamba3": Mamba3DecodeSession}.get(self.kind)
+            if cls is None:
+                self.sessions = [blk.decode_session(st) for blk, st in zip(blocks, self.states)]
+            else:
+                self.sessions = [cls(blk, st, _row_tokens=self.pos)
+                                 for blk, st in zip(blocks, self.states)]
 
     def close(self):
         if self.sessions is not None:
+            if self.kind != "mamba":
+                self.pos = self.sessions[0]._row_positions()
             for s in self.sessions:
                 s.close()
             self.sessions = None
 
-    def position(self) -> tuple:
-        """Where the rows are in the blocks' chunks (() for Mamba-1)."""
-        if self.sessions is not None:
-            return self.sessions[0]._position()
-        return _position(self.states)
 
-
-def _position(states) -> tuple:
+def _position(states) -> int:
+    """A fresh request's chunk position (buffered tokens; 0 for Mamba-1)."""
     st = states[0]
-    return tuple(getattr(st, n) for n in ("buffered_tokens", "pending") if hasattr(st, n))
+    if getattr(st, "pending", False):
+        raise ValueError("a request's state has input states pending")
+    return getattr(st, "buffered_tokens", 0)
 
 
 def _restack(blocks, parts):
@@ -165,18 +172,18 @@ class Batcher:
         self.model = model
         self.keep_logits = bool(keep_logits)
         self._pending = []
-        self._groups = []
+        self._rows = _Rows(model.kind)
         self._next_id = 0
 
     @property
     def busy(self) -> bool:
         """Whether a request is pending or active."""
-        return bool(self._pending or self._groups)
+        return bool(self._pending or self._rows.requests)
 
     @property
     def active(self) -> list:
         """The requests being decoded (not pending, not done)."""
-        return [r for g in self._groups for r in g.requests]
+        return list(self._rows.requests)
 
     def submit(self, prompt, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
                seed=0, stop_tokens=()) -> Request:
@@ -232,7 +239,8 @@ class Batcher:
         m = self.model
         d = m.d_model
         rows = []  # (request, hidden-row source (Array, index))
-        for g in self._groups:
+        g = self._rows
+        if g.requests:
             last = [r.tokens[-1] for r in g.requests]
             x = m._embed_ids(last).reshape((len(last), 1, d))
             g.open(m.blocks)
@@ -272,36 +280,23 @@ class Batcher:
         return out
 
     def _regroup(self, admitted):
-        """Retire finished requests from their groups; admitted requests that
-        go on join the group of their position (or start one)."""
+        """Retire finished requests; admitted requests that go on join."""
         blocks = self.model.blocks
-        groups = []
-        for g in self._groups:
-            keep = [i for i, r in enumerate(g.requests) if not r.done]
-            if len(keep) < len(g.requests):
-                g.close()  # the states are complete again
-                if keep:
-                    g.states = _restack(blocks, [(g.states, i) for i in keep])
-                    g.requests = [g.requests[i] for i in keep]
-            if keep:
-                groups.append(g)
-        for req in admitted:
-            if req.done:
-                req._states = None
-                continue
-            pos = _position(req._states)
-            g = next((g for g in groups if g.position() == pos), None)
-            if g is None:
-                g = _Group()
-                groups.append(g)
-                g.states = req._states
-            else:
-                g.close()
-                g.states = _restack(blocks, [(g.states, i) for i in range(len(g.requests))]
-                                    + [(req._states, 0)])
-            g.requests.append(req)
-            req._states = None
-        self._groups = groups
+        g = self._rows
+        keep = [i for i, r in enumerate(g.requests) if not r.done]
+        joining = [r for r in admitted if not r.done]
+        for r in admitted:
+            if r.done:
+                r._states = None
+        if len(keep) == len(g.requests) and not joining:
+            return
+        g.close()  # the states are complete again
+        parts = [(g.states, i) for i in keep] + [(r._states, 0) for r in joining]
+        g.pos = [g.pos[i] for i in keep] + [_position(r._states) for r in joining]
+        g.requests = [g.requests[i] for i in keep] + joining
+        g.states = _restack(blocks, parts) if parts else None
+        for r in joining:
+            r._states = None
 
     def run(self):
         """Step until no request is pending or active, yielding (request,

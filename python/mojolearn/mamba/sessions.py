@@ -15,6 +15,11 @@ from ._base import copy_bytes, workspace_floats
 from ._state import array_view, check_not_held
 
 
+def _pack_int64(values) -> bytes:
+    from array import array
+    return array("q", values).tobytes()
+
+
 class DecodeSessionBase:
     """Base of Mamba{1,2,3}DecodeSession (not public).
 
@@ -115,6 +120,27 @@ class DecodeSessionBase:
         state's own are stale while it is open): () for Mamba-1,
         (buffered_tokens,) for Mamba-2, (buffered_tokens, pending) for Mamba-3."""
         return ()
+
+    # Rows at their own positions (Mamba-2/3, internal: mojolearn.generate's
+    # continuous batching). The state's scalar position is then not used or
+    # updated; each row's buffered_tokens lives in an int64 Array the op reads
+    # (its row_tokens slot), and _row_positions() reads it back.
+    def _use_row_tokens(self, row_tokens):
+        from .._array import Array
+        rows = [_intake.as_int(t, "row_tokens") for t in row_tokens]
+        if len(rows) != self._b:
+            raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
+        self._rows = Array((self._b,), "int64", zero=False)
+        memoryview(self._rows)[:] = memoryview(bytes(_pack_int64(rows))).cast("q")
+        self._args[self._spec.slot("row_tokens")] = self._rows.address
+
+    def _row_positions(self) -> list:
+        return memoryview(self._rows).tolist()
+
+    def _advance_rows(self, after):
+        mv = memoryview(self._rows)
+        for i in range(self._b):
+            mv[i] = after(mv[i])
 
     def close(self):
         """Copy the state back, release the buffers and close. Idempotent.
@@ -258,15 +284,19 @@ class Mamba2DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state):
+    def __init__(self, block, state, _row_tokens=None):
         from .._array import Array
         views = block._state_views(state, None)
         self._bind(block, state, views[0].shape[0])
         self._arrays = [Array(v.shape, zero=False) for v in views]
         self._copy_in(views)
         self._s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
+        self._rows = None
         self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
         self._s_slot = self._spec.slot("buffered_tokens")
+        if _row_tokens is not None:
+            self._s = self._args[self._s_slot] = 0
+            self._use_row_tokens(_row_tokens)
         self._own_workspace(self._args)
         # transposed copies of h and of the open chunk's B rows, rebuilt by
         # the kernel whenever a marker is 0: same chains, vectorized
@@ -285,7 +315,11 @@ class Mamba2DecodeSession(DecodeSessionBase):
         args[self._s_slot] = self._s
 
     def _after_step(self):
-        self._s = (self._s + 1) % self._block._CHUNK
+        q = self._block._CHUNK
+        if self._rows is not None:
+            self._advance_rows(lambda s: (s + 1) % q)
+        else:
+            self._s = (self._s + 1) % q
 
     def _position(self) -> tuple:
         return (self._s,)
@@ -295,7 +329,8 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._check_open()
         st = self._state
         self._write_back(st, list(zip(st._ARRAYS, self._arrays)))
-        st.buffered_tokens = self._s
+        if self._rows is None:
+            st.buffered_tokens = self._s
         st._version += 1
         return st
 
@@ -335,16 +370,22 @@ class Mamba3DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state):
+    def __init__(self, block, state, _row_tokens=None):
         from .._array import Array
         self._bind(block, state, 0)
         views, nb = self._validated()
         self._b = views["h"].shape[0]
         self._arrays = {n: Array(v.shape, zero=False) for n, v in views.items()}
         self._copy_in(views, nb)
+        self._rows = None
         self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
         self._n0_slot = self._spec.slot("buffered_tokens")
         self._pending_slot = self._spec.slot("pending")
+        if _row_tokens is not None:
+            if self._pending:
+                raise ValueError("row_tokens: the state has input states pending")
+            self._nb = self._args[self._n0_slot] = 0
+            self._use_row_tokens(_row_tokens)
         self._own_workspace(self._args)
         self._activate()
 
@@ -366,7 +407,11 @@ class Mamba3DecodeSession(DecodeSessionBase):
         args[self._pending_slot] = 1 if self._pending else 0
 
     def _after_step(self):
-        self._nb = self._block._count_after(self._nb, 1)
+        after = self._block._count_after
+        if self._rows is not None:
+            self._advance_rows(lambda n: after(n, 1))
+        else:
+            self._nb = after(self._nb, 1)
         self._pending = False
 
     def _position(self) -> tuple:
@@ -377,7 +422,8 @@ class Mamba3DecodeSession(DecodeSessionBase):
         self._check_open()
         st = self._state
         self._write_back(st, list(self._arrays.items()))
-        st.buffered_tokens = self._nb
+        if self._rows is None:
+            st.buffered_tokens = self._nb
         st.pending = self._pending
         st._calls += 1  # reports of earlier calls on this state are gone
         return st
