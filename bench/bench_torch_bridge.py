@@ -16,10 +16,13 @@ Per block it prints the best-of-reps seconds of
 - no-grad: m(x) under torch.no_grad() vs block.forward(x)
 
 (direct and module alternate rep by rep, as do the two forwards), and the
-ratios module / direct and no-grad / forward. A benchmark, not a
-test; results are not recorded in RESULTS.md.
+ratios module / direct and no-grad / forward; and for Mamba-1 and Mamba-2
+the transformers block (MambaBlock / Mamba2Block, float32, its PyTorch path)
+on the same weights and inputs, forward + backward under torch autograd
+(transformers: y = blk(x); y.backward(g)), and module / transformers.
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -51,6 +54,34 @@ def main():
     kinds = {"mamba1": (mt.Mamba1, mojolearn.Mamba1Block, W.mamba1_weights),
              "mamba2": (mt.Mamba2, mojolearn.Mamba2Block, W.mamba2_weights),
              "mamba3": (mt.Mamba3, mojolearn.Mamba3Block, W.mamba3_weights)}
+
+    def hf_block(kind, w):
+        """The transformers block on the same weights (float32), or None."""
+        if kind == "mamba3":
+            return None
+        import transformers
+        from transformers.models.mamba import modeling_mamba as m1
+        from transformers.models.mamba2 import modeling_mamba2 as m2
+        t = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
+        d = a.d
+        if kind == "mamba1":
+            cfg = transformers.MambaConfig(hidden_size=d, state_size=16, expand=2, conv_kernel=4,
+                                           time_step_rank=math.ceil(d / 16), use_bias=False,
+                                           use_conv_bias=True, layer_norm_epsilon=1e-5,
+                                           use_mambapy=False, num_hidden_layers=1)
+            blk = m1.MambaBlock(cfg, layer_idx=0)
+            sd = {("norm.weight" if k == "norm.weight" else f"mixer.{k}"): v for k, v in t.items()}
+        else:
+            cfg = transformers.Mamba2Config(hidden_size=d, num_heads=2 * d // 64, head_dim=64,
+                                            state_size=128, n_groups=1, expand=2, conv_kernel=4,
+                                            chunk_size=256, use_bias=False, use_conv_bias=True,
+                                            layer_norm_epsilon=1e-5, num_hidden_layers=1)
+            blk = m2.Mamba2Block(cfg, layer_idx=0)
+            sd = {f"mixer.{k}": v for k, v in t.items() if k != "block_norm.weight"}
+            sd["norm.weight"] = t["block_norm.weight"]
+        sd["mixer.conv1d.weight"] = sd["mixer.conv1d.weight"].reshape(-1, 1, 4)
+        blk.load_state_dict(sd, strict=True)
+        return blk.train()
 
     def best(fn, reps):
         fn()  # warm-up
@@ -110,6 +141,16 @@ def main():
                     times[name].append(time.perf_counter() - t0)
             res.update({name: min(t) for name, t in times.items()})
         res["rebuild"] = best(rebuild, a.reps)
+        hf = hf_block(kind, w)
+        if hf is not None:
+            xh = xt.clone().requires_grad_(True)
+
+            def theirs():
+                for p in hf.parameters():
+                    p.grad = None
+                hf(xh).backward(gt)
+            time.sleep(SETTLE_S)
+            res["transformers"] = best(theirs, a.reps)
         # the module's gradients are the block's (a sanity check of the run)
         for p in m.parameters():
             p.grad = None
@@ -120,7 +161,10 @@ def main():
               f"ratio {res['module'] / res['direct']:.3f}; rebuild {res['rebuild'] * 1e3:.1f} ms "
               f"({100 * res['rebuild'] / res['direct']:.1f}% of a fwd+bwd); no-grad forward "
               f"direct {res['fwd_direct']:.3f} s, module {res['fwd_module']:.3f} s, ratio "
-              f"{res['fwd_module'] / res['fwd_direct']:.3f}", flush=True)
+              f"{res['fwd_module'] / res['fwd_direct']:.3f}"
+              + (f"; transformers fwd+bwd {res['transformers']:.3f} s, module is "
+                 f"{res['transformers'] / res['module']:.1f}x faster" if "transformers" in res
+                 else ""), flush=True)
 
 
 if __name__ == "__main__":

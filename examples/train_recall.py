@@ -1,6 +1,6 @@
 """Train a 2-layer model of mojolearn blocks on associative recall.
 
-    python examples/train_recall.py [--kind mamba1|mamba2|mamba3] [--steps 1500]
+    python examples/train_recall.py [--kind mamba1|mamba2|mamba3] [--steps 3000]
                                     [--threads 2] [--seed 0] [--target 0.9]
 
 The task (the associative-recall probe of the Mamba papers): a sequence of
@@ -71,8 +71,8 @@ class RecallModel(torch.nn.Module):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", default="mamba1", choices=["mamba1", "mamba2", "mamba3"])
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=2)

@@ -1,5 +1,6 @@
 """Every ```python example in docs/*.md runs (the .rst pages are run by
-Sphinx's doctest builder in test_docs.py)."""
+Sphinx's doctest builder in test_docs.py), and README.md's as written:
+with nothing predefined."""
 import re
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import mojolearn
 from mojolearn.reference.weights import mamba1_weights, random_input
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-BLOCKS = [(p.name, i, code) for p in sorted(DOCS.glob("*.md"))
+README = DOCS.parent / "README.md"
+BLOCKS = [(p.name, i, code) for p in sorted(DOCS.glob("*.md")) + [README]
           for i, code in enumerate(re.findall(r"```python\n(.*?)```", p.read_text(), re.S))]
 
 
@@ -27,4 +29,6 @@ def test_markdown_example_runs(name, index, code, tmp_path):
         code = code.replace("path/to/folder", str(folder))
     env = {"mojolearn": mojolearn, "np": np, "weights": mamba1_weights(32, 0),
            "x": random_input(2, 5, 32, 1)}
+    if name == "README.md":
+        env = {}  # copied as written
     exec(compile(code, f"{name} example {index}", "exec"), env)
