@@ -65,6 +65,16 @@ def model_folder(kind: str, quick: bool) -> Path:
 
 
 def _peak_rss_mb() -> float:
+    """This process image's peak RSS (VmHWM: ru_maxrss would include the
+    parent's RSS at the fork, which can be the benchmark driver's whole
+    transformers model)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -112,33 +112,7 @@ def read_safetensors(path, names=None) -> dict:
     dict of name -> mojolearn.Array (float32). F32 is read as is, BF16 and
     F16 are widened exactly; other dtypes raise TypeError naming the tensor.
     """
-    path = Path(path)
-    with open(path, "rb") as f:
-        header, base, size = _safetensors_header(f, path)
-        header.pop("__metadata__", None)
-        want = list(header) if names is None else list(names)
-        missing = [n for n in want if n not in header]
-        if missing:
-            raise ValueError(f"{path}: no tensors named {missing}")
-        out = {}
-        for name in want:
-            dtype, shape, begin, end = _entry(header[name], name, path)
-            if dtype not in _ST_DTYPES:
-                raise TypeError(f"tensor {name} has dtype {dtype}; only F32, BF16 and F16 "
-                                "(widened exactly to float32) can be loaded")
-            if end - begin != _numel(shape) * _ST_DTYPES[dtype] or begin < 0 or \
-                    base + end > size:
-                raise ValueError(f"{path}: tensor {name} has inconsistent data offsets "
-                                 f"{[begin, end]} for {dtype} {list(shape)}")
-            f.seek(base + begin)
-            if dtype == "F32" and sys.byteorder == "little":
-                arr = _new(shape)  # straight into the Array, no intermediate copy
-                if f.readinto(memoryview(arr).cast("B")) != end - begin:
-                    raise ValueError(f"{path}: tensor {name} is truncated")
-                out[name] = arr
-                continue
-            out[name] = _from_raw(f.read(end - begin), dtype, shape, name)
-    return out
+    return {name: t.load() for name, t in lazy_safetensors(path, names).items()}
 
 
 class LazyTensor:
