@@ -104,8 +104,8 @@ class _Rows:
         if self.sessions is None:
             from .mamba.sessions import Mamba2DecodeSession, Mamba3DecodeSession
             cls = {"mamba2": Mamba2DecodeSession, "mamba3": Mamba3DecodeSession}.get(self.kind)
-            if cls is None:
-                self.sessions = [blk.decode_session(st) for blk, st in zip(blocks, self.states)]
+            if cls is None:  # Mamba-1: block.step (a session would hold a workspace per layer)
+                self.sessions = [_Stepper(blk, st) for blk, st in zip(blocks, self.states)]
             else:
                 self.sessions = [cls(blk, st, _row_tokens=self.pos)
                                  for blk, st in zip(blocks, self.states)]
@@ -119,6 +119,19 @@ class _Rows:
             self.sessions = None
 
 
+class _Stepper:
+    """block.step on one state, with a decode session's step/close."""
+
+    def __init__(self, block, state):
+        self.block, self.state = block, state
+
+    def step(self, x):
+        return self.block.step(x, self.state)
+
+    def close(self):
+        pass
+
+
 def _position(states) -> int:
     """A fresh request's chunk position (buffered tokens; 0 for Mamba-1)."""
     st = states[0]
@@ -129,7 +142,9 @@ def _position(states) -> int:
 
 def _restack(blocks, parts):
     """Per layer, a new state whose row i is row r of state s for the i-th
-    (states, r) in parts (all at one position: values from the first)."""
+    (states, r) in parts (values from the first). The sources are consumed:
+    each layer's are dropped once copied, so a restack holds one layer's
+    states twice at most, not the whole model's."""
     out = []
     for layer, blk in enumerate(blocks):
         first = parts[0][0][layer]
@@ -143,6 +158,8 @@ def _restack(blocks, parts):
         for name in type(first)._VALUES:
             setattr(new, name, getattr(first, name))
         out.append(new)
+        for states, _ in parts:
+            states[layer] = None
     return out
 
 

@@ -45,6 +45,15 @@ class DecodeSessionBase:
         self._spec = block._fwd_spec()  # the forward op's slots by name
         self._x_slot, self._y_slot = self._spec.slot("x"), self._spec.slot("y")
 
+    _thread_work = False  # the op's workspace is the calling thread's (scratch only)
+
+    def _use_thread_workspace(self):
+        """Steps run on the calling thread's shared workspace (the blocks'
+        one): for ops whose workspace is scratch, so a model of many
+        sessions holds one workspace, not one per layer."""
+        self._thread_work = True
+        self._work_slot = self._spec.slot("work")
+
     def _own_workspace(self, args, zero=False):
         """Allocate the session's private workspace for args (kept from
         open to close) and put its address in the op's work slot."""
@@ -97,6 +106,8 @@ class DecodeSessionBase:
         args = self._args
         args[self._y_slot] = y.address
         self._before_step(args)
+        if self._thread_work:
+            args[self._work_slot] = self._block._workspace(self._op, args).address
         # A plain C-contiguous float32 x is checked and run in one native
         # call; anything else goes through the full intake (and its errors).
         if not self._lib.run_step(self._op, args, x, self._b, self._d, self._x_slot):
@@ -267,8 +278,9 @@ class Mamba2DecodeSession(DecodeSessionBase):
 
     Made by ``Mamba2Block.decode_session(state)``. Every output is byte for
     byte what ``Mamba2Block.step`` gives. The session holds its own copies of
-    the state and a preallocated workspace, so a step validates only x (the
-    state is validated once, when the session opens or reloads). Until
+    the state (its steps run on the calling thread's shared workspace), so a
+    step validates only x (the state is validated once, when the session
+    opens or reloads). Until
     close() or sync_state() the state's arrays and buffered_tokens are
     stale, and the block refuses that state; weight edits (set_params) after
     opening are not seen; edits to the state arrays are not seen until
@@ -297,7 +309,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         if _row_tokens is not None:
             self._s = self._args[self._s_slot] = 0
             self._use_row_tokens(_row_tokens)
-        self._own_workspace(self._args)
+        self._use_thread_workspace()
         # transposed copies of h and of the open chunk's B rows, rebuilt by
         # the kernel whenever a marker is 0: same chains, vectorized
         # (mamba2_layout.mojo, CACHE_HDR)
@@ -352,8 +364,9 @@ class Mamba3DecodeSession(DecodeSessionBase):
 
     Made by ``Mamba3Block.decode_session(state)``. Every output is byte for
     byte what ``Mamba3Block.step`` gives. The session holds its own copies of
-    the state and a preallocated workspace, so a step validates only x (the
-    state is validated once, when the session opens or reloads). Until
+    the state (its steps run on the calling thread's shared workspace), so a
+    step validates only x (the state is validated once, when the session
+    opens or reloads). Until
     close() or sync_state() the state's arrays, buffered_tokens and pending
     are stale, and the block refuses that state; weight edits (set_params)
     after opening are not seen; edits to the state arrays are not seen until
@@ -386,7 +399,7 @@ class Mamba3DecodeSession(DecodeSessionBase):
                 raise ValueError("row_tokens: the state has input states pending")
             self._nb = self._args[self._n0_slot] = 0
             self._use_row_tokens(_row_tokens)
-        self._own_workspace(self._args)
+        self._use_thread_workspace()
         self._activate()
 
     def _validated(self):
