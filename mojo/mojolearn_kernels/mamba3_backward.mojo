@@ -50,11 +50,14 @@ from .mamba3_stages import norm_rows, bc_norm_rows, phi_a, rotate_token, fold_in
 from .mamba3_backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN,
     BW_G_DTB, BW_G_BNW, BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, V16,
+    BW_N0, BW_PENDING, BW_STATED, BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_BK, BW_S_BV,
+    BW_S_BDT, BW_S_BSG, BW_S_BADT, BW_S_PK, BW_S_PV, BW_C_THETA, SV,
     ROWS_PER_TASK, TB, QK, CSW, A_NORM, A_INPROJ, A_BCNORM, A_SCAN, A_KEEP,
     NA, F_NORM, F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ, B_NORM,
     B_NORMW, NB, M_G, M_L, M_C, M_HQ, M_DG, V_DT, V_SG, V_ADT, V_A, V_SCALE, V_E, V_QK,
     V_TMP, SCR, BW3,
 )
+from .mamba3_backward_scan import apply_pending
 from .mamba3_backward_scan import (
     V4, _scan_bwd,
 )
@@ -86,9 +89,12 @@ def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> I
             return matmul_ntasks(rows, dims.np - dims.di)  # z is not needed
         if stage == A_KEEP:
             if wk.kept(c):
-                return ceil_div(wk.b * QC, ROWS_PER_TASK)
+                return ceil_div(wk.b * wk.chunk_tokens(c), ROWS_PER_TASK)
             return 0
         return bh
+    if nr == 0 and stage != S_FWD and stage != B_SCAN and not (
+            wk.defer and (stage == B_OUT or stage == B_INPROJ)):
+        return 0  # chunk 0 of state rows only (a full buffered chunk): no token rows
     if (stage == F_INPROJ or stage == F_BCNORM) and wk.kept(c):
         return 0  # pass A's rows are reused
     if stage == F_NORM or stage == F_BCNORM or stage == B_NORM:
@@ -109,12 +115,26 @@ def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> I
     return ceil_div(dims.d, 16)  # B_NORMW
 
 
+def bw3_of(args: I64Ptr, dims: M3Dims) -> BW3:
+    """The call's layout: with a state (BW_STATED), chunk 0 starts with its
+    BW_N0 buffered rows."""
+    return BW3(dims, arg_int(args, BW_B), arg_int(args, BW_L), arg_int(args, BW_N0),
+               arg_int(args, BW_STATED) != 0)
+
+
 def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
     if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
         return -3  # backward reads float32 panels; blocks on packed weights expand them
+    var n0 = arg_int(args, BW_N0)
+    var stated = arg_int(args, BW_STATED) != 0
+    if n0 < 0 or n0 > QC or (n0 != 0 and not stated):
+        return -3
+    if stated and (arg_int(args, BW_LENGTHS) != 0
+                   or (arg_int(args, BW_PENDING) != 0 and n0 != 0)):
+        return -3  # ragged rows only without a state; input states only on a fresh state
     var dims = M3Dims(arg_int(args, BW_D))
     var b = arg_int(args, BW_B)
-    var wk = BW3(dims, b, arg_int(args, BW_L))
+    var wk = bw3_of(args, dims)
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
     if phase == 0:
@@ -136,8 +156,7 @@ def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
 
 def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     var dims = M3Dims(arg_int(args, BW_D))
-    var b = arg_int(args, BW_B)
-    var wk = BW3(dims, b, arg_int(args, BW_L))
+    var wk = bw3_of(args, dims)
     if phase == 0:
         _init(args, dims, wk, task)
         return
@@ -183,7 +202,7 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == B_SCAN:
         _scan_bwd(args, dims, wk, c, task // dims.nh, task % dims.nh)
     elif stage == B_RED:
-        _reduce(args, dims, wk, nc, task)
+        _reduce(args, dims, wk, c, nc, task)
     elif stage == B_INPROJ:
         _inproj_backward(args, dims, wk, c, nc, task)
     elif stage == B_NORM:
@@ -193,7 +212,11 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
 
 
 def _init(args: I64Ptr, dims: M3Dims, wk: BW3, task: Int):
-    """Zero (row, head) task's carries and its chunk-0 checkpoints."""
+    """Zero (row, head) task's carries and its chunk-0 checkpoints; with a
+    state, chunk 0's checkpoints are the state's theta and h (the pending
+    term is added once token 0's dt and sg are known: apply_pending), the
+    previous k, v rows its pending_k, pending_v, and the angle carry starts
+    from the final theta's cotangent."""
     var w = arg_f32(args, BW_WORK)
     for i in range(HP * NST):
         w[unsafe_offset=wk.o_cdh + task * HP * NST + i] = 0.0
@@ -206,6 +229,19 @@ def _init(args: I64Ptr, dims: M3Dims, wk: BW3, task: Int):
     for i in range(NST):
         w[unsafe_offset=wk.o_ckk + task * NST + i] = 0.0
     w[unsafe_offset=wk.o_cbeta + task] = 0.0
+    if not wk.stated:
+        return
+    copy_floats(arg_f32(args, BW_S_H).unsafe_offset(task * HP * NST),
+                w.unsafe_offset(wk.o_ckh + task * HP * NST), HP * NST)
+    copy_floats(arg_f32(args, BW_S_THETA).unsafe_offset(task * NANG),
+                w.unsafe_offset(wk.o_ckt + task * NANG), NANG)
+    copy_floats(arg_f32(args, BW_C_THETA).unsafe_offset(task * NANG),
+                w.unsafe_offset(wk.o_cdt + task * NANG), NANG)
+    if arg_int(args, BW_PENDING) != 0:
+        copy_floats(arg_f32(args, BW_S_PV).unsafe_offset(task * HP),
+                    w.unsafe_offset(wk.o_ckv + task * HP), HP)
+        copy_floats(arg_f32(args, BW_S_PK).unsafe_offset(task * NST),
+                    w.unsafe_offset(wk.o_ckk + task * NST), NST)
 
 
 # ------------------------------------------------------------ row stages
@@ -223,12 +259,20 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
     var gch = work.unsafe_offset(wk.o_gch)
     var r0 = task * ROWS_PER_TASK
     var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
-    if norm:  # the forward's (mamba3_stages)
-        norm_rows(x, l, d, c * QC, nr, r0, r1, blob.unsafe_offset(dims.o_norm), xn, 0)
+    var t0 = wk.tok0(c)
+    var lens = arg_int(args, BW_LENGTHS)
+    if norm:  # the forward's (mamba3_stages; ragged: padding rows +0.0, as there)
+        norm_rows(x, l, d, t0, nr, r0, r1, blob.unsafe_offset(dims.o_norm), xn, lens)
     if copy_g:
         for r in range(r0, r1):
-            copy_floats(g.unsafe_offset(((r // nr) * l + c * QC + r % nr) * d),
-                        gch.unsafe_offset(r * d), d)
+            var bb = r // nr
+            if lens != 0 and t0 + r % nr >= Int(I64Ptr(unsafe_from_address=lens)[
+                    unsafe_offset=bb]):
+                for j in range(d):  # padding: no cotangent enters
+                    gch[unsafe_offset=r * d + j] = 0.0
+            else:
+                copy_floats(g.unsafe_offset((bb * l + t0 + r % nr) * d),
+                            gch.unsafe_offset(r * d), d)
 
 
 def _inproj(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
@@ -251,18 +295,19 @@ def _inproj_no_z(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
 
 
 def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
-    """Copy pass A's rows of chunk c (B x 65 layout) to its keep slot, in
-    pass B's B x 64 layout."""
+    """Copy pass A's rows of chunk c (B x (nt + 1) layout) to its keep slot,
+    in pass B's B x nt layout."""
     var work = arg_f32(args, BW_WORK)
     var d = dims.d
     var npj = dims.np
+    var nt = wk.chunk_tokens(c)
     var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * QC, r0 + ROWS_PER_TASK)
+    var r1 = min(wk.b * nt, r0 + ROWS_PER_TASK)
     var kx = wk.keep_xn(c, d)
     var kp = wk.keep_proj(c, d)
     var kb = wk.keep_bcn(c, d, npj)
     for r in range(r0, r1):
-        var src = (r // QC) * (QC + 1) + r % QC
+        var src = (r // nt) * (nt + 1) + r % nt
         copy_floats(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)
         copy_floats(work.unsafe_offset(wk.o_proj + src * npj),
                   work.unsafe_offset(kp + r * npj), npj)
@@ -284,29 +329,38 @@ def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
 # ------------------------------------------------------------ per (row, head) recompute
 
 
-def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int,
+def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, c: Int, nr: Int,
           theta: F32Ptr, scr: F32Ptr):
-    """Tokens 0..n-1 of the chunk for (bb, hh): dt, sg, adt, A, qk (unrotated
-    q . k) into the vectors; the angles advanced from theta (updated in
-    place); cos | sin, and the rotated q | k rows (bias added) written to
-    cs and qkr. The forward op's formulas and order."""
+    """Rows 0..n-1 of chunk c for (bb, hh), n = s0 + nt: first the s0 state
+    rows (chunk 0 of the state path: dt, sg, adt as stored, the stored
+    rotated k, q and the unrotated q . k +0.0: a state row's own output is
+    not part of this call), then the nt tokens: dt, sg, adt, A, qk
+    (unrotated q . k) into the vectors; the angles advanced from theta
+    (updated in place); cos | sin, and the rotated q | k rows (bias added)
+    written to cs and qkr (scan rows bb (s0 + nr) + i). The forward op's
+    formulas and order. nr: proj rows per batch row."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
     var proj = work.unsafe_offset(wk.o_proj)
     var bcn = work.unsafe_offset(wk.o_bcn)
+    var s0 = wk.s0(c)
+    var nt = wk.chunk_tokens(c)
+    var n = s0 + nt
+    var ns = s0 + nr
     var dtb = blob[unsafe_offset=dims.o_dtb + hh]
     var bbias = blob.unsafe_offset(dims.o_bb + hh * NST)
     var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
     var qu = scr.unsafe_offset(V_TMP)
     var ku = scr.unsafe_offset(V_TMP + NST)
     # dt, sg, A of 16 tokens at a time (gathered into their vectors; the
-    # functions give the same bits at any width); lanes past n are unused
-    for i in range(n):
+    # functions give the same bits at any width); lanes past n are unused,
+    # state rows below s0 are written after
+    for i in range(nt):
         var pr = proj.unsafe_offset((bb * nr + i) * dims.np)
-        scr[unsafe_offset=V_DT + i] = pr[unsafe_offset=dims.c_dt + hh]
-        scr[unsafe_offset=V_SG + i] = pr[unsafe_offset=dims.c_tr + hh]
-        scr[unsafe_offset=V_A + i] = pr[unsafe_offset=dims.c_a + hh]
-    var i0 = 0
+        scr[unsafe_offset=V_DT + s0 + i] = pr[unsafe_offset=dims.c_dt + hh]
+        scr[unsafe_offset=V_SG + s0 + i] = pr[unsafe_offset=dims.c_tr + hh]
+        scr[unsafe_offset=V_A + s0 + i] = pr[unsafe_offset=dims.c_a + hh]
+    var i0 = (s0 // 16) * 16
     while i0 < n:
         var dtv = softplus_f32[16](scr.unsafe_load[width=16](V_DT + i0) + V16(dtb))
         var av = phi_a[16](scr.unsafe_load[width=16](V_A + i0))
@@ -315,17 +369,57 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, nr: Int, n: Int
         scr.unsafe_store(V_ADT + i0, av * dtv)
         scr.unsafe_store(V_A + i0, av)
         i0 += 16
-    for i in range(n):  # the forward's rotation (mamba3_stages.rotate_token)
+    if s0 > 0:
+        var nh = dims.nh
+        var sdt = arg_f32(args, BW_S_BDT)
+        var ssg = arg_f32(args, BW_S_BSG)
+        var sadt = arg_f32(args, BW_S_BADT)
+        var sbk = arg_f32(args, BW_S_BK)
+        for j in range(s0):
+            var so = (bb * QC + j) * nh + hh
+            scr[unsafe_offset=V_DT + j] = sdt[unsafe_offset=so]
+            scr[unsafe_offset=V_SG + j] = ssg[unsafe_offset=so]
+            scr[unsafe_offset=V_ADT + j] = sadt[unsafe_offset=so]
+            scr[unsafe_offset=V_A + j] = 0.0
+            scr[unsafe_offset=V_QK + j] = 0.0
+            var qrow = work.unsafe_offset(wk.o_qkr + wk.qk_row(bb * ns + j, hh))
+            for k in range(NST):
+                qrow[unsafe_offset=k] = 0.0
+            copy_floats(sbk.unsafe_offset(so * NST), qrow.unsafe_offset(NST), NST)
+    for i in range(nt):  # the forward's rotation (mamba3_stages.rotate_token)
         var r = bb * nr + i
+        var sr = bb * ns + s0 + i
         var pr = proj.unsafe_offset(r * dims.np)
         var bc = bcn.unsafe_offset(r * 2 * NST)
-        var qrow = work.unsafe_offset(wk.o_qkr + wk.qk_row(r, hh))
-        scr[unsafe_offset=V_QK + i] = rotate_token[True](
+        var qrow = work.unsafe_offset(wk.o_qkr + wk.qk_row(sr, hh))
+        scr[unsafe_offset=V_QK + s0 + i] = rotate_token[True](
             bc, bc.unsafe_offset(NST), bbias, cbias,
             tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang)) * V16(PI_F32),
             tanh_f32[16](pr.unsafe_load[width=16](dims.c_ang + 16)) * V16(PI_F32),
-            scr[unsafe_offset=V_DT + i], theta, qu, ku, qrow, qrow.unsafe_offset(NST),
-            work.unsafe_offset(wk.o_cs + (hh * wk.rmax + r) * CSW))
+            scr[unsafe_offset=V_DT + s0 + i], theta, qu, ku, qrow, qrow.unsafe_offset(NST),
+            work.unsafe_offset(wk.o_cs + (hh * wk.rmax + sr) * CSW))
+
+
+def _v_rows(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, c: Int,
+            nr: Int) -> Tuple[F32Ptr, Int]:
+    """(row 0, row stride) of chunk c's v rows for (bb, hh): the proj rows,
+    or with state rows in front a contiguous copy (state rows, then the
+    tokens) in the (row, head)'s o_sv matrix."""
+    var work = arg_f32(args, BW_WORK)
+    var s0 = wk.s0(c)
+    var vo = dims.c_v + hh * HP
+    var proj = work.unsafe_offset(wk.o_proj)
+    if s0 == 0:
+        return (proj.unsafe_offset(bb * nr * dims.np + vo), dims.np)
+    var vm = work.unsafe_offset(wk.o_sv + (bb * dims.nh + hh) * SV)
+    var sbv = arg_f32(args, BW_S_BV)
+    for j in range(s0):
+        copy_floats(sbv.unsafe_offset(((bb * QC + j) * dims.nh + hh) * HP),
+                    vm.unsafe_offset(j * HP), HP)
+    for i in range(wk.chunk_tokens(c)):
+        copy_floats(proj.unsafe_offset((bb * nr + i) * dims.np + vo),
+                    vm.unsafe_offset((s0 + i) * HP), HP)
+    return (vm, HP)
 
 
 @always_inline
@@ -363,17 +457,23 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var blob = arg_f32(args, BW_BLOB)
     var nh = dims.nh
     var bh = bb * nh + hh
-    var n = wk.chunk_tokens(c)
-    var nr = n + 1
+    var s0 = wk.s0(c)
+    var nt = wk.chunk_tokens(c)
+    var n = s0 + nt
+    var nr = nt + 1
+    var ns = s0 + nr
     var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
     var nbh = wk.b * nh
     var th = work.unsafe_offset(wk.o_ckt + ((c + 1) * nbh + bh) * NANG)
     var th0 = work.unsafe_offset(wk.o_ckt + (c * nbh + bh) * NANG)
     for i in range(NANG):
         th[unsafe_offset=i] = th0[unsafe_offset=i]
-    _prep(args, dims, wk, bb, hh, nr, n, th, scr)
-    # beta of the next chunk's first token (row n of this stage)
-    var pr = work.unsafe_offset(wk.o_proj + (bb * nr + n) * dims.np)
+    _prep(args, dims, wk, bb, hh, c, nr, th, scr)
+    var h0 = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
+    if c == 0 and wk.stated and arg_int(args, BW_PENDING) != 0:
+        apply_pending(args, dims, bh, scr, h0)  # the forward's step 7
+    # beta of the next chunk's first token (row nt of this stage)
+    var pr = work.unsafe_offset(wk.o_proj + (bb * nr + nt) * dims.np)
     var dtn = softplus_f32[1](pr[unsafe_offset=dims.c_dt + hh] + blob[unsafe_offset=dims.o_dtb + hh])
     var sgn = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + hh])
     _scales(scr, n, dtn * (Float32(1.0) - sgn))
@@ -381,73 +481,84 @@ def _scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var hdec = _segs(scr, n - 1, w)
     for j in range(n):
         w[unsafe_offset=j] = w[unsafe_offset=j] * scr[unsafe_offset=V_SCALE + j]
-    var h0 = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
     var h1 = work.unsafe_offset(wk.o_ckh + ((c + 1) * nbh + bh) * HP * NST)
-    var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
-    fold_into(proj.unsafe_offset(bb * nr * dims.np + dims.c_v + hh * HP), dims.np,
-              qkr.unsafe_offset(wk.qk_row(bb * nr, hh) + NST), QK, w, n, hdec, h0, h1,
+    var vr = _v_rows(args, dims, wk, bb, hh, c, nr)
+    var v0 = vr[0]
+    var ldv = vr[1]
+    fold_into(v0, ldv, qkr.unsafe_offset(wk.qk_row(bb * ns, hh) + NST), QK, w, n, hdec, h0, h1,
               scr.unsafe_offset(M_G))  # the forward's fold (M_G is free in pass A)
-    var rl = bb * nr + n - 1
     var kv = work.unsafe_offset(wk.o_ckv + ((c + 1) * nbh + bh) * HP)
     var kk = work.unsafe_offset(wk.o_ckk + ((c + 1) * nbh + bh) * NST)
     for p in range(HP):
-        kv[unsafe_offset=p] = proj[unsafe_offset=rl * dims.np + dims.c_v + hh * HP + p]
+        kv[unsafe_offset=p] = v0[unsafe_offset=(n - 1) * ldv + p]
     for k in range(NST):
-        kk[unsafe_offset=k] = qkr[unsafe_offset=wk.qk_row(rl, hh) + NST + k]
+        kk[unsafe_offset=k] = qkr[unsafe_offset=wk.qk_row(bb * ns + n - 1, hh) + NST + k]
 
 
 def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     """Pass B recompute for (bb, hh) over chunk c: the forward op's outputs
-    y (before the gate) and o, plus the matrices the VJP reuses."""
+    y (before the gate) and o, plus the matrices the VJP reuses (state rows:
+    their L rows and e; G, C and q . h rows +0.0)."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
     var nh = dims.nh
     var bh = bb * nh + hh
-    var n = wk.chunk_tokens(c)
+    var s0 = wk.s0(c)
+    var nt = wk.chunk_tokens(c)
+    var n = s0 + nt
+    var ns = n
     var nbh = wk.b * nh
     var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
     var th = scr.unsafe_offset(M_DG)  # angles: M_DG is free until the VJP
     var th0 = work.unsafe_offset(wk.o_ckt + (c * nbh + bh) * NANG)
     for i in range(NANG):
         th[unsafe_offset=i] = th0[unsafe_offset=i]
-    _prep(args, dims, wk, bb, hh, n, n, th, scr)
+    _prep(args, dims, wk, bb, hh, c, nt, th, scr)
+    var h = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
+    if c == 0 and wk.nchunks == 1 and wk.stated and arg_int(args, BW_PENDING) != 0:
+        apply_pending(args, dims, bh, scr, h)  # (pass A did it when it ran)
     var cb = work.unsafe_offset(wk.o_cbeta + bh)
     var beta_next = cb[unsafe_offset=0]
     cb[unsafe_offset=0] = scr[unsafe_offset=V_DT] * (Float32(1.0) - scr[unsafe_offset=V_SG])
     _scales(scr, n, beta_next)
-    var h = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
     var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var rs = QK  # row stride inside one head's block
     var hb = hh * wk.rmax
-    for i in range(n):  # per token: L row, e_i, G and C rows
-        var r = bb * n + i
+    for i in range(n):  # per row: L row, e_i, G and C rows
+        var r = bb * ns + i
         var qrow = qkr.unsafe_offset(wk.qk_row(r, hh))
         var lrow = scr.unsafe_offset(M_L + i * QC)
         var grow = scr.unsafe_offset(M_G + i * QC)
         var crow = scr.unsafe_offset(M_C + i * QC)
         var e = _segs(scr, i, lrow)
         scr[unsafe_offset=V_E + i] = e
+        if i < s0:  # a state row: no output here
+            for j in range(0, QC, 16):
+                grow.unsafe_store(j, V16(0.0))
+                crow.unsafe_store(j, V16(0.0))
+                scr.unsafe_store(M_HQ + i * HP + j, V16(0.0))
+            continue
         var j = 0
         while j < i:
             var g4: V4
             if j + 4 <= i:
-                g4 = dots128x4(qrow, 0, qkr.unsafe_offset((bb * n + j) * rs + hb * QK + NST), rs)
+                g4 = dots128x4(qrow, 0, qkr.unsafe_offset((bb * ns + j) * rs + hb * QK + NST), rs)
             else:
                 g4 = V4(0.0)
                 for q in range(i - j):
-                    g4[q] = dot128(qrow, qkr.unsafe_offset((bb * n + j + q) * rs + hb * QK + NST))
+                    g4[q] = dot128(qrow, qkr.unsafe_offset((bb * ns + j + q) * rs + hb * QK + NST))
             for q in range(min(4, i - j)):
                 grow[unsafe_offset=j + q] = g4[q]
                 crow[unsafe_offset=j + q] = (lrow[unsafe_offset=j + q]
                                              * scr[unsafe_offset=V_SCALE + j + q]) * g4[q]
             j += 4
     # hq_i = h q_i, TB tokens at a time (they share each loaded h row)
-    var i0 = 0
+    var i0 = s0
     while i0 < n:
-        var q0 = qkr.unsafe_offset(wk.qk_row(bb * n + i0, hh))
+        var q0 = qkr.unsafe_offset(wk.qk_row(bb * ns + i0, hh))
         if TB == 2 and i0 + 1 < n:
             for p in range(0, HP, 4):
                 dots128_block[TB](q0, QK, h.unsafe_offset(p * NST), NST,
@@ -458,12 +569,14 @@ def _scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                 dots128_block[1](q0, QK, h.unsafe_offset(p * NST), NST,
                                   scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
             i0 += 1
-    var v0 = proj.unsafe_offset(bb * n * dims.np + dims.c_v + hh * HP)
-    for i in range(n):  # y and o: the forward's out_token
-        var r = bb * n + i
+    var vr = _v_rows(args, dims, wk, bb, hh, c, nt)
+    var v0 = vr[0]
+    var ldv = vr[1]
+    for i in range(s0, n):  # y and o: the forward's out_token
+        var r = bb * nt + i - s0
         var diag = scr[unsafe_offset=V_QK + i] * (scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i])
         out_token[True](scr.unsafe_offset(M_C + i * QC), i, scr[unsafe_offset=V_E + i],
-                        scr.unsafe_offset(M_HQ + i * HP), v0, dims.np, diag, dsk,
+                        scr.unsafe_offset(M_HQ + i * HP), v0, ldv, diag, dsk,
                         proj.unsafe_offset(r * dims.np + hh * HP),
                         work.unsafe_offset(wk.o_o + r * dims.di + hh * HP),
                         work.unsafe_offset(wk.o_y + r * dims.di + hh * HP))
@@ -495,7 +608,7 @@ def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: In
 # ------------------------------------------------------------ reductions
 
 
-def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
+def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     """Row tasks: head sums (h ascending) of dk, dq, d angle; B/C norm VJPs.
     Head tasks: B_bias, C_bias, dt_bias, D chains (rows ascending)."""
     var work = arg_f32(args, BW_WORK)
@@ -504,6 +617,7 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
     var nh = dims.nh
     var npj = dims.np
     var nrt = ceil_div(rows, ROWS_PER_TASK)
+    var s0 = wk.s0(c)
     var dqk = work.unsafe_offset(wk.o_dqk)
     var dproj = work.unsafe_offset(wk.o_dproj)
     if task < nrt:
@@ -513,14 +627,15 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
         for r in range(r0, r1):
             var dpr = dproj.unsafe_offset(r * npj)
             var pbc = work.unsafe_offset(wk.o_pbc + r * 2 * NST)
+            var sr = wk.scan_row(r, nc, s0)
             # head sums (h ascending) into the B | C columns of dproj as dBn | dCn
             # (16 lanes = 16 independent sums, each the same + chain over heads)
             comptime for kc in range(0, NST, 16):
-                var sb = dqk.unsafe_load[width=16](wk.qk_row(r, 0) + NST + kc)
-                var sc = dqk.unsafe_load[width=16](wk.qk_row(r, 0) + kc)
+                var sb = dqk.unsafe_load[width=16](wk.qk_row(sr, 0) + NST + kc)
+                var sc = dqk.unsafe_load[width=16](wk.qk_row(sr, 0) + kc)
                 for hh in range(1, nh):
-                    sb = sb + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + NST + kc)
-                    sc = sc + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + kc)
+                    sb = sb + dqk.unsafe_load[width=16](wk.qk_row(sr, hh) + NST + kc)
+                    sc = sc + dqk.unsafe_load[width=16](wk.qk_row(sr, hh) + kc)
                 dpr.unsafe_store(dims.c_b + kc, sb)
                 dpr.unsafe_store(dims.c_c + kc, sc)
             comptime for rc in range(0, NANG, 16):
@@ -545,8 +660,9 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
         var ab = gbb.unsafe_load[width=16](cc * 16)
         var ac = gcb.unsafe_load[width=16](cc * 16)
         for r in range(rows):
-            ab = ab + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + NST + cc * 16)
-            ac = ac + dqk.unsafe_load[width=16](wk.qk_row(r, hh) + cc * 16)
+            var sr = wk.scan_row(r, nc, s0)
+            ab = ab + dqk.unsafe_load[width=16](wk.qk_row(sr, hh) + NST + cc * 16)
+            ac = ac + dqk.unsafe_load[width=16](wk.qk_row(sr, hh) + cc * 16)
         gbb.unsafe_store(cc * 16, ab)
         gcb.unsafe_store(cc * 16, ac)
     var gdtb = arg_f32(args, BW_G_DTB)
@@ -604,8 +720,16 @@ def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: I
     var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
     var r1 = min(wk.b * nc, r0 + ROWS_PER_TASK)
+    var t0 = wk.tok0(c)
+    var lens = arg_int(args, BW_LENGTHS)
     for r in range(r0, r1):
-        var off = ((r // nc) * l + c * QC + r % nc) * d
+        var off = ((r // nc) * l + t0 + r % nc) * d
+        if lens != 0 and t0 + r % nc >= Int(I64Ptr(unsafe_from_address=lens)[
+                unsafe_offset=r // nc]):
+            for j in range(d):  # padding: +0.0, and nothing to the norm weight
+                dx[unsafe_offset=off + j] = 0.0
+                work[unsafe_offset=wk.o_pn + r * d + j] = 0.0
+            continue
         rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
                               work.unsafe_offset(wk.o_dxn + r * d), g.unsafe_offset(off),
                               dx.unsafe_offset(off), work.unsafe_offset(wk.o_pn + r * d))

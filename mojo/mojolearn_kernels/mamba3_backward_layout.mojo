@@ -41,7 +41,45 @@ comptime BW_G_CB = 16
 comptime BW_G_D = 17
 comptime BW_G_OUT = 18
 comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_PACK_TRANSPOSED)
-comptime BW_NARGS = 20
+# Gradients through the state (all 0 for the zero-state backward, whose
+# bits and work are unchanged). BW_STATED = 1: the forward started from the
+# state in BW_S_* (buffered_tokens BW_N0, pending BW_PENDING), the final
+# state's cotangents are in BW_C_* and the initial state's gradients go to
+# BW_GS_* (every byte written; buffer rows past BW_N0 get +0.0).
+comptime BW_N0 = 20  # buffered_tokens of the initial state, in [0, 64]
+comptime BW_PENDING = 21  # 1: input states pending (then BW_N0 = 0)
+comptime BW_STATED = 22
+comptime BW_LENGTHS = 23  # 0, or int64 (B,) ragged lengths (only without a state)
+comptime BW_S_THETA = 24  # the initial state (Mamba3State layouts), read only
+comptime BW_S_H = 25
+comptime BW_S_BK = 26
+comptime BW_S_BV = 27
+comptime BW_S_BDT = 28
+comptime BW_S_BSG = 29
+comptime BW_S_BADT = 30
+comptime BW_S_PK = 31
+comptime BW_S_PV = 32
+comptime BW_C_THETA = 33  # cotangents of the final state (same layouts)
+comptime BW_C_H = 34
+comptime BW_C_BQ = 35
+comptime BW_C_BK = 36
+comptime BW_C_BV = 37
+comptime BW_C_BDT = 38
+comptime BW_C_BSG = 39
+comptime BW_C_BADT = 40
+comptime BW_C_PK = 41
+comptime BW_C_PV = 42
+comptime BW_GS_THETA = 43  # gradients of the initial state (same layouts)
+comptime BW_GS_H = 44
+comptime BW_GS_BQ = 45
+comptime BW_GS_BK = 46
+comptime BW_GS_BV = 47
+comptime BW_GS_BDT = 48
+comptime BW_GS_BSG = 49
+comptime BW_GS_BADT = 50
+comptime BW_GS_PK = 51
+comptime BW_GS_PV = 52
+comptime BW_NARGS = 53
 
 
 comptime V16 = SIMD[DType.float32, 16]
@@ -116,6 +154,11 @@ comptime V_DVV = V0 + 640
 comptime V_DDT = V0 + 704
 comptime V_TMP = V0 + 768  # 256 floats
 comptime SCR = V0 + 1024
+# The state path's chunk 0 holds the state's buffered rows before its
+# tokens: per (row, head) its v rows and their gradients as two contiguous
+# (64, 64) matrices (state rows, then tokens), since state and token rows
+# sit in different arrays (o_sv; only allocated with a state).
+comptime SV = 2 * QC * HP
 
 
 struct BW3(ImplicitlyCopyable):
@@ -149,6 +192,9 @@ struct BW3(ImplicitlyCopyable):
     var o_pn: Int  # (rmax, d)
     var o_dxn: Int  # (rmax, d)
     var o_scr: Int  # (B, H, SCR)
+    var n0: Int  # state rows in front of chunk 0 (the initial buffered_tokens)
+    var stated: Bool
+    var o_sv: Int  # (B, H, SV) v | dv rows of chunk 0 (state path with n0 > 0)
     var nkeep: Int  # pass-A chunks n-1-nkeep .. n-2 are kept
     var keep_slot: Int  # floats per kept chunk: xn | proj | bcn, B * 64 rows each
     var o_keep: Int
@@ -159,11 +205,15 @@ struct BW3(ImplicitlyCopyable):
     var o_so: Int  # (B L, di) o rows
     var floats: Int
 
-    def __init__(out self, dims: M3Dims, b: Int, l: Int):
+    def __init__(out self, dims: M3Dims, b: Int, l: Int, n0: Int = 0, stated: Bool = False):
         self.b = b
         self.l = l
+        self.n0 = n0
+        self.stated = stated
         self.nh = dims.nh
-        self.nchunks = ceil_div(l, QC)
+        # chunks of the rows "state rows, then tokens" (aligned to absolute
+        # positions: the forward's chunks); n0 = 0: ceil(L / 64)
+        self.nchunks = ceil_div(n0 + l, QC)
         self.rmax = b * (QC + 1)
         var bh = b * dims.nh
         var r = self.rmax
@@ -218,6 +268,9 @@ struct BW3(ImplicitlyCopyable):
         o += round_up(r * d, ALIGN_FLOATS)
         self.o_scr = o
         o += bh * SCR
+        self.o_sv = o
+        if n0 > 0:
+            o += bh * SV
         var kr = b * QC
         self.keep_slot = (round_up(kr * d, ALIGN_FLOATS) + round_up(kr * dims.np, ALIGN_FLOATS)
                           + round_up(kr * 2 * NST, ALIGN_FLOATS))
@@ -240,7 +293,23 @@ struct BW3(ImplicitlyCopyable):
         self.floats = o
 
     def chunk_tokens(self, c: Int) -> Int:
-        return min(QC, self.l - c * QC)
+        """Tokens of chunk c (chunk 0 may have none: a full buffered chunk)."""
+        return min(self.l, (c + 1) * QC - self.n0) - self.tok0(c)
+
+    def tok0(self, c: Int) -> Int:
+        """The first token of chunk c."""
+        return max(0, c * QC - self.n0)
+
+    def s0(self, c: Int) -> Int:
+        """State rows in front of chunk c's tokens (n0 in chunk 0)."""
+        return self.n0 if c == 0 else 0
+
+    def scan_row(self, r: Int, nt: Int, s0: Int) -> Int:
+        """The qkr / cs / dqk row of token row r of a chunk of nt tokens
+        after s0 state rows (batch row r // nt holds s0 + nt scan rows)."""
+        if s0 == 0:
+            return r
+        return (r // nt) * (s0 + nt) + s0 + r % nt
 
     def qk_row(self, r: Int, hh: Int) -> Int:
         """Offset of row r, head hh in qkr / dqk. Head-major: a (row, head)
@@ -272,7 +341,7 @@ struct BW3(ImplicitlyCopyable):
     def srow(self, c: Int) -> Int:
         """Store rows before chunk c: B x the tokens of the chunks after it
         (pass B runs chunks last to first)."""
-        return self.b * max(0, self.l - (c + 1) * QC)
+        return self.b * max(0, self.l - ((c + 1) * QC - self.n0))
 
     def dw_now(self, c: Int) -> Bool:
         """Does chunk c's pass B run the weight-gradient products?"""

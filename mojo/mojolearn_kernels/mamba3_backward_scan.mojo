@@ -19,8 +19,12 @@ from .numerics import (
 from .mamba3_layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
 from .dot128 import V4, dot128, dots128x4, dots128_block
 
+from .lanes import copy_floats
 from .mamba3_backward_layout import (
-    BW_BLOB, BW_WORK, V16, NHF, HW, HO, TB, QK, CSW, M_G, M_L, M_C, M_HQ, M_DY, M_DG,
+    BW_BLOB, BW_WORK, BW_PENDING, BW_S_PK, BW_S_PV, BW_C_H, BW_C_BQ, BW_C_BK, BW_C_BV,
+    BW_C_BDT, BW_C_BSG, BW_C_BADT, BW_C_PK, BW_C_PV, BW_GS_THETA, BW_GS_H, BW_GS_BQ,
+    BW_GS_BK, BW_GS_BV, BW_GS_BDT, BW_GS_BSG, BW_GS_BADT, BW_GS_PK, BW_GS_PV, SV,
+    V16, NHF, HW, HO, TB, QK, CSW, M_G, M_L, M_C, M_HQ, M_DY, M_DG,
     V_DT, V_SG, V_A, V_SCALE, V_E, V_QK, V_DCUM, V_DSCALE, V_DGAM, V_DVV, V_DDT, V_TMP,
     SCR, BW3,
 )
@@ -224,6 +228,101 @@ def _dh_in[T: Int](scr: F32Ptr, dy: F32Ptr, qk: F32Ptr, dH: F32Ptr, n: Int,
                 dH.unsafe_store((p0 + t) * NST + o + cc * 16, acc[t * HW + cc])
 
 
+def apply_pending(args: I64Ptr, dims: M3Dims, bh: Int, scr: F32Ptr, h: F32Ptr):
+    """The forward's input-state step (mamba3_scan.scan_task) on chunk 0's
+    checkpoint h of (row, head) bh: h[p, n] = fma(v_in[p] scal, k_in[n], h)
+    with scal = dt_0 (1 - sg_0) of token 0 (in the scan vectors)."""
+    var pk = arg_f32(args, BW_S_PK).unsafe_offset(bh * NST)
+    var pv = arg_f32(args, BW_S_PV).unsafe_offset(bh * HP)
+    var scal = scr[unsafe_offset=V_DT] * (Float32(1.0) - scr[unsafe_offset=V_SG])
+    for p in range(HP):
+        var vv = V16(pv[unsafe_offset=p] * scal)
+        comptime for c in range(8):
+            var hp = h.unsafe_offset(p * NST + c * 16)
+            hp.unsafe_store(0, vv.fma(pk.unsafe_load[width=16](c * 16), hp.unsafe_load[width=16](0)))
+
+
+def _final_cotangents(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, n: Int,
+                      scr: F32Ptr, dqk0: F32Ptr, dvb: F32Ptr, ldv: Int):
+    """The last chunk of the state path: the final state's buffer rows
+    0..n-1 are this chunk's rows, so their cotangents join the rows'
+    (rotated q, k and v here, one add each; dt, sg, adt in step 7)."""
+    var nh = dims.nh
+    var cq = arg_f32(args, BW_C_BQ)
+    var ck = arg_f32(args, BW_C_BK)
+    var cv = arg_f32(args, BW_C_BV)
+    for j in range(n):
+        var so = (bb * QC + j) * nh + hh
+        var dq = dqk0.unsafe_offset(j * QK)
+        comptime for cc in range(8):
+            dq.unsafe_store(cc * 16, dq.unsafe_load[width=16](cc * 16)
+                            + cq.unsafe_load[width=16](so * NST + cc * 16))
+            dq.unsafe_store(NST + cc * 16, dq.unsafe_load[width=16](NST + cc * 16)
+                            + ck.unsafe_load[width=16](so * NST + cc * 16))
+        var dv = dvb.unsafe_offset(j * ldv)
+        comptime for cc in range(4):
+            dv.unsafe_store(cc * 16, dv.unsafe_load[width=16](cc * 16)
+                            + cv.unsafe_load[width=16](so * HP + cc * 16))
+
+
+def _state_grads(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, fin: Bool,
+                 dqk0: F32Ptr, dvb: F32Ptr, ldv: Int, dH: F32Ptr, tcar: F32Ptr,
+                 dbeta_prev: Float32, scr: F32Ptr):
+    """Chunk 0 of the state path: the initial state's gradients of (bb, hh).
+    theta: the angle carry; h: dh_in; buffer rows j < n0: the rows' dk, dv
+    (and dq: the final cotangent only, the forward never reads a buffered
+    q), their dt, sg, adt (written by step 7); rows past n0 +0.0; pending_k,
+    pending_v: the input-state step's VJP (pending) plus the final state's
+    cotangents (the forward leaves these arrays as they are)."""
+    var nh = dims.nh
+    var bh = bb * nh + hh
+    var s0 = wk.n0
+    copy_floats(tcar, arg_f32(args, BW_GS_THETA).unsafe_offset(bh * NANG), NANG)
+    copy_floats(dH, arg_f32(args, BW_GS_H).unsafe_offset(bh * HP * NST), HP * NST)
+    var gq = arg_f32(args, BW_GS_BQ)
+    var gk = arg_f32(args, BW_GS_BK)
+    var gv = arg_f32(args, BW_GS_BV)
+    var cq = arg_f32(args, BW_C_BQ)
+    for j in range(QC):
+        var so = (bb * QC + j) * nh + hh
+        if j < s0:
+            if fin:
+                copy_floats(cq.unsafe_offset(so * NST), gq.unsafe_offset(so * NST), NST)
+            else:
+                for k in range(NST):
+                    gq[unsafe_offset=so * NST + k] = 0.0
+            copy_floats(dqk0.unsafe_offset(j * QK + NST), gk.unsafe_offset(so * NST), NST)
+            copy_floats(dvb.unsafe_offset(j * ldv), gv.unsafe_offset(so * HP), HP)
+        else:
+            for k in range(NST):
+                gq[unsafe_offset=so * NST + k] = 0.0
+                gk[unsafe_offset=so * NST + k] = 0.0
+            for p in range(HP):
+                gv[unsafe_offset=so * HP + p] = 0.0
+            arg_f32(args, BW_GS_BDT)[unsafe_offset=so] = 0.0
+            arg_f32(args, BW_GS_BSG)[unsafe_offset=so] = 0.0
+            arg_f32(args, BW_GS_BADT)[unsafe_offset=so] = 0.0
+    var gpk = arg_f32(args, BW_GS_PK).unsafe_offset(bh * NST)
+    var gpv = arg_f32(args, BW_GS_PV).unsafe_offset(bh * HP)
+    var cpk = arg_f32(args, BW_C_PK).unsafe_offset(bh * NST)
+    var cpv = arg_f32(args, BW_C_PV).unsafe_offset(bh * HP)
+    if arg_int(args, BW_PENDING) == 0:
+        copy_floats(cpk, gpk, NST)
+        copy_floats(cpv, gpv, HP)
+        return
+    # h += (v_in scal) k_in^T: d v_in = (dh k_in) scal, d k_in = dh^T (v_in scal)
+    var pv = arg_f32(args, BW_S_PV).unsafe_offset(bh * HP)
+    var scal = scr[unsafe_offset=V_DT] * (Float32(1.0) - scr[unsafe_offset=V_SG])
+    var u = scr.unsafe_offset(V_TMP)  # dh_in k_in (step 4's dbeta)
+    for p in range(HP):
+        gpv[unsafe_offset=p] = u[unsafe_offset=p] * scal + cpv[unsafe_offset=p]
+    comptime for cc in range(8):
+        var acc = V16(0.0)
+        for p in range(HP):
+            acc = V16(pv[unsafe_offset=p] * scal).fma(dH.unsafe_load[width=16](p * NST + cc * 16), acc)
+        gpk.unsafe_store(cc * 16, acc + cpk.unsafe_load[width=16](cc * 16))
+
+
 def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     """VJP of chunk c for (bb, hh). Order (each sum in the loop order written):
     1. per token i: dy = do * silu(z); dz = (do * y) * silu'(z); dvv_i = dy_i . v_i.
@@ -242,14 +341,24 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     5. dadt = reverse cumulative sum of dcum.
     6. tokens descending: angle cotangent T += d theta_j; dq, dk unrotated;
        d angle partial = T pi dt (1 - tanh^2); ddt_theta = sum_r T tanh pi.
-    7. scalars: d dd_dt, d dd_A, d trap (see the code)."""
+    7. scalars: d dd_dt, d dd_A, d trap (see the code).
+    State path (BW_STATED): chunk 0's first n0 rows are the state's buffered
+    rows (no output here: dy +0.0, q, G, C, q . h rows +0.0, so every sum
+    above runs over them unchanged and adds nothing of theirs); the last
+    chunk adds the final state's cotangents (h to dh_in, rows after step 4,
+    adt after step 5, dt and sg in step 7); chunk 0 writes the initial
+    state's gradients (_state_grads)."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
     var nh = dims.nh
     var bh = bb * nh + hh
-    var n = wk.chunk_tokens(c)
+    var s0 = wk.s0(c)
+    var nt = wk.chunk_tokens(c)
+    var n = s0 + nt
+    var ns = n  # scan rows per batch row
     var nbh = wk.b * nh
     var last = n - 1
+    var fin = wk.stated and c == wk.nchunks - 1
     var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
     var proj = work.unsafe_offset(wk.o_proj)
     var dproj = work.unsafe_offset(wk.o_dproj)
@@ -263,9 +372,25 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var vo = dims.c_v + hh * HP
     var dy = scr.unsafe_offset(M_DY)
+    # v rows and their gradients: the proj / dproj rows, or with state rows
+    # in front the (row, head)'s contiguous copy (_scan_fwd filled it)
+    var vb = proj.unsafe_offset((bb * nt) * npj + vo)
+    var dvb = dproj.unsafe_offset((bb * nt) * npj + vo)
+    var ldv = npj
+    if s0 > 0:
+        vb = work.unsafe_offset(wk.o_sv + bh * SV)
+        dvb = vb.unsafe_offset(QC * HP)
+        ldv = HP
     # 1.
     for i in range(n):
-        var r = bb * n + i
+        if i < s0:
+            comptime for cc in range(4):
+                dy.unsafe_store(i * HP + cc * 16, V16(0.0))
+            scr[unsafe_offset=V_DVV + i] = 0.0
+            scr[unsafe_offset=V_DCUM + i] = 0.0
+            scr[unsafe_offset=V_DSCALE + i] = 0.0
+            continue
+        var r = bb * nt + i - s0
         var dorow = work.unsafe_offset(wk.o_do + r * dims.di + hh * HP)
         var yrow = work.unsafe_offset(wk.o_y + r * dims.di + hh * HP)
         var pr = proj.unsafe_offset(r * npj)
@@ -277,7 +402,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             var sz = sigmoid_f32[16](z)
             var sgrad = sz * z.fma(V16(1.0) - sz, V16(1.0))
             dpr.unsafe_store(hh * HP + cc * 16, (g * yrow.unsafe_load[width=16](cc * 16)) * sgrad)
-        var dvv = _dot64(dy.unsafe_offset(i * HP), pr.unsafe_offset(vo))
+        var dvv = _dot64(dy.unsafe_offset(i * HP), vb.unsafe_offset(i * ldv))
         scr[unsafe_offset=V_DVV + i] = dvv
         work[unsafe_offset=wk.o_dd + r * nh + hh] = dvv
         scr[unsafe_offset=V_DCUM + i] = 0.0
@@ -289,11 +414,11 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         while j0 < i:  # four dots at a time, then the updates in j order
             var d4: V4
             if j0 + 4 <= i:
-                d4 = _dots64x4(dyi, 0, proj.unsafe_offset((bb * n + j0) * npj + vo), npj)
+                d4 = _dots64x4(dyi, 0, vb.unsafe_offset(j0 * ldv), ldv)
             else:
                 d4 = V4(0.0)
                 for q in range(i - j0):
-                    d4[q] = _dot64(dyi, proj.unsafe_offset((bb * n + j0 + q) * npj + vo))
+                    d4[q] = _dot64(dyi, vb.unsafe_offset((j0 + q) * ldv))
             for q in range(min(4, i - j0)):
                 var j = j0 + q
                 var dv_ = d4[q]
@@ -306,8 +431,8 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
                 scr[unsafe_offset=M_DG + i * QC + j] = dl * scr[unsafe_offset=V_SCALE + j]
             j0 += 4
     # 3. dq, dk of TB tokens at a time (_dqdk), then dv, dcum, dgam per token
-    var qk0 = qkr.unsafe_offset((bb * n) * rs + hb * QK)  # token 0, rows QK apart
-    var dqk0 = dqk.unsafe_offset((bb * n) * rs + hb * QK)
+    var qk0 = qkr.unsafe_offset((bb * ns) * rs + hb * QK)  # row 0, rows QK apart
+    var dqk0 = dqk.unsafe_offset((bb * ns) * rs + hb * QK)
     var i0 = 0
     while i0 < n:
         if TB == 2 and i0 + 1 < n:
@@ -317,7 +442,6 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             _dqdk[1](scr, dy, h, qk0, dqk0, n, i0)
             i0 += 1
     for i in range(n):
-        var r = bb * n + i
         var e = scr[unsafe_offset=V_E + i]
         var gam = scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]
         var dvv = scr[unsafe_offset=V_DVV + i]
@@ -328,7 +452,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             comptime for cc in range(4):
                 va[cc] = cm.fma(dy.unsafe_load[width=16](i2 * HP + cc * 16), va[cc])
         var self_c = V16(gam * scr[unsafe_offset=V_QK + i] + dsk)
-        var dvrow = dproj.unsafe_offset(r * npj + vo)
+        var dvrow = dvb.unsafe_offset(i * ldv)
         comptime for cc in range(4):
             dvrow.unsafe_store(cc * 16, self_c.fma(dy.unsafe_load[width=16](i * HP + cc * 16), va[cc]))
         scr[unsafe_offset=V_DCUM + i] = scr[unsafe_offset=V_DCUM + i] + e * _dot64(
@@ -346,18 +470,21 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var j0 = 0
     while j0 < n:
         if TB == 2 and j0 + 1 < n:
-            _fold[TB](scr, proj.unsafe_offset((bb * n) * npj + vo), npj, qk0, dqk0,
-                      dproj.unsafe_offset((bb * n) * npj + vo), dH, last, j0)
+            _fold[TB](scr, vb, ldv, qk0, dqk0, dvb, dH, last, j0)
             j0 += TB
         else:
-            _fold[1](scr, proj.unsafe_offset((bb * n) * npj + vo), npj, qk0, dqk0,
-                     dproj.unsafe_offset((bb * n) * npj + vo), dH, last, j0)
+            _fold[1](scr, vb, ldv, qk0, dqk0, dvb, dH, last, j0)
             j0 += 1
     # dh_in, in place over the carry, TB state rows at a time
     for p in range(0, HP, TB):
         _dh_in[TB](scr, dy, qk0, dH, n, elast, p)
+    if fin:  # the final state's h is the state entering this chunk
+        var ch = arg_f32(args, BW_C_H).unsafe_offset(bh * HP * NST)
+        for k in range(0, HP * NST, 16):
+            dH.unsafe_store(k, dH.unsafe_load[width=16](k) + ch.unsafe_load[width=16](k))
+        _final_cotangents(args, dims, wk, bb, hh, n, scr, dqk0, dvb, ldv)
     var dbeta_prev: Float32 = 0.0
-    if c > 0:
+    if c > 0 or (wk.stated and arg_int(args, BW_PENDING) != 0):
         var kp = work.unsafe_offset(wk.o_ckk + (c * nbh + bh) * NST)
         var vp = work.unsafe_offset(wk.o_ckv + (c * nbh + bh) * HP)
         for p in range(0, HP, 4):
@@ -370,16 +497,24 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         acc_c = acc_c + scr[unsafe_offset=V_DCUM + m]
         scr[unsafe_offset=V_DCUM + m] = acc_c  # now dadt_m
         m -= 1
+    var cdt = arg_f32(args, BW_C_BDT)
+    var csg = arg_f32(args, BW_C_BSG)
+    if fin:
+        var cadt = arg_f32(args, BW_C_BADT)
+        for jj in range(n):
+            scr[unsafe_offset=V_DCUM + jj] = (scr[unsafe_offset=V_DCUM + jj]
+                                              + cadt[unsafe_offset=(bb * QC + jj) * nh + hh])
     # 6. angles, tokens descending
     var tcar = work.unsafe_offset(wk.o_cdt + bh * NANG)
     var j = last
-    while j >= 0:
-        var r = bb * n + j
-        var qrow = qkr.unsafe_offset(r * rs + hb * QK)
+    while j >= s0:
+        var r = bb * nt + j - s0
+        var sr = bb * ns + j
+        var qrow = qkr.unsafe_offset(sr * rs + hb * QK)
         var krow = qrow.unsafe_offset(NST)
-        var dq = dqk.unsafe_offset(r * rs + hb * QK)
+        var dq = dqk.unsafe_offset(sr * rs + hb * QK)
         var dk = dq.unsafe_offset(NST)
-        var csr = work.unsafe_offset(wk.o_cs + (hh * wk.rmax + r) * CSW)
+        var csr = work.unsafe_offset(wk.o_cs + (hh * wk.rmax + sr) * CSW)
         var pr = proj.unsafe_offset(r * npj)
         var dap = work.unsafe_offset(wk.o_dang + (r * nh + hh) * NANG)
         var dt = scr[unsafe_offset=V_DT + j]
@@ -417,9 +552,6 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     # 7. scalars
     var dtb = blob[unsafe_offset=dims.o_dtb + hh]
     for jj in range(n):
-        var r = bb * n + jj
-        var pr = proj.unsafe_offset(r * npj)
-        var dpr = dproj.unsafe_offset(r * npj)
         var dt = scr[unsafe_offset=V_DT + jj]
         var sg = scr[unsafe_offset=V_SG + jj]
         var dadt = scr[unsafe_offset=V_DCUM + jj]
@@ -427,10 +559,27 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var bco = dbeta_prev
         if jj > 0:
             bco = scr[unsafe_offset=V_DSCALE + jj - 1]
+        var so = (bb * QC + jj) * nh + hh  # the jj-th buffer row (final / initial state)
+        if jj < s0:  # a state row: dt, sg, adt are the state's own values
+            var sdt = dgs * sg + bco * (Float32(1.0) - sg)
+            var ssg = dgs * dt - bco * dt
+            if fin:
+                sdt = sdt + cdt[unsafe_offset=so]
+                ssg = ssg + csg[unsafe_offset=so]
+            arg_f32(args, BW_GS_BDT)[unsafe_offset=so] = sdt
+            arg_f32(args, BW_GS_BSG)[unsafe_offset=so] = ssg
+            arg_f32(args, BW_GS_BADT)[unsafe_offset=so] = dadt
+            continue
+        var r = bb * nt + jj - s0
+        var pr = proj.unsafe_offset(r * npj)
+        var dpr = dproj.unsafe_offset(r * npj)
         var ddt = dadt * scr[unsafe_offset=V_A + jj] + dgs * sg
         ddt = ddt + scr[unsafe_offset=V_DDT + jj]
         ddt = ddt + bco * (Float32(1.0) - sg)
         var dsg = dgs * dt - bco * dt
+        if fin:
+            ddt = ddt + cdt[unsafe_offset=so]
+            dsg = dsg + csg[unsafe_offset=so]
         var vdt = pr[unsafe_offset=dims.c_dt + hh] + dtb
         var spg: Float32 = 1.0
         if not (vdt > 20.0):
@@ -438,3 +587,9 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         dpr[unsafe_offset=dims.c_dt + hh] = ddt * spg
         dpr[unsafe_offset=dims.c_a + hh] = (dadt * dt) * _dphi_a(pr[unsafe_offset=dims.c_a + hh])
         dpr[unsafe_offset=dims.c_tr + hh] = dsg * (sg * (Float32(1.0) - sg))
+    if s0 > 0:  # the tokens' v gradients back into their dproj rows
+        for i in range(s0, n):
+            copy_floats(dvb.unsafe_offset(i * ldv),
+                        dproj.unsafe_offset((bb * nt + i - s0) * npj + vo), HP)
+    if wk.stated and c == 0:
+        _state_grads(args, dims, wk, bb, hh, fin, dqk0, dvb, ldv, dH, tcar, dbeta_prev, scr)

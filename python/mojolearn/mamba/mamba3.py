@@ -467,25 +467,123 @@ class Mamba3Block(_MambaBase):
         """Counters of the prefill session as a dict, or None before the first call."""
         return None if self._session is None else dict(self._session)
 
-    def backward(self, x, grad_output):
-        """Gradients of a zero-state prefill (a vector-Jacobian product).
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
+        """Gradients of a forward (a vector-Jacobian product).
 
+        The forward is ``y = forward(x, state)`` from ``state`` (None: a zero
+        state), and the loss ``sum(y * grad_output) + <grad_state, final
+        state>``, where the final state is the one that forward leaves.
         Recomputes the forward with the current weights on every call; no
-        earlier forward, state or report is used or changed. Kernel order
-        and memory: docs/backward.md (section Mamba-3).
+        earlier forward or report is used, and nothing is changed: neither
+        ``state`` (read only) nor anything else. Kernel order and memory:
+        docs/backward.md (section Mamba-3).
 
         Parameters
         ----------
         x : float32 buffer, shape (B, L, d_model)
         grad_output : float32 buffer, shape (B, L, d_model), finite
+        state : Mamba3State or None
+            The state the forward started from: its buffered rows
+            ``[0, buffered_tokens)`` (an open, partly full chunk) and pending
+            input states are used as forward uses them.
+        grad_state : dict of str to float32 buffer, Mamba3State or None
+            Cotangents of the final state (the gradient arriving from later
+            chunks of a sequence), by array name (``Mamba3State._ARRAYS``), each
+            in that array's shape; a missing name or None means zeros. Buffer
+            rows at or past the final ``buffered_tokens`` are ignored (and not
+            checked). A Mamba3State's arrays are read as the cotangents.
+        lengths : sequence of int or None
+            Ragged batch: B ints in [1, L]; padding positions contribute
+            nothing (their x gradient is +0.0). Not with state or grad_state.
 
         Returns
         -------
         grads : dict of str to mojolearn.Array
-            'x' (B, L, d_model) and one entry per constructor weight, under the
-            same name and shape.
+            'x' (B, L, d_model), one entry per constructor weight under the
+            same name and shape, and, when state or grad_state is given,
+            'state.<name>' for every state array (the initial state's
+            gradient; buffer rows past its buffered_tokens, and buffer_qrot
+            rows that the final state does not hold, are +0.0).
         """
-        return self._backward(x, grad_output)
+        if state is None and grad_state is None and lengths is None:
+            return self._backward(x, grad_output)  # the zero-state op, unchanged
+        return self._backward_through_state(x, grad_output, state, grad_state, lengths)
+
+    def _grad_state_views(self, grad_state, b, final_rows):
+        """{array name: View} of the final state's cotangents (zeros made
+        for the missing ones), validated: float32, the state's shapes, finite
+        (buffer arrays: rows [0, final_rows) only, the rows that are read)."""
+        from .._array import Array
+        shapes = _state_shapes(b, self.nheads)
+        if grad_state is None:
+            given = {}
+        elif isinstance(grad_state, Mamba3State):
+            given = {n: getattr(grad_state, n) for n in _STATE_BUFFERS}
+            label = "grad_state.{}"
+        elif hasattr(grad_state, "keys"):
+            unknown = sorted(str(n) for n in grad_state.keys() if n not in shapes)
+            if unknown:
+                raise ValueError(f"grad_state: unknown {unknown} (the state's arrays: "
+                                 f"{list(_STATE_BUFFERS)})")
+            given = dict(grad_state)
+            label = "grad_state['{}']"
+        else:
+            raise TypeError(f"grad_state must be a dict of array name -> float32 buffer or "
+                            f"a Mamba3State, got {type(grad_state).__name__}")
+        views, rows = {}, []
+        for n in _STATE_BUFFERS:
+            if n not in given:
+                views[n] = Array(shapes[n])  # zeros
+                continue
+            v = _intake.float32_view(given[n], label.format(n))
+            _intake.check_shape(v, shapes[n], " (the state's shape)")
+            if n.startswith("buffer_"):
+                rows.append(v)
+            else:
+                _intake.check_finite(self._lib, v)
+            views[n] = v
+        if rows and final_rows:
+            self._check_rows_finite(rows, b, final_rows, CHUNK)
+        return views
+
+    def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
+        """backward with a state, final-state cotangents or ragged rows (one
+        op: OP_M3_BACKWARD with its state slots; docs/backward.md)."""
+        from .._array import Array
+        xv, gv = self._backward_views(x, grad_output)
+        b, l, d = xv.shape
+        if lengths is not None and (state is not None or grad_state is not None):
+            raise ValueError("lengths cannot be combined with state or grad_state "
+                             "(ragged rows are supported only without a state)")
+        lens = self._lengths(lengths, None, b, l)
+        stated = state is not None or grad_state is not None
+        named, nb, pending = {}, 0, False
+        if stated:
+            if state is not None:
+                sviews, nb = self._state_views(state, b)
+                pending = state.pending
+            else:  # a zero state: only theta and h are read
+                shapes = _state_shapes(b, self.nheads)
+                sviews = {"theta": Array(shapes["theta"]), "h": Array(shapes["h"])}
+            cot = self._grad_state_views(grad_state, b, _count_after(nb, l))
+            for n in _STATE_BUFFERS:
+                if n != "buffer_qrot" and n in sviews:
+                    named[f"state:{n}"] = sviews[n]
+                named[f"cot:{n}"] = cot[n]
+        w, blob = self._backward_weights()
+        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
+        if stated:  # the kernel writes every byte of these
+            for n, shape in _state_shapes(b, self.nheads).items():
+                grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shape, zero=False)
+        named.update({n: w[n] for n in self._packed_names})
+        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
+        named["panels"] = self._backward_panels(w)  # held until the op returns
+        args = _abi.op_spec(self._lib, self._BWD_OP).pack(
+            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"],
+            lengths=lens[1], buffered_tokens=nb, pending=1 if pending else 0,
+            stated=1 if stated else 0)
+        self._run_op(self._BWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
+        return grads
 
 
 class Mamba3BlockInference(Mamba3Block):
@@ -495,6 +593,6 @@ class Mamba3BlockInference(Mamba3Block):
     step give the same bits. backward raises NotImplementedError.
     """
 
-    def backward(self, x, grad_output):
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         raise NotImplementedError("Mamba3BlockInference is forward-only; use "
                                   "Mamba3Block for gradients")
