@@ -467,7 +467,7 @@ class Mamba3Block(_MambaBase):
         """Counters of the prefill session as a dict, or None before the first call."""
         return None if self._session is None else dict(self._session)
 
-    def backward(self, x, grad_output):
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         """Gradients of a zero-state prefill (a vector-Jacobian product).
 
         Recomputes the forward with the current weights on every call; no
@@ -484,8 +484,11 @@ class Mamba3Block(_MambaBase):
         grads : dict of str to mojolearn.Array
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and shape.
+
+        state, grad_state, lengths : not implemented for this block yet
+            (NotImplementedError naming them; Mamba1Block takes them).
         """
-        return self._backward(x, grad_output)
+        return self._backward(x, grad_output, state, grad_state, lengths)
 
 
 class Mamba3BlockInference(Mamba3Block):
@@ -495,6 +498,6 @@ class Mamba3BlockInference(Mamba3Block):
     step give the same bits. backward raises NotImplementedError.
     """
 
-    def backward(self, x, grad_output):
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         raise NotImplementedError("Mamba3BlockInference is forward-only; use "
                                   "Mamba3Block for gradients")
