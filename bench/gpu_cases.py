@@ -7,7 +7,9 @@ The cases: the own transcendentals (OP_MATH_EVAL, every function and SIMD
 width), the finiteness check op, and for all three blocks forward, the
 reports (h_last_, ...), ragged rows, prefill + decode steps, a prefill split
 in two and continued, decode sessions, batch-8 steps, the state arrays after
-prefill and after decode, backward (every gradient), and blocks on packed
+prefill and after decode, backward (every gradient; Mamba-1 also a ragged
+forward from a state and a backward from a state with final-state
+cotangents and ragged rows), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
 backward), and whole language models (bench/lm_cases.py). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
 256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
@@ -184,6 +186,19 @@ def _shape_cases(mojolearn, kind, d, b, l, lengths):
     g = _input_unperturbed(b, l, d, seed=8)
     grads = block.backward(x, g)
     yield f"{tag} backward", b"".join(_bytes(grads[k]) for k in sorted(grads))
+    if kind == 1 and lengths is not None:
+        # through the state: a ragged forward from a state (each row's state
+        # at its length), and backward from that state with final-state
+        # cotangents (another prefill's state arrays) and the lengths
+        start = block.allocate_state(b)
+        block.forward(x[:, :pre], start)
+        cot = block.allocate_state(b)
+        block.forward(x[:, pre:], cot)
+        st = start.copy()
+        y = block.forward(x, st, lengths=lengths)
+        yield f"{tag} ragged from state", _bytes(y) + _state_bytes(kind, st)
+        grads = block.backward(x, g, start, grad_state=cot, lengths=lengths)
+        yield f"{tag} backward state", b"".join(_bytes(grads[k]) for k in sorted(grads))
 
 
 def run_case(mojolearn, kind, d, b, l, lengths) -> dict:

@@ -99,7 +99,8 @@ def test_overlapping_buffers_are_refused_when_staged(emulated):
 def _every_path(kind, fmt="float32"):
     """One small block run through every call that reaches a device op:
     forward, ragged forward, forward with a state, step, a decode session
-    step, backward (float32 only; Mamba-3 also through a state and ragged)."""
+    step, backward (float32 only; Mamba-1 and Mamba-3 also from a state with
+    final-state cotangents, and ragged)."""
     def run():
         d, b, l = 32, 2, 6
         w = gpu_cases._weights(kind, d)
@@ -115,9 +116,11 @@ def _every_path(kind, fmt="float32"):
         with block.decode_session(state) as s:
             s.step(np.ascontiguousarray(x[:, 5]))
         if fmt == "float32":
-            block.backward(x, random_input(b, l, d, seed=4))
+            g = random_input(b, l, d, seed=4)
+            block.backward(x, g)
+            if kind == 1:
+                block.backward(x, g, state, grad_state=state, lengths=[l, 3])
             if kind == 3:  # through a state (an open chunk), with final-state cotangents
-                g = random_input(b, l, d, seed=4)
                 block.backward(x, g, state, grad_state={"h": np.asarray(state.h),
                                                         "buffer_v": np.asarray(state.buffer_v)})
                 block.backward(x, g, lengths=[l, 2])

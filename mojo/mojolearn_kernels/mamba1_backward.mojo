@@ -1,4 +1,4 @@
-"""Mamba-1 backward (vector-Jacobian product of a zero-state prefill).
+"""Mamba-1 backward (vector-Jacobian product of a prefill).
 
 Two passes over chunks of TC = 32 tokens (B rows x TC tokens of workspace):
   pass A (chunks 0 .. n-2, forward order): the forward, keeping only the
@@ -11,6 +11,14 @@ the recomputed activations have the forward's bits
 (tests/test_recompute_bits.py).
 Gradients flowing back in time (dh of the scan, the conv's look-ahead of 3
 rows of d(pre-activation)) are carried between chunks per row.
+
+Through the state (all optional slots): the forward starts from a given
+(conv_window, h) (chunk 0's checkpoints); the final state's cotangents enter
+as the scan's dh carry (h) and as the start of the dhid chains of the last
+four conv inputs (conv_window); a ragged row ends at its own length (its
+padded tokens contribute exact zeros everywhere and the carries pass them
+unchanged). After chunk 0, the dh carry is d h0 and the dhid chains of the
+three window positions before token 0 give d conv_window0.
 
 Canonical orders (see docs/backward.md for the full list):
   * activation gradients: per token, one fma chain per element over the
@@ -47,7 +55,8 @@ from .mamba1_backward_layout import (
     BW_W_OUT, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB, BW_G_X, BW_G_DT, BW_G_DTB,
     BW_G_ALOG, BW_G_D, BW_G_OUT, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, F_NORM,
     F_INPROJ, F_CONV, F_XPROJ, F_DTPROJ, F_SCAN, NF, B_OUT, B_SCAN, B_RED, B_XPROJ,
-    B_CONV, B_INPROJ, B_NORM, B_NORMW, NB, BWork,
+    B_CONV, B_INPROJ, B_NORM, B_NORMW, NB, BWork, BW_CONV_WINDOW, BW_H, BW_GS_CONV,
+    BW_GS_H, BW_LENGTHS, BW_G_CONV0, BW_G_H0, row_length,
 )
 
 
@@ -99,9 +108,14 @@ def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
         var c = wk.nchunks - 1 - p // NB
         return _counts(dims, wk, p % NB, wk.chunk_tokens(c))
     p -= wk.nchunks * NB
-    if p == 0:
-        return wk.nblk  # dA_log = dA * A
+    if p == 0:  # dA_log = dA * A; the start state's gradients per row
+        return wk.nblk + (b if _wants_state_grads(args) else 0)
     return PHASE_END
+
+
+@always_inline
+def _wants_state_grads(args: I64Ptr) -> Bool:
+    return arg_int(args, BW_G_CONV0) != 0 or arg_int(args, BW_G_H0) != 0
 
 
 # ------------------------------------------------------------ tasks
@@ -114,7 +128,7 @@ def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
     var work = arg_f32(args, BW_WORK)
     if phase == 0:
         if task < b:
-            _init_row(dims, wk, work, task)
+            _init_row(args, dims, wk, work, task)
         else:
             _pack_transposed(args, dims, wk, work, task - b)
         return
@@ -132,19 +146,37 @@ def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
         else:
             _backward_stage(args, dims, wk, c, stage, task)
         return
-    _finish_alog(args, dims, wk, task)
+    if task < wk.nblk:
+        _finish_alog(args, dims, wk, task)
+    else:
+        _state_grads(args, dims, wk, work, task - wk.nblk)
 
 
-def _init_row(dims: M1Dims, wk: BWork, work: F32Ptr, bb: Int):
-    """Zero row bb's carries and its chunk-0 checkpoints."""
+def _init_row(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, bb: Int):
+    """Row bb's chunk-0 checkpoints: the start state (zeros if none given),
+    transposed into the kernel's layouts; its dh carry: the final h's
+    cotangent (zeros if none); its dpre look-ahead: zeros (no token
+    follows the last one)."""
     var di = dims.di
-    for i in range(NSTATE * di):
-        work[unsafe_offset=wk.o_dh + bb * NSTATE * di + i] = 0.0
-        work[unsafe_offset=wk.o_ckh + bb * NSTATE * di + i] = 0.0
-    for i in range(KCONV * di):
-        work[unsafe_offset=wk.o_ckw + bb * KCONV * di + i] = 0.0
+    _load_t(arg_int(args, BW_H), bb, di, NSTATE, work.unsafe_offset(wk.o_ckh + bb * NSTATE * di))
+    _load_t(arg_int(args, BW_CONV_WINDOW), bb, di, KCONV,
+            work.unsafe_offset(wk.o_ckw + bb * KCONV * di))
+    _load_t(arg_int(args, BW_GS_H), bb, di, NSTATE, work.unsafe_offset(wk.o_dh + bb * NSTATE * di))
     for i in range(3 * di):
         work[unsafe_offset=wk.o_dpc + bb * 3 * di + i] = 0.0
+
+
+def _load_t(addr: Int, bb: Int, di: Int, k: Int, dst: F32Ptr):
+    """dst (k, di) = row bb of the (B, di, k) array at addr, transposed;
+    zeros if addr is 0 (an absent state or cotangent)."""
+    if addr == 0:
+        for i in range(k * di):
+            dst[unsafe_offset=i] = 0.0
+        return
+    var src = F32Ptr(unsafe_from_address=addr).unsafe_offset(bb * di * k)
+    for c in range(di):
+        for n in range(k):
+            dst[unsafe_offset=n * di + c] = src[unsafe_offset=c * k + n]
 
 
 def _pack_t(w: F32Ptr, k: Int, n: Int, dst: F32Ptr):
@@ -191,6 +223,7 @@ def _forward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                      work.unsafe_offset(wk.o_xn), work.unsafe_offset(wk.o_hg),
                      work.unsafe_offset(wk.o_u), work.unsafe_offset(wk.o_dbc),
                      work.unsafe_offset(wk.o_dl), work.unsafe_offset(wk.o_yg))
+    ch.lens = arg_int(args, BW_LENGTHS)  # padding reads as +0.0, as in the forward
     ch.win_in = work.unsafe_offset(wk.o_ckw + c * b * KCONV * di)
     ch.h_in = work.unsafe_offset(wk.o_ckh + c * b * NSTATE * di)
     if not is_b:
@@ -210,9 +243,11 @@ def _forward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         var d = dims.d
         var r0 = task * NORM_ROWS_PER_TASK
         for r in range(r0, min(b * nc, r0 + NORM_ROWS_PER_TASK)):
-            var off = ((r // nc) * wk.l + c * wk.tc + r % nc) * d
+            var t = c * wk.tc + r % nc
+            var off = ((r // nc) * wk.l + t) * d
+            var pad = t >= row_length(args, r // nc)  # padding's grad_output is ignored
             for j in range(d):
-                gch[unsafe_offset=r * d + j] = g[unsafe_offset=off + j]
+                gch[unsafe_offset=r * d + j] = 0.0 if pad else g[unsafe_offset=off + j]
 
 
 # ------------------------------------------------------------ backward stages
@@ -240,7 +275,9 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                           work.unsafe_offset(wk.o_yg), di, rows,
                           arg_f32(args, BW_G_OUT), di, d, di, True)
     elif stage == B_SCAN:
-        _scan_backward(dims, wk, work, blob, c, task // wk.nblk, task % wk.nblk)
+        var bb = task // wk.nblk
+        var nreal = min(nc, max(0, row_length(args, bb) - c * wk.tc))
+        _scan_backward(dims, wk, work, blob, c, bb, task % wk.nblk, nreal)
     elif stage == B_RED:
         var n1 = ceil_div(rows, ROWS_PER_TASK)
         var n2 = matmul_ntasks(rows, r_)
@@ -265,7 +302,12 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                                 work.unsafe_offset(wk.o_tx), nx, di, dpre, di)
             var du = work.unsafe_offset(wk.o_du)
             var pre = work.unsafe_offset(wk.o_pre)
+            var ragged = arg_int(args, BW_LENGTHS) != 0
             for r in range(t.r0, t.r1):
+                if ragged and c * wk.tc + r % nc >= row_length(args, r // nc):
+                    for col in range(t.c0, t.c1):  # padding: exact +0.0
+                        dpre[unsafe_offset=r * di + col] = 0.0
+                    continue
                 var col = t.c0
                 while col < t.c1:
                     var nv = min(LANES, t.c1 - col)
@@ -303,11 +345,13 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
 
 
 def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
-                   c: Int, bb: Int, q: Int):
+                   c: Int, bb: Int, q: Int, nreal: Int):
     """VJP of the scan, y and the gate for 16 channels of row bb over chunk
     c, tokens last to first. Writes du (scan part), dv (softplus input),
     dgate, dD terms, dB/dC block partials, dA terms (over hs), and carries
-    dh to the previous chunk."""
+    dh to the previous chunk. Tokens j >= nreal are a ragged row's padding:
+    every term of theirs is +0.0 and dh passes them unchanged (the final
+    state's cotangent applies after the row's last real token)."""
     var di = dims.di
     var nx = dims.nx
     var b = wk.b
@@ -335,7 +379,19 @@ def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
         dh[n] = ld16(dhc, n * di + c0, nv)
         a[n] = ld16(blob, dims.o_a + n * di + c0, nv)
     var dskip = ld16(blob, dims.o_dskip + c0, nv)
-    var j = nc - 1
+    for jp in range(nreal, nc):
+        var row = bb * nc + jp
+        var o = row * di + c0
+        st16(dhg, row * 2 * di + di + c0, LV(0.0), nv)
+        st16(ddc, o, LV(0.0), nv)
+        st16(du_o, o, LV(0.0), nv)
+        st16(dv_o, o, LV(0.0), nv)
+        var pp = part.unsafe_offset((row * wk.nblk + q) * 2 * NSTATE)
+        for n in range(2 * NSTATE):
+            pp[unsafe_offset=n] = 0.0
+        for n in range(NSTATE):
+            hs.unsafe_store((jp * NSTATE + n) * LANES, LV(0.0))
+    var j = nreal - 1
     while j >= 0:
         var row = bb * nc + j
         var o = row * di + c0
@@ -442,6 +498,7 @@ def _conv_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
     var dhg = work.unsafe_offset(wk.o_dhg)
     var gcw = arg_f32(args, BW_G_CONVW)
     var gcb = arg_f32(args, BW_G_CONVB)
+    var gs = arg_int(args, BW_GS_CONV)
     var ch = c0
     while ch < c1:
         var nv = min(LANES, c1 - ch)
@@ -456,9 +513,11 @@ def _conv_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
             var carry = work.unsafe_offset(wk.o_dpc + bb * 3 * di)
             var win = work.unsafe_offset(wk.o_ckw + (c * b + bb) * KCONV * di)
             var base = bb * nc
+            var f0 = c * wk.tc - (row_length(args, bb) - KCONV)  # final-window slot of j = 0
             for j in range(nc):
-                # dhid[t] = sum over m = 0..3 of w[3 - m] * dpre[t + m]
-                var acc = LV(0.0)
+                # dhid[t] = sum over m = 0..3 of w[3 - m] * dpre[t + m], from
+                # the final window's cotangent if t is one of its 4 inputs
+                var acc = _window_cotangent(gs, bb, di, ch, nv, f0 + j)
                 comptime for m in range(KCONV):
                     var src: LV
                     if j + m < nc:
@@ -494,10 +553,23 @@ def _conv_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
         ch += LANES
 
 
+@always_inline
+def _window_cotangent(gs: Int, bb: Int, di: Int, ch: Int, nv: Int, f: Int) -> LV:
+    """Lanes ch.. of the final conv window's cotangent at slot f (0 = the
+    oldest of the last four inputs), row bb; +0.0 if f is not a slot or
+    none was given (so the zero-cotangent chains are the former ones)."""
+    var v = LV(0.0)
+    if gs != 0 and f >= 0 and f < KCONV:
+        var src = F32Ptr(unsafe_from_address=gs).unsafe_offset((bb * di + ch) * KCONV + f)
+        for jl in range(nv):
+            v[jl] = src[unsafe_offset=jl * KCONV]
+    return v
+
+
 def _norm_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
                    blob: F32Ptr, c: Int, task: Int):
     """dx = g + RMSNorm VJP of dxn; pn = the norm weight's terms
-    (norms.rmsnorm_row_vjp)."""
+    (norms.rmsnorm_row_vjp). A ragged row's padding: dx and pn are +0.0."""
     var d = dims.d
     var nc = wk.chunk_tokens(c)
     var x = arg_f32(args, BW_X)
@@ -505,7 +577,13 @@ def _norm_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
     var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
     for r in range(r0, min(wk.b * nc, r0 + ROWS_PER_TASK)):
-        var off = ((r // nc) * wk.l + c * wk.tc + r % nc) * d
+        var t = c * wk.tc + r % nc
+        var off = ((r // nc) * wk.l + t) * d
+        if t >= row_length(args, r // nc):
+            for j in range(d):
+                dx[unsafe_offset=off + j] = 0.0
+                work[unsafe_offset=wk.o_pn + r * d + j] = 0.0
+            continue
         rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
                               work.unsafe_offset(wk.o_dxn + r * d), g.unsafe_offset(off),
                               dx.unsafe_offset(off), work.unsafe_offset(wk.o_pn + r * d))
@@ -524,3 +602,40 @@ def _finish_alog(args: I64Ptr, dims: M1Dims, wk: BWork, q: Int):
             ga[unsafe_offset=ch * NSTATE + n] = (
                 ga[unsafe_offset=ch * NSTATE + n] * blob[unsafe_offset=dims.o_a + n * di + ch]
                 + Float32(0.0))
+
+
+def _state_grads(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, bb: Int):
+    """Row bb's start-state gradients, after chunk 0's pass B.
+    d h0 = the dh carry (the cotangent of the state before token 0).
+    d conv_window0[k] (input position p = k - 4): the dhid chain of p, the
+    one of the conv VJP: from the final window's cotangent if p is among
+    the row's last four inputs (rows shorter than 4 tokens), then
+    fma(w[3 - m], dpre[p + m], acc) for m = 0..3 with 0 <= p + m; the dpre
+    look-ahead carry holds dpre at positions 0..2 (+0.0 past the row).
+    Slot 0 (p = -4) feeds no convolution: only the final window's term."""
+    var di = dims.di
+    var blob = arg_f32(args, BW_BLOB)
+    var gh = arg_f32(args, BW_G_H0)
+    if arg_int(args, BW_G_H0) != 0:
+        var dh = work.unsafe_offset(wk.o_dh + bb * NSTATE * di)
+        for c in range(di):
+            for n in range(NSTATE):
+                gh[unsafe_offset=(bb * di + c) * NSTATE + n] = dh[unsafe_offset=n * di + c]
+    if arg_int(args, BW_G_CONV0) == 0:
+        return
+    var gw = arg_f32(args, BW_G_CONV0)
+    var gs = arg_int(args, BW_GS_CONV)
+    var carry = work.unsafe_offset(wk.o_dpc + bb * 3 * di)
+    var f0 = -KCONV - (row_length(args, bb) - KCONV)  # final-window slot of p = -4
+    var ch = 0
+    while ch < di:
+        var nv = min(LANES, di - ch)
+        comptime for k in range(KCONV):
+            var acc = _window_cotangent(gs, bb, di, ch, nv, f0 + k)
+            comptime for m in range(KCONV):
+                comptime if k - KCONV + m >= 0:
+                    acc = ld16(blob, dims.o_convw + (KCONV - 1 - m) * di + ch, nv).fma(
+                        ld16(carry, (k - KCONV + m) * di + ch, nv), acc)
+            for jl in range(nv):
+                gw[unsafe_offset=(bb * di + ch + jl) * KCONV + k] = acc[jl]
+        ch += LANES

@@ -35,7 +35,17 @@ comptime BW_G_DTB = 18
 comptime BW_G_ALOG = 19  # (di, 16)
 comptime BW_G_D = 20
 comptime BW_G_OUT = 21
-comptime BW_NARGS = 22
+# Gradients through the state (each slot optional: 0 = absent). The forward
+# being differentiated starts from (conv_window, h) and its final state gets
+# the cotangents (gs_*); ragged rows end at their own length.
+comptime BW_CONV_WINDOW = 22  # (B, di, 4) conv window at the start; 0: zeros
+comptime BW_H = 23  # (B, di, 16) SSM state at the start; 0: zeros
+comptime BW_GS_CONV = 24  # (B, di, 4) cotangent of the final conv window; 0: zeros
+comptime BW_GS_H = 25  # (B, di, 16) cotangent of the final h; 0: zeros
+comptime BW_LENGTHS = 26  # (B) int64 row lengths in [1, L]; 0: every row has L
+comptime BW_G_CONV0 = 27  # (B, di, 4) out: gradient of the start conv window; 0: none
+comptime BW_G_H0 = 28  # (B, di, 16) out: gradient of the start h; 0: none
+comptime BW_NARGS = 29
 
 comptime TC = 32  # tokens per chunk (fixed: the chunking is part of the order)
 comptime LANES = 16
@@ -172,3 +182,12 @@ struct BWork(ImplicitlyCopyable):
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(self.tc, self.l - c * self.tc)
+
+
+@always_inline
+def row_length(args: I64Ptr, bb: Int) -> Int:
+    """Tokens of row bb the forward runs over: its ragged length, else L."""
+    var lens = arg_int(args, BW_LENGTHS)
+    if lens == 0:
+        return arg_int(args, BW_L)
+    return Int(I64Ptr(unsafe_from_address=lens)[unsafe_offset=bb])

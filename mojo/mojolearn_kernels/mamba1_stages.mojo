@@ -4,6 +4,12 @@ recompute (mamba1_backward.mojo, both passes), so the activations the
 gradients are taken of are the forward's, bit for bit
 (tests/test_recompute_bits.py compares them).
 
+Ragged rows (lens set) end at their own length: a padded token reads as
++0.0 (normalised input), its conv output u is +0.0, and the scan leaves h
+and the conv window as they were after the row's last real token (so the
+state a ragged forward leaves is the state at each row's length) and gives
+y = yg = +0.0 there. Real tokens never see padding (the block is causal).
+
 A stage reads and writes only through an M1Chunk (pointers to the chunk's
 rows and to its state), never an op's argument record. The run kind, a
 compile-time parameter, only adds stores (pass B keeps what the VJP
@@ -80,6 +86,15 @@ struct M1Chunk(ImplicitlyCopyable):
         self.hs_tokens = 0
 
 
+@always_inline
+def real_tokens(ch: M1Chunk, bb: Int) -> Int:
+    """Tokens of the chunk before row bb's ragged length (all if not ragged)."""
+    if ch.lens == 0:
+        return ch.nc
+    var ln = Int(I64Ptr(unsafe_from_address=ch.lens)[unsafe_offset=bb])
+    return min(ch.nc, max(0, ln - ch.t0))
+
+
 def m1_stage_ntasks(dims: M1Dims, stage: Int, b: Int, nc: Int) -> Int:
     """Tasks of a forward stage over a chunk of b rows x nc tokens."""
     var rows = b * nc
@@ -123,11 +138,17 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
         for bb in range(ch.b):
             var win = ch.win_in.unsafe_offset(bb * KCONV * di)
             var pre = ch.pre.unsafe_offset(bb * ch.nc * di) if RUN == RUN_B else ch.pre
+            var u = ch.u.unsafe_offset(bb * ch.nc * di)
+            var n = real_tokens(ch, bb)  # the window is saved after the real ones
             conv_silu[RUN == RUN_B](
-                win, di, ch.hg.unsafe_offset(bb * ch.nc * 2 * di), 2 * di, ch.nc,
+                win, di, ch.hg.unsafe_offset(bb * ch.nc * 2 * di), 2 * di, n,
                 blob.unsafe_offset(dims.o_convw), di, blob.unsafe_offset(dims.o_convb),
-                c0, c1, ch.u.unsafe_offset(bb * ch.nc * di), di,
-                ch.win_out.unsafe_offset(bb * KCONV * di), RUN != RUN_B, pre)
+                c0, c1, u, di, ch.win_out.unsafe_offset(bb * KCONV * di), RUN != RUN_B, pre)
+            for j in range(n, ch.nc):  # a ragged row's padding: u (and pre) +0.0
+                for c in range(c0, c1):
+                    u[unsafe_offset=j * di + c] = 0.0
+                    comptime if RUN == RUN_B:
+                        pre[unsafe_offset=j * di + c] = 0.0
     elif stage == ST_XPROJ:
         _ = matmul_task_wf(dims.wf, task, ch.u, di, rows, blob.unsafe_offset(dims.o_x), di,
                            dims.nx, ch.dbc, dims.nx)
@@ -176,7 +197,8 @@ def _scan[RUN: Int, MASKED: Bool](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, bb: I
     each lane is its own channel, so the bits do not depend on it):
         h_n = fma(exp(dl * A_n), h_n, (dl * B_n) * u);  y = fma(C_n, h_n, y)
         y = fma(u, D, y);  yg = y * silu(gate)
-    RUN_A leaves out y; RUN_B also keeps y and h after every token (hs)."""
+    RUN_A leaves out y; RUN_B also keeps y and h after every token (hs).
+    Tokens from nreal on are a ragged row's padding (module docstring)."""
     var di = dims.di
     var nx = dims.nx
     var r = dims.r
@@ -195,7 +217,8 @@ def _scan[RUN: Int, MASKED: Bool](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, bb: I
         h[n] = ld_lanes[MASKED](hin, n * di + c0, nv)
         a[n] = ld_lanes[MASKED](blob, dims.o_a + n * di + c0, nv)
     var dskip = ld_lanes[MASKED](blob, dims.o_dskip + c0, nv)
-    for j in range(nc):
+    var nreal = real_tokens(ch, bb)
+    for j in range(nreal):
         var row = bb * nc + j
         var delta = ld_lanes[MASKED](dl, row * di + c0, nv)
         var uu = ld_lanes[MASKED](u, row * di + c0, nv)
@@ -216,6 +239,14 @@ def _scan[RUN: Int, MASKED: Bool](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, bb: I
             comptime if RUN == RUN_B:
                 st_lanes[MASKED](ys, row * di + c0, y, nv)
             st_lanes[MASKED](yg, row * di + c0, y * silu_f32[LANES](gate), nv)
+    for j in range(nreal, nc):  # a ragged row's padding: h stays, y = yg = +0.0
+        var row = bb * nc + j
+        comptime if RUN == RUN_B:
+            st_lanes[MASKED](ys, row * di + c0, LV(0.0), nv)
+            comptime for n in range(NSTATE):
+                hs.unsafe_store((j * NSTATE + n) * LANES, h[n])
+        comptime if RUN != RUN_A:
+            st_lanes[MASKED](yg, row * di + c0, LV(0.0), nv)
     comptime if RUN != RUN_B:
         var hout = ch.h_out.unsafe_offset(bb * NSTATE * di)
         comptime for n in range(NSTATE):

@@ -248,6 +248,16 @@ def _m1_backward[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "grad:A_log", m1b.BW_G_ALOG, BUF_INOUT, di * m1.NSTATE)
     _f32(s, "grad:D", m1b.BW_G_D, BUF_INOUT, di)
     _f32(s, "grad:out_proj.weight", m1b.BW_G_OUT, BUF_INOUT, d * di)
+    # Through the state (optional, null = absent): the start state, the final
+    # state's cotangents, ragged lengths, and the start state's gradients.
+    var b = arg_int(args, m1b.BW_B)
+    _f32(s, "state:conv_window", m1b.BW_CONV_WINDOW, BUF_IN, b * di * m1.KCONV)
+    _f32(s, "state:h", m1b.BW_H, BUF_IN, b * di * m1.NSTATE)
+    _f32(s, "grad_state:conv_window", m1b.BW_GS_CONV, BUF_IN, b * di * m1.KCONV)
+    _f32(s, "grad_state:h", m1b.BW_GS_H, BUF_IN, b * di * m1.NSTATE)
+    s.slot("lengths", m1b.BW_LENGTHS, K_I64, BUF_IN, b * I8)
+    _f32(s, "grad:state.conv_window", m1b.BW_G_CONV0, BUF_OUT, b * di * m1.KCONV)
+    _f32(s, "grad:state.h", m1b.BW_G_H0, BUF_OUT, b * di * m1.NSTATE)
 
 
 # ---- Mamba-2 ----------------------------------------------------------------

@@ -30,10 +30,19 @@ of every weight into the kernels' packed panels, O(number of weights), about
 a few milliseconds at d_model = 768 (``bench/bench_torch_bridge.py``); in
 training that is once per optimizer step.
 
+State: ``forward(x, state)`` with a mojolearn state object updates it in
+place and has no gradients (``torch.no_grad()`` or nothing requiring grad,
+else NotImplementedError; ``step`` likewise). ``Mamba1`` also takes the state
+as a dict of tensors, ``forward(x, {'conv_window': ..., 'h': ...})``, and then
+returns ``(y, new_state)`` (a new dict; the given tensors are not changed),
+differentiable with respect to x, the parameters and the given state
+tensors (ops ``mojolearn::mamba_forward_state`` / ``mamba_backward_state``,
+over ``Mamba1Block.backward(x, g, state, grad_state=...)``): a long sequence
+can be trained in pieces with the state carried between them.
+
 Limitations (see the user guide's PyTorch page): float32 on the CPU only;
-gradients of a carried state are not available (``forward(x, state)`` and
-``step`` need ``torch.no_grad()`` or no input requiring grad, else
-NotImplementedError); no ragged ``lengths``; no double backward.
+no gradients through a Mamba-2/3 state; no ragged ``lengths``; no double
+backward.
 """
 import atexit
 import ctypes
@@ -245,6 +254,51 @@ def _grad_tensor(g):
     return _tensor(g).clone()
 
 
+def _forward_state_impl(x, weights, state, handle):
+    """[y, the final state's arrays] = block.forward(x, state) from the
+    state arrays given (in the state class's order), run on copies: the op
+    changes no input."""
+    block = _kernel(handle).block(weights)
+    xc = _contiguous(x)
+    arrays = [s.detach().clone(memory_format=torch.contiguous_format) for s in state]
+    st = block._STATE_CLASS(*[_buffer(a) for a in arrays])
+    y = block.forward(_buffer(xc), st)
+    return [_tensor(y)] + arrays
+
+
+def _backward_state_impl(x, grad_y, weights, state, grad_state, handle):
+    """[dx, d(weight) for each weight, d(state array) for each array]:
+    block.backward(x, grad_y, state, grad_state=...) (see _backward_impl)."""
+    kernel = _kernel(handle)
+    block = kernel.block(weights)
+    cls = block._STATE_CLASS
+    held = [_contiguous(t) for t in [x, grad_y, *state, *grad_state]]
+    bufs = [_buffer(t) for t in held]
+    st = cls(*bufs[2:2 + len(state)])
+    gs = dict(zip(cls._ARRAYS, bufs[2 + len(state):]))
+    _TLS.torch_outputs = True
+    try:
+        grads = block.backward(bufs[0], bufs[1], st, grad_state=gs)
+    finally:
+        _TLS.torch_outputs = False
+    return ([_grad_tensor(grads["x"])] + [_grad_tensor(grads[n]) for n in kernel.names]
+            + [_grad_tensor(grads[f"state.{n}"]) for n in cls._ARRAYS])
+
+
+def _autograd_backward_state(ctx, grads):
+    """The forward_state op's VJP: unused outputs' gradients (None) are zeros."""
+    x, *rest = ctx.saved_tensors
+    weights, state = rest[:ctx.nweights], rest[ctx.nweights:]
+    outs = [x] + list(state)
+    g = [torch.zeros_like(o) if gi is None else gi for gi, o in zip(grads, outs)]
+    r = torch.ops.mojolearn.mamba_backward_state(x, g[0], list(weights), list(state),
+                                                 g[1:], ctx.handle)
+    need_x, need_w, need_s, _ = ctx.needs_input_grad
+    nw = len(weights)
+    return (r[0] if need_x else None, [a if n else None for a, n in zip(r[1:1 + nw], need_w)],
+            [a if n else None for a, n in zip(r[1 + nw:], need_s)], None)
+
+
 def _autograd_backward(ctx, grad_output):
     x, *weights = ctx.saved_tensors
     grads = torch.ops.mojolearn.mamba_backward(x, grad_output, list(weights), ctx.handle)
@@ -300,6 +354,53 @@ def _setup_context(ctx, inputs, output):
 def _backward_formula(ctx, grad_output):
     return sys.modules["mojolearn.torch"]._autograd_backward(ctx, grad_output)
 
+
+def _mamba_forward_state(x: torch.Tensor, weights: List[torch.Tensor], state: List[torch.Tensor],
+                         handle: int) -> List[torch.Tensor]:
+    """[y, final state arrays] = block(x) from the given state arrays."""
+    return sys.modules["mojolearn.torch"]._forward_state_impl(x, weights, state, handle)
+
+
+def _mamba_forward_state_fake(x, weights, state, handle):
+    return ([torch.empty_like(x, memory_format=torch.contiguous_format)]
+            + [torch.empty_like(s, memory_format=torch.contiguous_format) for s in state])
+
+
+def _mamba_backward_state(x: torch.Tensor, grad_y: torch.Tensor, weights: List[torch.Tensor],
+                          state: List[torch.Tensor], grad_state: List[torch.Tensor],
+                          handle: int) -> List[torch.Tensor]:
+    """[dx, one gradient per weight, one per state array]."""
+    return sys.modules["mojolearn.torch"]._backward_state_impl(x, grad_y, weights, state,
+                                                               grad_state, handle)
+
+
+def _mamba_backward_state_fake(x, grad_y, weights, state, grad_state, handle):
+    return ([torch.empty_like(x, memory_format=torch.contiguous_format)]
+            + [torch.empty_like(w, memory_format=torch.contiguous_format) for w in weights]
+            + [torch.empty_like(s, memory_format=torch.contiguous_format) for s in state])
+
+
+def _setup_context_state(ctx, inputs, output):
+    x, weights, state, handle = inputs
+    ctx.save_for_backward(x, *weights, *state)
+    ctx.nweights = len(weights)
+    ctx.handle = handle
+
+
+def _backward_formula_state(ctx, grads):
+    return sys.modules["mojolearn.torch"]._autograd_backward_state(ctx, grads)
+
+
+_forward_state_op = torch.library.custom_op(
+    "mojolearn::mamba_forward_state", _thin(_mamba_forward_state), mutates_args=())
+_forward_state_op.register_fake(_thin(_mamba_forward_state_fake))
+_backward_state_op = torch.library.custom_op(
+    "mojolearn::mamba_backward_state", _thin(_mamba_backward_state), mutates_args=())
+_backward_state_op.register_fake(_thin(_mamba_backward_state_fake))
+_forward_state_op.register_autograd(_thin(_backward_formula_state),
+                                    setup_context=_thin(_setup_context_state))
+del _mamba_forward_state, _mamba_forward_state_fake, _mamba_backward_state
+del _mamba_backward_state_fake, _setup_context_state, _backward_formula_state
 
 _forward_op = torch.library.custom_op("mojolearn::mamba_forward", _thin(_mamba_forward),
                                       mutates_args=())
@@ -437,22 +538,46 @@ class _MambaModule(torch.nn.Module):
         Parameters
         ----------
         x : float32 CPU tensor, shape (B, L, d_model)
-        state : the block's state (from ``allocate_state``) or None
+        state : the block's state (from ``allocate_state``), a dict of
+            tensors (Mamba1 only) or None
             None: a zero-state prefill, differentiable w.r.t. x and every
-            parameter. A state is read and updated in place, like the
-            mojolearn block's; allowed only under ``torch.no_grad()`` or when
-            neither x nor any parameter requires grad (NotImplementedError
-            otherwise: gradients w.r.t. a carried state are not available).
+            parameter. A state object is read and updated in place, like
+            the mojolearn block's; allowed only under ``torch.no_grad()`` or
+            when neither x nor any parameter requires grad
+            (NotImplementedError otherwise). A dict ``{'conv_window': (B,
+            2d, 4), 'h': (B, 2d, 16)}`` of float32 CPU tensors (Mamba1): the
+            state the forward starts from, not changed; the call returns
+            ``(y, new_state)`` and is differentiable w.r.t. x, the
+            parameters and those tensors.
 
         Returns
         -------
         y : float32 tensor, shape (B, L, d_model), residual included
+            (with a dict state: ``(y, new_state)``, new_state a new dict)
         """
         self._check_x(x)
         weights = self._weights()
+        if isinstance(state, dict):
+            return self._functional(x, state, weights)
         if state is not None:
             return self._stateful(x, state, "forward", weights)
         return _forward_op(x, weights, self._kernel.handle)
+
+    def _functional(self, x, state, weights):
+        """forward from a dict of state tensors: (y, new state dict)."""
+        cls = self._kernel.block_cls
+        if not cls._BWD_STATE:
+            raise NotImplementedError(
+                f"{type(self).__name__}.forward takes a dict of state tensors only for "
+                f"Mamba1 (gradients through a {cls._STATE_CLASS.__name__} are not "
+                f"available yet); pass its state object under torch.no_grad()")
+        names = cls._STATE_CLASS._ARRAYS
+        if set(state) != set(names):
+            raise ValueError(f"state must have the tensors {list(names)}, got {sorted(state)}")
+        for n in names:
+            self._check_x(state[n], f"state[{n!r}]")
+        outs = _forward_state_op(x, weights, [state[n] for n in names], self._kernel.handle)
+        return outs[0], dict(zip(names, outs[1:]))
 
     def step(self, x, state):
         """One decode token: forward at L = 1 with the state carried (x of

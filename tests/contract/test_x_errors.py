@@ -223,7 +223,9 @@ def test_lengths_wrong_count(block, x, lengths):
           match=["lengths", f"B={B}", f"got {len(lengths)}"])
 
 
-def test_lengths_with_a_state(block, x):
+def test_lengths_with_a_state(case, block, x):
+    if case.kind == 1:  # its forward ends each row's state at its length
+        pytest.skip("Mamba-1 takes lengths with a state (tests/test_mamba1_state_grad.py)")
     for st in (filled_state(block), numpy_state(filled_state(block))):
         fails(ValueError, block.forward, x, st, lengths=[L, L], keep=[st, x],
               match=["lengths", "state"])

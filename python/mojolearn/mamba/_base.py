@@ -9,6 +9,7 @@ import threading
 from .. import _abi, _intake
 from .._loader import available_modes, describe, library
 from ._state import array_view, check_not_held
+from . import _grad_state
 
 NUMERIC_MODES = ("identical", "fast")
 
@@ -108,7 +109,12 @@ class _MambaBase:
     names ``_WEIGHT_ORDER`` (the constructor's, and the gradients'); the
     backward op ``_BWD_OP``, the
     gradients it writes in full ``_BWD_WRITTEN``, whether it takes the
-    transposed panels ``_BWD_PANELS``; ``_KEEP_WORK_BYTES`` (forward and
+    transposed panels ``_BWD_PANELS``, whether it takes a start state, the
+    final state's cotangents and ragged lengths ``_BWD_STATE`` (its op then
+    has the slots ``state:<array>``, ``grad_state:<array>``, ``lengths`` and
+    ``grad:state.<array>``); whether forward takes lengths with a state
+    ``_RAGGED_STATE`` (each row's state is left at its length);
+    ``_KEEP_WORK_BYTES`` (forward and
     backward workspaces over it are not kept; None: always kept). And with
     methods: ``_state_shapes(b)`` ({array name: shape}, in the state's
     ``_ARRAYS`` order), ``_state_views(state, batch)`` (the validated state,
@@ -122,6 +128,8 @@ class _MambaBase:
     _WEIGHT_ORDER: tuple = ()
     _BWD_WRITTEN: tuple = ()
     _BWD_PANELS = False
+    _BWD_STATE = False
+    _RAGGED_STATE = False  # forward takes lengths with a state
     _KEEP_WORK_BYTES = None
 
     def _setup_common(self, numeric_mode):
@@ -360,18 +368,34 @@ class _MambaBase:
         # a big prefill's workspace is not kept (if _KEEP_WORK_BYTES is set)
         self._run_op(self._FWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
 
-    def _backward(self, x, grad_output):
-        """backward: gradients of a zero-state prefill (the op takes x,
+    def _backward(self, x, grad_output, state=None, grad_state=None, lengths=None):
+        """backward: the gradients of forward(x, state) (zeros if state is
+        None) for the loss sum(y * grad_output) + the sum over the final
+        state's arrays of array * grad_state[name]. The op takes x,
         grad_output, the blob, the float32 projections, the gradient arrays
-        under 'grad:<weight name>' and, if _BWD_PANELS, the transposed
-        panels)."""
-        xv, gv = self._backward_views(x, grad_output)
+        under 'grad:<weight name>', if _BWD_PANELS the transposed panels,
+        and (only when given, _BWD_STATE blocks) the start state, the
+        cotangents, the lengths and the start state's gradient arrays."""
+        if not self._BWD_STATE:
+            _grad_state.refuse_unsupported(self, state, grad_state, lengths)
+        xv, gv, lens = self._backward_views(x, grad_output, lengths)
         b, l, d = xv.shape
+        sv = {} if state is None else _grad_state.start_state_views(self, state, b)
+        gsv = {} if grad_state is None else _grad_state.cotangent_views(self, grad_state, b)
         w, blob = self._backward_weights()
         # the kernel writes the _BWD_WRITTEN gradients in full (no memset)
         grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
         named = {n: w[n] for n in self._packed_names}
         named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
+        if state is not None or grad_state is not None:
+            from .._array import Array
+            shapes = self._state_shapes(b)
+            for n in self._bwd_state_arrays():  # written in full by the kernel
+                grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shapes[n], zero=False)
+            named.update(self._backward_state_args(state, sv))
+            named.update({f"grad_state:{n}": v for n, v in gsv.items()})
+        if lens[1]:
+            named["lengths"] = lens[1]
         if self._BWD_PANELS:
             named["panels"] = panels = self._backward_panels(w)  # held until the op returns
         args = _abi.op_spec(self._lib, self._BWD_OP).pack(
@@ -423,12 +447,13 @@ class _MambaBase:
             raise ValueError(f"{name} has d_model {d}, the block has {self.d_model}")
         return v
 
-    @staticmethod
-    def _lengths(lengths, state, b, l):
-        """(keep-alive, address) of validated ragged lengths; (None, 0) if none."""
+    def _lengths(self, lengths, state, b, l):
+        """(keep-alive, address) of validated ragged lengths; (None, 0) if
+        none. With a state only where the forward ends each row's state at
+        its length (_RAGGED_STATE)."""
         if lengths is None:
             return None, 0
-        if state is not None:
+        if state is not None and not self._RAGGED_STATE:
             raise ValueError("lengths cannot be combined with a state")
         keep = _intake.lengths_array(lengths, b, l)
         return keep, keep[2]
@@ -470,16 +495,35 @@ class _MambaBase:
             grads[name] = Array(w[name].shape, zero=name not in written)
         return grads
 
-    def _backward_views(self, x, grad_output):
-        """Validated (x, grad_output) views for backward: same shape, finite."""
+    def _bwd_state_arrays(self) -> tuple:
+        """The state arrays the output depends on: backward returns a
+        'state.<name>' gradient for each (all of the state's arrays by
+        default)."""
+        return self._STATE_CLASS._ARRAYS
+
+    def _backward_state_args(self, state, sv: dict) -> dict:
+        """The backward op's arguments for the start state: its validated
+        arrays sv under 'state:<name>' (state None: {}, zeros). A block
+        whose state also has plain values the kernel needs adds them here."""
+        return {f"state:{n}": v for n, v in sv.items()}
+
+    def _backward_views(self, x, grad_output, lengths=None):
+        """Validated (x, grad_output, (keep-alive, address) of the lengths)
+        for backward: same shape, finite at the real positions (a ragged
+        row's padding may hold anything: it is never read)."""
         xv = self._x_view(x)
         gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
         if gv.shape != xv.shape:
             raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
                              f"got {gv.shape}")
-        _intake.check_finite(self._lib, xv)
-        _intake.check_finite(self._lib, gv)
-        return xv, gv
+        b, l, _ = xv.shape
+        lens = (None, 0)
+        if lengths is not None:
+            keep = _intake.lengths_array(lengths, b, l)
+            lens = keep, keep[2]
+        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens[1])
+        _intake.check_finite(self._lib, gv, rows=(b, l), lengths_address=lens[1])
+        return xv, gv, lens
 
     def _workspace(self, op, args):
         """The calling thread's workspace, at least as large as op needs.

@@ -142,6 +142,8 @@ class Mamba1Block(_MambaBase):
     _FWD_OP = _abi.OP_M1_FORWARD
     _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M1_PREPARE, _WEIGHT_ORDER
     _BWD_OP = _abi.OP_M1_BACKWARD
+    _BWD_STATE = True  # backward takes state, grad_state and lengths
+    _RAGGED_STATE = True  # a ragged forward leaves each row's state at its length
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
@@ -192,8 +194,11 @@ class Mamba1Block(_MambaBase):
             None: a self-contained prefill from a zero state. A state is read
             at entry and updated in place.
         lengths : sequence of int or None
-            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0.
-            Not allowed together with state.
+            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0
+            and padding inputs are never read. With a state, row b's state
+            is left as it was after its first lengths[b] tokens (what the
+            row alone at its length leaves, bit for bit);
+            absolute_position still advances by L.
 
         Returns
         -------
@@ -222,25 +227,48 @@ class Mamba1Block(_MambaBase):
         if state is not None:
             state.absolute_position += l
 
-    def backward(self, x, grad_output):
-        """Gradients of a zero-state prefill (a vector-Jacobian product).
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
+        """Gradients of ``forward(x, state)`` (a vector-Jacobian product).
 
-        Recomputes the forward with the current weights on every call; no
-        earlier forward or state is used or changed. Kernel order and memory:
-        docs/backward.md.
+        The loss differentiated is ``sum(y * grad_output)`` plus, for each
+        array of the final state (the state forward leaves), ``sum(array *
+        grad_state[name])``. Recomputes the forward with the current weights
+        on every call; nothing is kept between calls and no state is
+        changed. Kernel order and memory: docs/backward.md.
+
+        Chunked training (a sequence too long for one call, run in pieces
+        with the state carried): run backward on the pieces last to first,
+        each with the state its forward started from and, as grad_state,
+        the previous piece's ``'state.*'`` gradients (the one-shot
+        gradient, up to the summation order of the weight gradients).
 
         Parameters
         ----------
         x : float32 buffer, shape (B, L, d_model)
-        grad_output : float32 buffer, shape (B, L, d_model), finite
+        grad_output : float32 buffer, shape (B, L, d_model), finite at the
+            real positions
+        state : Mamba1State or None
+            The state the forward started from (read, never changed); None:
+            zeros.
+        grad_state : dict or Mamba1State or None
+            Cotangent of the final state: {'conv_window': (B, d_inner, 4),
+            'h': (B, d_inner, 16)} float32 buffers (a missing name is zeros)
+            or a Mamba1State whose arrays are read; None: zeros.
+        lengths : sequence of int or None
+            Ragged rows: B ints in [1, L]. Row b's forward ends after its
+            first lengths[b] tokens (its final state is the state there, where
+            grad_state applies); its padding is never read (grad_output
+            there is ignored) and its x gradient there is +0.0.
 
         Returns
         -------
         grads : dict of str to mojolearn.Array
             'x' (B, L, d_model) and one entry per constructor weight, under the
-            same name and in the shape the weight was given.
+            same name and in the shape the weight was given; with a state or
+            grad_state also 'state.conv_window' (B, d_inner, 4) and 'state.h'
+            (B, d_inner, 16), the gradients of the start state.
         """
-        return self._backward(x, grad_output)
+        return self._backward(x, grad_output, state, grad_state, lengths)
 
     def decode_session(self, state):
         """Open a Mamba1DecodeSession for fast token-by-token decoding."""
@@ -255,6 +283,6 @@ class Mamba1BlockInference(Mamba1Block):
     NotImplementedError.
     """
 
-    def backward(self, x, grad_output):
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         raise NotImplementedError("Mamba1BlockInference is forward-only; use "
                                   "Mamba1Block for gradients")

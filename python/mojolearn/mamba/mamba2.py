@@ -353,7 +353,7 @@ class Mamba2Block(_MambaBase):
         bytes of ``step`` without re-validating the state at every token."""
         return Mamba2DecodeSession(self, state)
 
-    def backward(self, x, grad_output):
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         """Gradients of a zero-state prefill (a vector-Jacobian product).
 
         Recomputes the forward with the current weights on every call; no
@@ -372,8 +372,11 @@ class Mamba2Block(_MambaBase):
         grads : dict of str to mojolearn.Array
             'x' (B, L, d_model) and one entry per constructor weight, under the
             same name and in the shape the weight was given.
+
+        state, grad_state, lengths : not implemented for this block yet
+            (NotImplementedError naming them; Mamba1Block takes them).
         """
-        return self._backward(x, grad_output)
+        return self._backward(x, grad_output, state, grad_state, lengths)
 
 
 class Mamba2BlockInference(Mamba2Block):
@@ -384,6 +387,6 @@ class Mamba2BlockInference(Mamba2Block):
     NotImplementedError.
     """
 
-    def backward(self, x, grad_output):
+    def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         raise NotImplementedError("Mamba2BlockInference is forward-only; use "
                                   "Mamba2Block for gradients")

@@ -1,0 +1,72 @@
+"""The intake of backward's state arguments, shared by the blocks.
+
+backward(x, grad_output, state, grad_state=..., lengths=...) differentiates
+forward(x, state): `state` is the state that forward starts from (read,
+never written), `grad_state` the cotangent of the state it leaves (the
+gradient arriving from later chunks of a sequence). Both are validated
+here into {array name: View} in the block's state shapes, before anything
+runs, so a refused call changes nothing. The arrays are read only, so a
+read-only or non-contiguous buffer is accepted (the latter copied).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .. import _intake
+from ._state import check_not_held
+
+
+def refuse_unsupported(block, state, grad_state, lengths) -> None:
+    """NotImplementedError naming the state arguments given to a block
+    whose backward does not take them yet (its kernel has no such path)."""
+    given = [n for n, v in (("state", state), ("grad_state", grad_state),
+                            ("lengths", lengths)) if v is not None]
+    if given:
+        raise NotImplementedError(
+            f"{type(block).__name__}.backward does not take {', '.join(given)} yet "
+            "(gradients through the state and ragged backward are implemented for "
+            "Mamba1Block); call it as backward(x, grad_output)")
+
+
+def start_state_views(block, state, b: int) -> dict:
+    """{array name: View} of the state forward starts from: a state of the
+    block's class (TypeError otherwise), not held by an open decode session,
+    every array in the block's shape for B = b, finite."""
+    block._check_state_type(state)
+    check_not_held(state)
+    return _views(block, {n: getattr(state, n) for n in state._ARRAYS}, b,
+                  lambda n: f"state.{n}")
+
+
+def cotangent_views(block, grad_state, b: int) -> dict:
+    """{array name: View} of the final state's cotangent: a mapping of state
+    array names to float32 buffers (a missing name means zeros; an unknown
+    one is a ValueError) or a state of the block's class (its arrays are
+    read). TypeError for anything else."""
+    cls = block._STATE_CLASS
+    names = cls._ARRAYS
+    if isinstance(grad_state, cls):
+        check_not_held(grad_state)
+        return _views(block, {n: getattr(grad_state, n) for n in names}, b,
+                      lambda n: f"grad_state.{n}")
+    if not isinstance(grad_state, Mapping):
+        raise TypeError(f"grad_state must be a dict of state array name -> float32 "
+                        f"buffer, or a {cls.__name__}, got {type(grad_state).__name__}")
+    unknown = sorted(repr(k) for k in grad_state if k not in names)
+    if unknown:
+        raise ValueError(f"grad_state has unknown names {', '.join(unknown)}; the "
+                         f"{cls.__name__} arrays are {list(names)}")
+    return _views(block, {n: grad_state[n] for n in names if n in grad_state}, b,
+                  lambda n: f"grad_state[{n!r}]")
+
+
+def _views(block, arrays: dict, b: int, label) -> dict:
+    shapes = block._state_shapes(b)
+    out = {}
+    for n, buf in arrays.items():
+        v = _intake.float32_view(buf, label(n))
+        _intake.check_shape(v, shapes[n], f" (B={b} rows of x)")
+        out[n] = v
+    for v in out.values():  # after every type and shape check
+        _intake.check_finite(block._lib, v)
+    return out
