@@ -107,7 +107,7 @@ class _Rows:
             if cls is None:  # Mamba-1: block.step (a session would hold a workspace per layer)
                 self.sessions = [_Stepper(blk, st) for blk, st in zip(blocks, self.states)]
             else:
-                self.sessions = [cls(blk, st, _row_tokens=self.pos)
+                self.sessions = [cls(blk, st, _row_tokens=self.pos, _in_place=True)
                                  for blk, st in zip(blocks, self.states)]
 
     def close(self):

@@ -296,12 +296,19 @@ class Mamba2DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, _row_tokens=None):
+    def __init__(self, block, state, _row_tokens=None, _in_place=False):
         from .._array import Array
         views = block._state_views(state, None)
         self._bind(block, state, views[0].shape[0])
-        self._arrays = [Array(v.shape, zero=False) for v in views]
-        self._copy_in(views)
+        # _in_place (internal: mojolearn.generate, which owns the state and
+        # never touches it while the session is open): step on the state's
+        # own arrays, not on copies, so its memory is not held twice
+        self._in_place = _in_place
+        if _in_place:
+            self._arrays = list(views)
+        else:
+            self._arrays = [Array(v.shape, zero=False) for v in views]
+            self._copy_in(views)
         self._s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
         self._rows = None
         self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
@@ -340,7 +347,8 @@ class Mamba2DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba2State; return it."""
         self._check_open()
         st = self._state
-        self._write_back(st, list(zip(st._ARRAYS, self._arrays)))
+        if not self._in_place:
+            self._write_back(st, list(zip(st._ARRAYS, self._arrays)))
         if self._rows is None:
             st.buffered_tokens = self._s
         st._version += 1
@@ -383,13 +391,18 @@ class Mamba3DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, _row_tokens=None):
+    def __init__(self, block, state, _row_tokens=None, _in_place=False):
         from .._array import Array
         self._bind(block, state, 0)
         views, nb = self._validated()
         self._b = views["h"].shape[0]
-        self._arrays = {n: Array(v.shape, zero=False) for n, v in views.items()}
-        self._copy_in(views, nb)
+        self._in_place = _in_place  # (as Mamba2DecodeSession's)
+        if _in_place:
+            self._arrays = dict(views)
+            self._nb, self._pending = nb, self._state.pending
+        else:
+            self._arrays = {n: Array(v.shape, zero=False) for n, v in views.items()}
+            self._copy_in(views, nb)
         self._rows = None
         self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
         self._n0_slot = self._spec.slot("buffered_tokens")
@@ -434,7 +447,8 @@ class Mamba3DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba3State; return it."""
         self._check_open()
         st = self._state
-        self._write_back(st, list(self._arrays.items()))
+        if not self._in_place:
+            self._write_back(st, list(self._arrays.items()))
         if self._rows is None:
             st.buffered_tokens = self._nb
         st.pending = self._pending
