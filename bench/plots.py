@@ -1,7 +1,9 @@
 """Plots of the benchmark results for the documentation (docs/guide/benchmarks.rst).
 
 Reads every bench/out/*.json written with ``--out`` by the benchmark scripts
-(the schema of bench_mamba1.py: lists ``prefill`` and ``decode``) and writes,
+(the schema of bench_mamba1.py: lists ``prefill`` and ``decode``; and
+bench_lm.py's ``rows``: decode tokens/s per format and batch against the
+floor and transformers) and writes,
 per file, PNG bar charts of tokens/s, mojolearn against the other
 implementation, into docs/bench/, plus docs/bench/manifest.json (the command,
 the source files and the plots), which the documentation page reads. With no
@@ -33,8 +35,30 @@ def _label(row: dict) -> str:
     return " ".join(parts)
 
 
+def lm_series(result: dict) -> list:
+    """bench_lm.py rows: per model kind, decode tokens/s (all rows) of each
+    format and batch, the floor's tokens/s (B / the floor's step time) and
+    transformers' where it was measured (else no bar)."""
+    out = []
+    kinds = []
+    for r in result.get("rows", []):
+        if r.get("kind") not in kinds:
+            kinds.append(r["kind"])
+    for kind in kinds:
+        rows = [r for r in result["rows"] if r["kind"] == kind]
+        labels = [f"{r['format']} B={r['B']}" for r in rows]
+        bars = {"mojolearn": [r["ours"]["decode_tok_s"] for r in rows],
+                "floor (bytes / DRAM read)": [r["B"] / r["ours"]["floor_step_s"] for r in rows],
+                "transformers generate (float32)": [
+                    r["theirs"]["decode_tok_s"] if r.get("theirs") else float("nan") for r in rows]}
+        out.append((f"{kind} decode", labels, bars))
+    return out
+
+
 def series(result: dict) -> list:
     """(title, labels, {name: tokens/s list}) per phase found in one result file."""
+    if "rows" in result:
+        return lm_series(result)
     out = []
     prefill = [r for r in result.get("prefill", []) if "ours_tok_s" in r]
     if prefill:
@@ -103,16 +127,26 @@ def main(argv=None) -> int:
             continue
         stem = os.path.splitext(os.path.basename(f))[0]
         threads = result.get("threads", "?")
-        cpu = (result.get("machine") or {}).get("Model name", "")
+        cpu = (result.get("machine") or {}).get("Model name", "") or result.get("cpu", "")
         subtitle = f"{stem}, {threads} thread(s), {cpu}".rstrip(", ")
         sources.append({"file": os.path.relpath(f, ROOT), "command": result.get("command"),
                         "date": result.get("date"), "loadavg_start": result.get("loadavg_start")})
         for title, labels, bars in found:
-            name = f"{stem}_{title}.png"
+            name = f"{stem}_{title}.png".replace(" ", "_")
             plot(title, labels, bars, os.path.join(args.out, name), subtitle)
-            plots.append({"file": name, "title": f"{stem}: {title} tokens/s",
+            plots.append({"file": name.replace(" ", "_"), "title": f"{stem}: {title} tokens/s",
                           "source": os.path.relpath(f, ROOT)})
             print(f"wrote {os.path.join(args.out, name)}")
+    # plots of result files not read this time stay listed (their PNGs are kept)
+    old = os.path.join(args.out, "manifest.json")
+    if os.path.isfile(old):
+        with open(old) as fh:
+            before = json.load(fh)
+        done = {s["file"] for s in sources}
+        plots += [p for p in before.get("plots", []) if p.get("source") not in done
+                  and os.path.isfile(os.path.join(args.out, p.get("file", "")))]
+        sources += [s for s in before.get("sources", []) if s.get("file") not in done
+                    and any(p.get("source") == s.get("file") for p in plots)]
     command = " ".join(["python bench/plots.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
     manifest = {"command": command,
                 "made": datetime.now(timezone.utc).isoformat(timespec="seconds"),
