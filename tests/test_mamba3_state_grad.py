@@ -20,7 +20,6 @@ previous chunk's last row plus that row's beta term, taken when a token
 finds the chunk full; the initial h, plus the pending term, if no chunk
 was completed), the working chunk's rows, pending_k/v unchanged.
 """
-import math
 
 import numpy as np
 import pytest
@@ -29,10 +28,10 @@ import torch
 import mojolearn
 from mojolearn.mamba.mamba3 import _state_shapes
 from mojolearn.reference.mamba3 import TWO_PI32
-from mojolearn.reference.weights import mamba3_dims, mamba3_weights, random_input
+from mojolearn.reference.weights import mamba3_weights, random_input
 from tests import tolerance
 from tests.errors import raises_naming
-from tests.reference.torch_mamba3 import GRAD_NAMES, _phi, _rmsnorm, _rotate, _silu, _softplus
+from tests.reference.torch_mamba3 import GRAD_NAMES, _silu, token_step
 
 STATE = ("theta", "h", "buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt", "buffer_sig",
          "buffer_adt", "pending_k", "pending_v")
@@ -66,8 +65,7 @@ def forward_from_state(W, x, st, n0, pending, mod=TWO_PI32):
     tensors in the Mamba3State layouts) with n0 buffered rows."""
     Bsz, L, d = x.shape
     di = 2 * d
-    H, P, N, R = di // 64, 64, 128, 32
-    floor_a = torch.tensor(-1e-4, dtype=x.dtype)
+    H, P, N = di // 64, 64, 128
     theta, h = st["theta"], st["h"]
     S = h
     kp = torch.zeros((Bsz, H, N), dtype=x.dtype)
@@ -87,26 +85,9 @@ def forward_from_state(W, x, st, n0, pending, mod=TWO_PI32):
         kp, vp = st["pending_k"], st["pending_v"]
     hchunk = h
     ys = []
-    c = 2 * di
     for t in range(L):
         xt = x[:, t]
-        proj = _rmsnorm(xt, W["block_norm.weight"]) @ W["in_proj.weight"].T
-        z, v = proj[:, :di], proj[:, di:2 * di].reshape(Bsz, H, P)
-        Bp, Cp = proj[:, c:c + N], proj[:, c + N:c + 2 * N]
-        dd_dt = proj[:, c + 2 * N:c + 2 * N + H]
-        dd_A = proj[:, c + 2 * N + H:c + 2 * N + 2 * H]
-        trap = proj[:, c + 2 * N + 2 * H:c + 2 * N + 3 * H]
-        ang = proj[:, c + 2 * N + 3 * H:c + 2 * N + 3 * H + R]
-        A = torch.minimum(-_phi(dd_A), floor_a)
-        dt = _softplus(dd_dt + W["dt_bias"])
-        adt = A * dt
-        sg = 1.0 / (1.0 + torch.exp(-trap))
-        k = _rmsnorm(Bp, W["B_norm.weight"])[:, None, :] + W["B_bias"][None]
-        q = _rmsnorm(Cp, W["C_norm.weight"])[:, None, :] + W["C_bias"][None]
-        theta = theta + torch.tanh(ang)[:, None, :] * math.pi * dt[:, :, None]
-        theta = theta - mod * torch.floor(theta / mod)
-        cos, sin = torch.cos(theta), torch.sin(theta)
-        qr, kr = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        z, v, dt, sg, adt, qr, kr, theta = token_step(W, xt, theta, mod)
         beta = (dt * (1.0 - sg))[:, :, None, None]
         term = beta * (vp[:, :, :, None] * kp[:, :, None, :])
         if len(rows) == 64:  # the full chunk is folded: h is S with its last beta term

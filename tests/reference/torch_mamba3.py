@@ -26,7 +26,7 @@ import torch
 
 from mojolearn.reference.mamba3 import TWO_PI32
 
-__all__ = ["mamba3_torch", "mamba3_grads", "TWO_PI32", "GRAD_NAMES"]
+__all__ = ["mamba3_torch", "mamba3_grads", "token_step", "TWO_PI32", "GRAD_NAMES"]
 
 GRAD_NAMES = ("x", "block_norm.weight", "in_proj.weight", "dt_bias", "B_norm.weight",
               "C_norm.weight", "B_bias", "C_bias", "D", "out_proj.weight")
@@ -57,6 +57,34 @@ def _rotate(t, cos, sin):
     return torch.cat((rot, t[..., 64:]), dim=-1)
 
 
+def token_step(W: dict, xt, theta, mod=TWO_PI32):
+    """One token's inputs to the recurrence, from x_t (B, d) and the angles
+    before it: (z, v, dt, sg, adt, qr, kr, theta after it)."""
+    Bsz, d = xt.shape
+    di = 2 * d
+    H, P, N, R = di // 64, 64, 128, 32
+    floor_a = torch.tensor(-1e-4, dtype=xt.dtype)
+    c = 2 * di
+    proj = _rmsnorm(xt, W["block_norm.weight"]) @ W["in_proj.weight"].T
+    z, v = proj[:, :di], proj[:, di:2 * di].reshape(Bsz, H, P)
+    Bp, Cp = proj[:, c:c + N], proj[:, c + N:c + 2 * N]
+    dd_dt = proj[:, c + 2 * N:c + 2 * N + H]
+    dd_A = proj[:, c + 2 * N + H:c + 2 * N + 2 * H]
+    trap = proj[:, c + 2 * N + 2 * H:c + 2 * N + 3 * H]
+    ang = proj[:, c + 2 * N + 3 * H:c + 2 * N + 3 * H + R]
+    A = torch.minimum(-_phi(dd_A), floor_a)
+    dt = _softplus(dd_dt + W["dt_bias"])
+    adt = A * dt
+    sg = 1.0 / (1.0 + torch.exp(-trap))
+    k = _rmsnorm(Bp, W["B_norm.weight"])[:, None, :] + W["B_bias"][None]
+    q = _rmsnorm(Cp, W["C_norm.weight"])[:, None, :] + W["C_bias"][None]
+    theta = theta + torch.tanh(ang)[:, None, :] * math.pi * dt[:, :, None]
+    theta = theta - mod * torch.floor(theta / mod)
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    qr, kr = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return z, v, dt, sg, adt, qr, kr, theta
+
+
 def mamba3_torch(W: dict, x, mod=TWO_PI32):
     """y (B, L, d) of a zero-state prefill; W: name -> float64 tensor."""
     Bsz, L, d = x.shape
@@ -66,28 +94,10 @@ def mamba3_torch(W: dict, x, mod=TWO_PI32):
     S = torch.zeros((Bsz, H, P, N), dtype=x.dtype)
     kp = torch.zeros((Bsz, H, N), dtype=x.dtype)
     vp = torch.zeros((Bsz, H, P), dtype=x.dtype)
-    floor_a = torch.tensor(-1e-4, dtype=x.dtype)
     ys = []
-    c = 2 * di
     for t in range(L):
         xt = x[:, t]
-        proj = _rmsnorm(xt, W["block_norm.weight"]) @ W["in_proj.weight"].T
-        z, v = proj[:, :di], proj[:, di:2 * di].reshape(Bsz, H, P)
-        Bp, Cp = proj[:, c:c + N], proj[:, c + N:c + 2 * N]
-        dd_dt = proj[:, c + 2 * N:c + 2 * N + H]
-        dd_A = proj[:, c + 2 * N + H:c + 2 * N + 2 * H]
-        trap = proj[:, c + 2 * N + 2 * H:c + 2 * N + 3 * H]
-        ang = proj[:, c + 2 * N + 3 * H:c + 2 * N + 3 * H + R]
-        A = torch.minimum(-_phi(dd_A), floor_a)
-        dt = _softplus(dd_dt + W["dt_bias"])
-        adt = A * dt
-        sg = 1.0 / (1.0 + torch.exp(-trap))
-        k = _rmsnorm(Bp, W["B_norm.weight"])[:, None, :] + W["B_bias"][None]
-        q = _rmsnorm(Cp, W["C_norm.weight"])[:, None, :] + W["C_bias"][None]
-        theta = theta + torch.tanh(ang)[:, None, :] * math.pi * dt[:, :, None]
-        theta = theta - mod * torch.floor(theta / mod)
-        cos, sin = torch.cos(theta), torch.sin(theta)
-        qr, kr = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        z, v, dt, sg, adt, qr, kr, theta = token_step(W, xt, theta, mod)
         alpha = torch.exp(adt)[:, :, None, None]
         beta = (dt * (1.0 - sg))[:, :, None, None]
         gamma = (dt * sg)[:, :, None, None]
