@@ -223,8 +223,11 @@ class MambaLM:
                          top_k=nat.address(memoryview(ks)), top_p=nat.address(memoryview(ps)),
                          u=nat.address(memoryview(us)),
                          tokens=nat.address(memoryview(out), True))
-        need = self._lib.workspace_bytes(op, args)
-        work = Array((max(1, need // 4),), zero=False) if need else None
+        # only sampled rows use the workspace (their candidate ids): a
+        # greedy step allocates nothing
+        work = None
+        if any(t > 0 for t in temperature):
+            work = Array((max(1, self._lib.workspace_bytes(op, args) // 4),), zero=False)
         args[spec.slot("work")] = work.address if work is not None else 0
         self._lib.run(op, args)
         return list(out)
@@ -260,9 +263,9 @@ class MambaLM:
     def forward_tokens(self, tokens, state) -> "object":
         """Run a (B, L) grid of token ids through the blocks with the state
         carried (updated in place); returns the last layer's outputs (B, L, d)."""
-        x = self.embed(tokens)
         if len(state) != self.n_layers:
             raise ValueError(f"state must hold {self.n_layers} layer states, got {len(state)}")
+        x = self.embed(tokens)
         for block, st in zip(self.blocks, state):
             x = block.forward(x, st)
         return x

@@ -9,15 +9,11 @@ imports no block module: the block modules import it.
 from __future__ import annotations
 
 import weakref
+from array import array
 
 from .. import _intake
 from ._base import copy_bytes, workspace_floats
 from ._state import array_view, check_not_held
-
-
-def _pack_int64(values) -> bytes:
-    from array import array
-    return array("q", values).tobytes()
 
 
 class DecodeSessionBase:
@@ -142,7 +138,7 @@ class DecodeSessionBase:
         if len(rows) != self._b:
             raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
         self._rows = Array((self._b,), "int64", zero=False)
-        memoryview(self._rows)[:] = memoryview(bytes(_pack_int64(rows))).cast("q")
+        memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
         self._args[self._spec.slot("row_tokens")] = self._rows.address
 
     def _row_positions(self) -> list:
