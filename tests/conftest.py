@@ -6,6 +6,24 @@ import ctypes
 import pytest
 
 
+# The GPU compile checks (tests/test_gpu_build.py, marked gpu_build) build
+# four GPU binaries: most of the suite's time on 2 cores. They run through
+# their own command (README: `./run.sh gpu-check`, which CI also runs), so
+# `./run.sh test` stays quick. With --gpu-build only they are collected.
+def pytest_addoption(parser):
+    parser.addoption("--gpu-build", action="store_true",
+                     help="run only the GPU compile checks (tests marked gpu_build)")
+
+
+def pytest_collection_modifyitems(config, items):
+    want = config.getoption("--gpu-build")
+    keep = [it for it in items if (it.get_closest_marker("gpu_build") is not None) == want]
+    drop = [it for it in items if (it.get_closest_marker("gpu_build") is not None) != want]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def native_lib():
     """ctypes view of the CPU kernel binary (for raw-ABI tests)."""

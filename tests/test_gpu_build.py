@@ -22,6 +22,9 @@ import pytest
 
 from tests.errors import raises_naming
 
+# Deselected by default; `pytest --gpu-build` (README: ./run.sh gpu-check).
+pytestmark = pytest.mark.gpu_build
+
 ROOT = Path(__file__).resolve().parents[1]
 MOJO_DIR = ROOT / "mojo"
 # target -> (GPU_API, output name, emit)
