@@ -10,12 +10,12 @@ from .abi import (
 )
 from .checks import first_nonfinite_task
 from .math_eval import math_eval, ME_FN, ME_SRC, ME_DST, ME_N, ME_WIDTH
-from .mamba1 import m1_prepare_plan, m1_prepare_task, m1_forward_plan, m1_forward_task
-from .mamba2 import m2_prepare_plan, m2_prepare_task, m2_forward_plan, m2_forward_task
-from .mamba3 import m3_prepare_plan, m3_prepare_task, m3_forward_plan, m3_forward_task
-from .mamba1_backward import m1_backward_plan, m1_backward_task
-from .mamba2_backward import m2_backward_plan, m2_backward_task
-from .mamba3_backward import m3_backward_plan, m3_backward_task
+from .mamba1.forward import m1_prepare_plan, m1_prepare_task, m1_forward_plan, m1_forward_task
+from .mamba2.forward import m2_prepare_plan, m2_prepare_task, m2_forward_plan, m2_forward_task
+from .mamba3.forward import m3_prepare_plan, m3_prepare_task, m3_forward_plan, m3_forward_task
+from .mamba1.backward import m1_backward_plan, m1_backward_task
+from .mamba2.backward import m2_backward_plan, m2_backward_task
+from .mamba3.backward import m3_backward_plan, m3_backward_task
 from .lowbit import lowbit_pack_plan, lowbit_pack_task, lowbit_unpack_plan, lowbit_unpack_task
 from .weight_panels import panels_extract_plan, panels_extract_task
 from .linear_grad import pack_transposed_plan, pack_transposed_task

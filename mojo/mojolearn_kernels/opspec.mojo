@@ -21,12 +21,12 @@ from .abi import (
     OP_M3_BACKWARD, OP_PACK_TRANSPOSED, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK, OP_PANELS_EXTRACT,
     OP_LM_PREPARE, OP_LM_EMBED, OP_LM_LOGITS, OP_LM_NEXT,
 )
-from . import mamba1 as m1
-from . import mamba1_backward_layout as m1b
-from . import mamba2_layout as m2
-from . import mamba2_backward_layout as m2b
-from . import mamba3_layout as m3
-from . import mamba3_backward_layout as m3b
+from .mamba1 import forward as m1
+from .mamba1 import backward_layout as m1b
+from .mamba2 import layout as m2
+from .mamba2 import backward_layout as m2b
+from .mamba3 import layout as m3
+from .mamba3 import backward_layout as m3b
 from . import lowbit as lb
 from . import weight_panels as wp
 from . import linear_grad as lg

@@ -11,15 +11,15 @@ from .abi import (
     I64Ptr, OP_M1_FORWARD, OP_M1_BACKWARD, OP_M2_FORWARD, OP_M2_BACKWARD,
     OP_M3_FORWARD, OP_M3_BACKWARD, arg_int,
 )
-from .mamba1 import M1Dims, M1Work, forward_dims as m1_forward_dims
-from .mamba1 import FWD_B as M1_FWD_B, FWD_L as M1_FWD_L
-from .mamba1_backward_layout import BWork, BW_B as M1_BW_B, BW_L as M1_BW_L, BW_D as M1_BW_D
-from .mamba2_layout import M2Call
-from .mamba2_backward_layout import BW2
-from .mamba3_layout import M3Dims, M3Work
-from .mamba3 import forward_dims as m3_forward_dims
-from .mamba3_layout import FWD_B as M3_FWD_B, FWD_L as M3_FWD_L
-from .mamba3_backward_layout import BW3, BW_B as M3_BW_B, BW_L as M3_BW_L, BW_D as M3_BW_D
+from .mamba1.forward import M1Dims, M1Work, forward_dims as m1_forward_dims
+from .mamba1.forward import FWD_B as M1_FWD_B, FWD_L as M1_FWD_L
+from .mamba1.backward_layout import BWork, BW_B as M1_BW_B, BW_L as M1_BW_L, BW_D as M1_BW_D
+from .mamba2.layout import M2Call
+from .mamba2.backward_layout import BW2
+from .mamba3.layout import M3Dims, M3Work
+from .mamba3.forward import forward_dims as m3_forward_dims
+from .mamba3.layout import FWD_B as M3_FWD_B, FWD_L as M3_FWD_L
+from .mamba3.backward_layout import BW3, BW_B as M3_BW_B, BW_L as M3_BW_L, BW_D as M3_BW_D
 
 # Names of the activations; an op answers -1 for one it does not have.
 # PR_TOKENS and PR_ROWS answer a count, not an offset.

@@ -29,8 +29,8 @@ from ._loader import native
 __all__ = ["set_phase_timing", "phase_times", "reset_phase_times", "timing_phases",
            "format_phase_times", "STAGES"]
 
-# Forward stages in phase order (mojo/mojolearn_kernels/mamba1.mojo,
-# mamba2_layout.mojo, mamba3_layout.mojo: the ST_* constants).
+# Forward stages in phase order (mojo/mojolearn_kernels/mamba1/forward.mojo,
+# mamba2/layout.mojo, mamba3/layout.mojo: the ST_* constants).
 STAGES = {
     _abi.OP_M1_FORWARD: ("norm", "in_proj", "conv", "x_proj", "dt_proj", "scan", "out_proj"),
     _abi.OP_M2_FORWARD: ("norm", "in_proj", "conv", "cb", "ssd", "gated_norm", "out_proj"),

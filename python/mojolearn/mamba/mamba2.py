@@ -14,7 +14,7 @@ HEAD_DIM = 64
 D_CONV = 4
 CHUNK = 256
 
-_CACHE_HDR = 16  # a decode session's cache layout (mamba2_layout.mojo, CACHE_HDR)
+_CACHE_HDR = 16  # a decode session's cache layout (mamba2/layout.mojo, CACHE_HDR)
 # The block keeps its workspace between calls (no allocation per decode
 # step) unless it is larger than this (a prefill of many rows).
 _KEEP_WORK_BYTES = 64 << 20

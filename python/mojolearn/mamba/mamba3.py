@@ -1,7 +1,7 @@
 """Mamba-3 (SISO): Mamba3Block, Mamba3BlockInference and Mamba3State.
 
 Every token goes through one per-token evaluation of the chunked (Q = 64)
-formula in the kernel (mojo/mojolearn_kernels/mamba3.mojo, order in
+formula in the kernel (mojo/mojolearn_kernels/mamba3/forward.mojo, order in
 docs/mamba3.md); the working chunk's rows live in the state, so prefill,
 continuation and token-by-token decode give the same bits.
 """

@@ -220,7 +220,7 @@ class Mamba1DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    # FWD_FLAGS bits (mojo/mojolearn_kernels/mamba1.mojo)
+    # FWD_FLAGS bits (mojo/mojolearn_kernels/mamba1/forward.mojo)
     _NO_LOAD, _NO_SAVE, _NO_TOKENS = 1, 2, 4
 
     def __init__(self, block, state):
@@ -315,7 +315,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._use_thread_workspace()
         # transposed copies of h and of the open chunk's B rows, rebuilt by
         # the kernel whenever a marker is 0: same chains, vectorized
-        # (mamba2_layout.mojo, CACHE_HDR)
+        # (mamba2/layout.mojo, CACHE_HDR)
         n, hdr = block._D_STATE, block._CACHE_HDR
         per_row = (block.nheads * (hdr + n * block._HEAD_DIM) + hdr + n * block._CHUNK)
         self._cache = Array((self._b * per_row,), zero=True)

@@ -11,13 +11,13 @@ not, NumPy is imported when a function is first used):
 
 - :mod:`mojolearn.reference.mamba1`: :func:`~mojolearn.reference.mamba1.mamba1_numpy`,
   the reference of :class:`mojolearn.Mamba1Block`
-  (``mojo/mojolearn_kernels/mamba1.mojo``);
+  (``mojo/mojolearn_kernels/mamba1/forward.mojo``);
 - :mod:`mojolearn.reference.mamba2`: :func:`~mojolearn.reference.mamba2.mamba2_numpy`,
   the reference of :class:`mojolearn.Mamba2Block`
-  (``mojo/mojolearn_kernels/mamba2.mojo``);
+  (``mojo/mojolearn_kernels/mamba2/forward.mojo``);
 - :mod:`mojolearn.reference.mamba3`: :func:`~mojolearn.reference.mamba3.mamba3_numpy`,
   the reference of :class:`mojolearn.Mamba3Block`
-  (``mojo/mojolearn_kernels/mamba3.mojo``);
+  (``mojo/mojolearn_kernels/mamba3/forward.mojo``);
 - :mod:`mojolearn.reference.ops`: the shared float64 pieces (``rmsnorm``,
   ``silu``, ``softplus``);
 - :mod:`mojolearn.reference.weights`: deterministic float32 weight dicts

@@ -1,13 +1,13 @@
 """Float64 NumPy reference of the Mamba-1 block (:class:`mojolearn.Mamba1Block`).
 
-Reference of the kernel module ``mojo/mojolearn_kernels/mamba1.mojo`` (the
+Reference of the kernel module ``mojo/mojolearn_kernels/mamba1/forward.mojo`` (the
 forward: prefill, continuation and decode). Written from the block's
 definition (docs/numerics.md, "Mamba-1"), token by token, sharing no code
 with the kernel or with transformers. The test suite compares the kernel against transformers'
 ``MambaBlock`` run in verified float64 (``tests/reference/hf_mamba.py``),
 which is itself checked equal to this function to 1e-10 relative
 (``tests/reference/test_references.py``); the backward
-(``mamba1_backward.mojo``) is checked against torch autograd of that
+(``mamba1/backward.mojo``) is checked against torch autograd of that
 float64 ``MambaBlock``.
 
 Everything is float64: inputs and weights are widened exactly. The loop is

@@ -1,6 +1,6 @@
 """Float64 NumPy reference of the Mamba-2 block (:class:`mojolearn.Mamba2Block`).
 
-Reference of the kernel module ``mojo/mojolearn_kernels/mamba2.mojo`` (the
+Reference of the kernel module ``mojo/mojolearn_kernels/mamba2/forward.mojo`` (the
 forward). It is the exact-arithmetic per-token recurrence of the block
 (docs/mamba2.md, "What the block computes")::
 
@@ -12,7 +12,7 @@ suite compares the kernel against transformers' ``Mamba2Block`` run in
 verified float64 (``tests/reference/hf_mamba.py``), which is itself checked
 equal to this function to 1e-10 relative
 (``tests/reference/test_references.py``); the backward
-(``mamba2_backward.mojo``) is checked against torch autograd of that
+(``mamba2/backward.mojo``) is checked against torch autograd of that
 float64 ``Mamba2Block``.
 
 Everything is float64: inputs and weights are widened exactly. The loop is

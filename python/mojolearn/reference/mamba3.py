@@ -1,7 +1,7 @@
 """Float64 NumPy reference of the Mamba-3 SISO block (:class:`mojolearn.Mamba3Block`).
 
-Reference of the kernel module ``mojo/mojolearn_kernels/mamba3.mojo`` (the
-forward); the backward (``mamba3_backward.mojo``) is checked against torch
+Reference of the kernel module ``mojo/mojolearn_kernels/mamba3/forward.mojo`` (the
+forward); the backward (``mamba3/backward.mojo``) is checked against torch
 autograd of the same recurrence written with torch ops
 (``tests/reference/torch_mamba3.py``), whose forward equals this function to
 1e-12. It is the token-by-token RECURRENCE form of the block (docs/mamba3.md,

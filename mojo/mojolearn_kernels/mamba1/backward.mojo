@@ -6,7 +6,7 @@ Two passes over chunks of TC = 32 tokens (B rows x TC tokens of workspace):
   pass B (chunks n-1 .. 0, backward order): recompute the chunk's forward
          from its checkpoints, keep h after every token of the chunk, then
          run the chunk's VJP.
-Both passes run the forward op's own stage code (mamba1_stages.mojo), so
+Both passes run the forward op's own stage code (mamba1/stages.mojo), so
 the recomputed activations have the forward's bits
 (tests/test_recompute_bits.py).
 Gradients flowing back in time (dh of the scan, the conv's look-ahead of 3
@@ -37,20 +37,20 @@ Reference: torch autograd of transformers' MambaBlock run in float64
 (float64 NumPy) to 1e-10.
 """
 from std.collections import Array
-from .linear_split import tree16  # the one fixed 16-lane halving tree
-from .abi import (
+from ..linear_split import tree16  # the one fixed 16-lane halving tree
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
-from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task
-from .norms import rmsnorm_row_vjp
-from .numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
-from .lanes import ld16, st16
-from .mamba1 import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK
-from .mamba1_stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
-from .mamba1_backward_layout import (
+from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
+from ..weight_panels import blob_format
+from ..linear_grad import gemm_ntasks, gemm_task
+from ..norms import rmsnorm_row_vjp
+from ..numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
+from ..lanes import ld16, st16
+from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK
+from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
+from .backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_W_IN, BW_W_X, BW_W_DT,
     BW_W_OUT, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB, BW_G_X, BW_G_DT, BW_G_DTB,
     BW_G_ALOG, BW_G_D, BW_G_OUT, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, F_NORM,
@@ -211,7 +211,7 @@ def _pack_transposed(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, which:
 
 def _forward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                    task: Int, is_b: Bool):
-    """Forward stage `stage` of chunk c (mamba1_stages.mojo, the forward's
+    """Forward stage `stage` of chunk c (mamba1/stages.mojo, the forward's
     own code) from the chunk's checkpoints: pass A writes the checkpoints
     of chunk c + 1; pass B keeps what the VJP reads, and copies the chunk's
     grad_output rows."""

@@ -1,26 +1,26 @@
 """Mamba-3 backward: the VJP of the chunked scan for one (row, head) and
 one chunk (_scan_bwd), with its dot-product helpers. Canonical order in
-mamba3_backward.mojo and docs/backward.md."""
+mamba3/backward.mojo and docs/backward.md."""
 from std.collections import Array
 from std.sys import get_defined_int
-from .linear_split import tree16  # the one fixed 16-lane halving tree
-from .abi import (
+from ..linear_split import tree16  # the one fixed 16-lane halving tree
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
-from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task, TPanels
-from .norms import rmsnorm_row, rms_scale
-from .numerics import (
+from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
+from ..weight_panels import blob_format
+from ..linear_grad import gemm_ntasks, gemm_task, TPanels
+from ..norms import rmsnorm_row, rms_scale
+from ..numerics import (
     exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
     mod2pi_f32,
 )
-from .mamba3_layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
-from .dot128 import V4, dot128, dots128x4, dots128_block
+from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from ..dot128 import V4, dot128, dots128x4, dots128_block
 
-from .lanes import copy_floats
-from .mamba3_backward_layout import (
+from ..lanes import copy_floats
+from .backward_layout import (
     BW_BLOB, BW_WORK, BW_PENDING, BW_S_PK, BW_S_PV, BW_C_H, BW_C_BQ, BW_C_BK, BW_C_BV,
     BW_C_BDT, BW_C_BSG, BW_C_BADT, BW_C_PK, BW_C_PV, BW_GS_THETA, BW_GS_H, BW_GS_BQ,
     BW_GS_BK, BW_GS_BV, BW_GS_BDT, BW_GS_BSG, BW_GS_BADT, BW_GS_PK, BW_GS_PV, SV,
@@ -229,7 +229,7 @@ def _dh_in[T: Int](scr: F32Ptr, dy: F32Ptr, qk: F32Ptr, dH: F32Ptr, n: Int,
 
 
 def apply_pending(args: I64Ptr, dims: M3Dims, bh: Int, scr: F32Ptr, h: F32Ptr):
-    """The forward's input-state step (mamba3_scan.scan_task) on chunk 0's
+    """The forward's input-state step (scan.scan_task) on chunk 0's
     checkpoint h of (row, head) bh: h[p, n] = fma(v_in[p] scal, k_in[n], h)
     with scal = dt_0 (1 - sg_0) of token 0 (in the scan vectors)."""
     var pk = arg_f32(args, BW_S_PK).unsafe_offset(bh * NST)

@@ -1,18 +1,18 @@
 """Mamba-2 backward: argument slots, stage ids and the workspace layout
-(BW2). The algorithm is described in mamba2_backward.mojo."""
+(BW2). The algorithm is described in mamba2/backward.mojo."""
 from std.collections import Array
-from .abi import (
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import WF_F32, matmul_ntasks, matmul_task
-from .linear_split import split_matmul_ntasks, split_matmul_task, split_ld
-from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task, TPanels
-from .norms import rmsnorm_row, rms_scale
-from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
-from .mamba2_layout import P, N, Q, KCONV, M2Dims
-from .mamba2_ssd import seg_row
+from ..linear import WF_F32, matmul_ntasks, matmul_task
+from ..linear_split import split_matmul_ntasks, split_matmul_task, split_ld
+from ..weight_panels import blob_format
+from ..linear_grad import gemm_ntasks, gemm_task, TPanels
+from ..norms import rmsnorm_row, rms_scale
+from ..numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from .layout import P, N, Q, KCONV, M2Dims
+from .ssd import seg_row
 
 # OP_M2_BACKWARD argument slots.
 comptime BW_B = 0

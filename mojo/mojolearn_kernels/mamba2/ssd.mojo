@@ -1,12 +1,12 @@
 """Mamba-2 SSD chunk math (the canonical order of docs/mamba2.md, steps
 3-11): dt and dA rows, CB, the per-head outputs of the new rows, the fold and
 the h_last report. Every path (prefill, decode, report) calls these, and so
-does the backward's recompute (mamba2_backward_recompute.mojo): the row
+does the backward's recompute (mamba2/backward_recompute.mojo): the row
 functions take pointers and an XRows (where the xBC rows are), not a call."""
 from std.collections import Array
-from .abi import F32Ptr, ceil_div
-from .numerics import exp_f32, softplus_f32, silu_f32
-from .mamba2_layout import (
+from ..abi import F32Ptr, ceil_div
+from ..numerics import exp_f32, softplus_f32, silu_f32
+from .layout import (
     P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, CACHE_HDR, M2Call, M2Group, XRows,
 )
 

@@ -19,17 +19,17 @@ Reference: mojolearn.reference.mamba1 (float64 NumPy); tests compare
 against transformers' MambaBlock run in float64 (tests/reference/hf_mamba.py),
 itself checked equal to it to 1e-10.
 """
-from .abi import (
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from .linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
-from .weight_panels import (
+from ..linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
+from ..weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
-from .numerics import exp_f32
-from .lanes import copy_floats
-from .mamba1_stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_FWD
+from ..numerics import exp_f32
+from ..lanes import copy_floats
+from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_FWD
 
 comptime NSTATE = 16
 comptime KCONV = 4

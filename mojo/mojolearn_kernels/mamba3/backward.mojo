@@ -10,7 +10,7 @@ forward's chunks), B rows x 64 tokens of workspace at a time:
   pass B (chunks n-1 .. 0, backward order): recompute the chunk's forward from
          its checkpoint, then the VJP of out_proj, of the chunked scan (per
          row and head), the head reductions, in_proj and the RMSNorms.
-Both passes run the forward's own pieces (mamba3_stages.mojo: the norms,
+Both passes run the forward's own pieces (mamba3/stages.mojo: the norms,
 the angles and rotation, the fold, each token's output), so o, y and the
 checkpoints have the forward's bits (tests/test_recompute_bits.py). Only
 the loops around them differ: the recompute keeps whole-chunk matrices
@@ -33,21 +33,21 @@ tests/reference/torch_mamba3.py, whose forward equals mojolearn.reference.mamba3
 (float64 NumPy) to 1e-12.
 """
 from std.sys import get_defined_int
-from .abi import (
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
-from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task, TPanels
-from .norms import rmsnorm_row_vjp
-from .numerics import exp_f32, softplus_f32, sigmoid_f32, tanh_f32
-from .mamba3_layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
-from .dot128 import dot128, dots128x4, dots128_block
-from .lanes import copy_floats
-from .mamba3_stages import norm_rows, bc_norm_rows, phi_a, rotate_token, fold_into, out_token
+from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
+from ..weight_panels import blob_format
+from ..linear_grad import gemm_ntasks, gemm_task, TPanels
+from ..norms import rmsnorm_row_vjp
+from ..numerics import exp_f32, softplus_f32, sigmoid_f32, tanh_f32
+from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from ..dot128 import dot128, dots128x4, dots128_block
+from ..lanes import copy_floats
+from .stages import norm_rows, bc_norm_rows, phi_a, rotate_token, fold_into, out_token
 
-from .mamba3_backward_layout import (
+from .backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN,
     BW_G_DTB, BW_G_BNW, BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, V16,
     BW_N0, BW_PENDING, BW_STATED, BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_BK, BW_S_BV,
@@ -57,8 +57,8 @@ from .mamba3_backward_layout import (
     B_NORMW, NB, M_G, M_L, M_C, M_HQ, M_DG, V_DT, V_SG, V_ADT, V_A, V_SCALE, V_E, V_QK,
     V_TMP, SCR, BW3,
 )
-from .mamba3_backward_scan import apply_pending
-from .mamba3_backward_scan import (
+from .backward_scan import apply_pending
+from .backward_scan import (
     V4, _scan_bwd,
 )
 
@@ -261,7 +261,7 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
     var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
     var t0 = wk.tok0(c)
     var lens = arg_int(args, BW_LENGTHS)
-    if norm:  # the forward's (mamba3_stages; ragged: padding rows +0.0, as there)
+    if norm:  # the forward's (stages.mojo; ragged: padding rows +0.0, as there)
         norm_rows(x, l, d, t0, nr, r0, r1, blob.unsafe_offset(dims.o_norm), xn, lens)
     if copy_g:
         for r in range(r0, r1):
@@ -386,7 +386,7 @@ def _prep(args: I64Ptr, dims: M3Dims, wk: BW3, bb: Int, hh: Int, c: Int, nr: Int
             for k in range(NST):
                 qrow[unsafe_offset=k] = 0.0
             copy_floats(sbk.unsafe_offset(so * NST), qrow.unsafe_offset(NST), NST)
-    for i in range(nt):  # the forward's rotation (mamba3_stages.rotate_token)
+    for i in range(nt):  # the forward's rotation (stages.rotate_token)
         var r = bb * nr + i
         var sr = bb * ns + s0 + i
         var pr = proj.unsafe_offset(r * dims.np)

@@ -27,21 +27,21 @@ Phases of OP_M2_FORWARD: 0 loads the state (one task per row); then per
 group of a chunk's new rows (at most MAX_GROUP_ROWS rows in all): norm,
 in_proj, conv (+ dt/dA rows and B transposed, per 64-channel block), CB
 (per row and 16 new rows), SSD (per row and head: outputs; the fold and the
-h_last report after the chunk's last group; mamba2_ssd.mojo), gated norm,
+h_last report after the chunk's last group; mamba2/ssd.mojo), gated norm,
 out_proj + residual; last, the state is saved (one task per row).
 Reference: mojolearn.reference.mamba2 (float64 NumPy, the unchunked
 recurrence); tests compare against transformers' Mamba2Block run in float64
 (tests/reference/hf_mamba.py), itself checked equal to it to 1e-10.
 """
 from std.memory import bitcast
-from .abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
-from .linear_split import split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
-from .weight_panels import set_blob_format, set_blob_section, set_blob_layout, valid_format, LAYOUT_SPLIT
-from .norms import rmsnorm_row
-from .conv import causal_conv_silu
-from .numerics import exp_f32
-from .lanes import copy_floats
-from .mamba2_layout import (
+from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
+from ..linear_split import split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
+from ..weight_panels import set_blob_format, set_blob_section, set_blob_layout, valid_format, LAYOUT_SPLIT
+from ..norms import rmsnorm_row
+from ..conv import causal_conv_silu
+from ..numerics import exp_f32
+from ..lanes import copy_floats
+from .layout import (
     P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
     PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
     PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
@@ -49,7 +49,7 @@ from .mamba2_layout import (
     ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
     M2Dims, M2Call, M2Group, FWD_ROW_S,
 )
-from .mamba2_ssd import dt_rows, cb_task, ssd_task
+from .ssd import dt_rows, cb_task, ssd_task
 
 
 # ---------------------------------------------------------------- prepare

@@ -24,17 +24,17 @@ Dot products over N = 128 use a fixed 16-lane split (lane l sums n = l, l+16,
 Reference: mojolearn.reference.mamba3 (float64 NumPy, the unchunked
 recurrence); tests/test_mamba3_forward.py compares against it.
 """
-from .abi import (
+from ..abi import (
     F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task_wf
-from .weight_panels import (
+from ..linear import matmul_ntasks, matmul_task_wf
+from ..weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
-from .mamba3_stages import norm_rows, bc_norm_rows
-from .mamba3_layout import *
-from .lanes import copy_floats
-from .mamba3_scan import scan_task, row_gates, report_task
+from .stages import norm_rows, bc_norm_rows
+from .layout import *
+from ..lanes import copy_floats
+from .scan import scan_task, row_gates, report_task
 
 
 # ---------------------------------------------------------------- prepare

@@ -1,6 +1,6 @@
 """Mamba-1's forward stages over one chunk of B rows x nc tokens, written
-once. The forward op (mamba1.mojo) runs them, and so does the backward's
-recompute (mamba1_backward.mojo, both passes), so the activations the
+once. The forward op (mamba1/forward.mojo) runs them, and so does the backward's
+recompute (mamba1/backward.mojo, both passes), so the activations the
 gradients are taken of are the forward's, bit for bit
 (tests/test_recompute_bits.py compares them).
 
@@ -17,13 +17,13 @@ needs) or drops outputs nobody reads (pass A wants only the state at the
 next chunk start); it never changes an operation or its order.
 """
 from std.collections import Array
-from .abi import F32Ptr, I64Ptr, ceil_div
-from .linear import matmul_ntasks, matmul_task_wf
-from .norms import rmsnorm_row
-from .conv import conv_silu
-from .lanes import LANES, LV, ld_lanes, st_lanes
-from .numerics import exp_f32, softplus_f32, silu_f32
-from .mamba1 import (
+from ..abi import F32Ptr, I64Ptr, ceil_div
+from ..linear import matmul_ntasks, matmul_task_wf
+from ..norms import rmsnorm_row
+from ..conv import conv_silu
+from ..lanes import LANES, LV, ld_lanes, st_lanes
+from ..numerics import exp_f32, softplus_f32, silu_f32
+from .forward import (
     M1Dims, NSTATE, KCONV, ST_NORM, ST_INPROJ, ST_CONV, ST_XPROJ, ST_DTPROJ,
     NORM_ROWS_PER_TASK, CONV_CHANNELS_PER_TASK, SCAN_LANES,
 )

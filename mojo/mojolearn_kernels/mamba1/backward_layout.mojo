@@ -1,16 +1,16 @@
 """Mamba-1 backward: argument slots and the workspace layout (BWork). The
-algorithm is described in mamba1_backward.mojo."""
+algorithm is described in mamba1/backward.mojo."""
 from std.collections import Array
-from .abi import (
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
-from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task
-from .norms import rmsnorm_row, rms_scale
-from .numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
-from .mamba1 import M1Dims, NSTATE, KCONV
+from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
+from ..weight_panels import blob_format
+from ..linear_grad import gemm_ntasks, gemm_task
+from ..norms import rmsnorm_row, rms_scale
+from ..numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from .forward import M1Dims, NSTATE, KCONV
 
 # OP_M1_BACKWARD argument slots.
 comptime BW_B = 0

@@ -1,20 +1,20 @@
 """Mamba-3 SISO scan: one (batch row, head) task over the tokens of a pass
-(the canonical per-token formula of mamba3.mojo's docstring, in segments
+(the canonical per-token formula of mamba3/forward.mojo's docstring, in segments
 that batch the dot products), the per-row gates every head reads, and the
 lazy reports."""
 from std.sys.intrinsics import prefetch, PrefetchOptions
-from .abi import F32Ptr, I64Ptr, arg_int, arg_f32, arg_i64
-from .linear import WIDE
-from .dot128 import dots128_grid, GRID_T
-from .numerics import exp_f32, softplus_f32, sigmoid_f32, tanh_f32
-from .mamba3_layout import (
+from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32, arg_i64
+from ..linear import WIDE
+from ..dot128 import dots128_grid, GRID_T
+from ..numerics import exp_f32, softplus_f32, sigmoid_f32, tanh_f32
+from .layout import (
     M3Dims, NST, HP, NANG, QC, PI_F32, V16, FWD_L, FWD_LENGTHS, FWD_N0,
     FWD_PENDING, FWD_THETA, FWD_H, FWD_BQ, FWD_BK, FWD_BV, FWD_BDT, FWD_BSG, FWD_BADT,
     FWD_PK, FWD_PV, FWD_RH, FWD_RK, FWD_RV, FWD_RTHETA, FWD_WORK,
     S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, S_CHUNK, COPY_TOKENS, FOLD_SCR, count_after, n0_of,
 )
-from .lanes import copy_floats
-from .mamba3_stages import phi_a, rotate_token, fold_into, out_token
+from ..lanes import copy_floats
+from .stages import phi_a, rotate_token, fold_into, out_token
 
 
 struct HeadState(ImplicitlyCopyable):
@@ -51,7 +51,7 @@ struct HeadState(ImplicitlyCopyable):
 
     def on_chunk_copy(mut self, c: F32Ptr):
         """Point the working-chunk rows at a contiguous copy at c
-        (mamba3_layout.CHUNK_COPY floats)."""
+        (layout.CHUNK_COPY floats)."""
         self.bq = c
         self.bk = c.unsafe_offset(QC * NST)
         self.bv = c.unsafe_offset(2 * QC * NST)
@@ -131,7 +131,7 @@ def _init_scales(hs: HeadState, cnt: Int, sc: F32Ptr):
 def _fold(hs: HeadState, count: Int, beta_last: Float32, sc: F32Ptr, u: F32Ptr,
           w: F32Ptr, dst: F32Ptr):
     """dst = the fold of the working chunk's count rows into h
-    (mamba3_stages.fold_into, with _weights' w and exp(cum)); dst may be
+    (stages.fold_into, with _weights' w and exp(cum)); dst may be
     hs.h; u is (64, 64) scratch."""
     var hdec = _weights(hs, count - 1, beta_last, sc, w)
     fold_into(hs.bv, hs.vs, hs.bk, hs.rs, w, count, hdec, hs.h, dst, u)

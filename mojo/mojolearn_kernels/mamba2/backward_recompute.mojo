@@ -1,24 +1,24 @@
 """Mamba-2 backward: the forward recompute of one chunk from its checkpoint
 (norm rows, conv, dt rows, CB, the SSD outputs and the fold). The conv, CB,
 SSD outputs and fold run the forward's own functions (conv.mojo,
-mamba2_ssd.mojo) on the backward's rows, and dt its clamp, so the
+mamba2/ssd.mojo) on the backward's rows, and dt its clamp, so the
 recomputed activations have the forward's bits
 (tests/test_recompute_bits.py)."""
-from .abi import (
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from .linear import WF_F32, matmul_ntasks, matmul_task
-from .linear_split import split_matmul_ntasks, split_matmul_task, split_ld
-from .weight_panels import blob_format
-from .linear_grad import gemm_ntasks, gemm_task, TPanels
-from .norms import rmsnorm_row, rms_scale
-from .numerics import softplus_f32, softplus_grad_f32
-from .mamba2_layout import P, N, Q, KCONV, M2Dims
-from .mamba2_ssd import dt_clamp, cb_row_direct, ssd_row, fold_chunk
-from .mamba2_layout import XRows
-from .conv import conv_silu
-from .mamba2_backward_layout import (
+from ..linear import WF_F32, matmul_ntasks, matmul_task
+from ..linear_split import split_matmul_ntasks, split_matmul_task, split_ld
+from ..weight_panels import blob_format
+from ..linear_grad import gemm_ntasks, gemm_task, TPanels
+from ..norms import rmsnorm_row, rms_scale
+from ..numerics import softplus_f32, softplus_grad_f32
+from .layout import P, N, Q, KCONV, M2Dims
+from .ssd import dt_clamp, cb_row_direct, ssd_row, fold_chunk
+from .layout import XRows
+from ..conv import conv_silu
+from .backward_layout import (
     BW_X, BW_G, BW_BLOB, BW_WORK, LV, ROWS_PER_TASK, CH_PER_TASK, SCR, BW2,
 )
 
@@ -77,7 +77,7 @@ def _conv_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
 
 
 def _dt_rows(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
-    """dt = clamp(softplus(dtraw + dt_bias)) as in mamba2_ssd.dt_rows (lane
+    """dt = clamp(softplus(dtraw + dt_bias)) as in ssd.dt_rows (lane
     by lane, so the same bits), dA = dt * A, and sg = d dt / d v: softplus'
     where lo <= softplus(v) <= hi (PyTorch's clamp: inclusive), else 0.
     Rows past the chunk are zero."""
@@ -109,13 +109,13 @@ def _cx(bw: BW2, work: F32Ptr, bb: Int, nc: Int, j: Int) -> F32Ptr:
 
 @always_inline
 def _xrows(bw: BW2, work: F32Ptr, bb: Int, nc: Int) -> XRows:
-    """Row bb's xBC rows of the chunk, for mamba2_ssd's functions."""
+    """Row bb's xBC rows of the chunk, for ssd.mojo's functions."""
     var rows = _cx(bw, work, bb, nc, 0)
     return XRows(rows, 0, rows, 0, bw.dims.cd)
 
 
 def _cb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
-    """CB_ij for the task's rows i, j <= i (mamba2_ssd.cb_row_direct)."""
+    """CB_ij for the task's rows i, j <= i (ssd.cb_row_direct)."""
     var di = bw.dims.di
     var nc = bw.nc(c)
     var xr = _xrows(bw, work, bb, nc)
@@ -126,7 +126,7 @@ def _cb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
 
 def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task: Int):
     """Head hh of row bb: y (before the gate) and yg = y * silu(z) of the
-    chunk's rows (mamba2_ssd.ssd_row, from h^T of the checkpoint)."""
+    chunk's rows (ssd.ssd_row, from h^T of the checkpoint)."""
     var dims = bw.dims
     var di = dims.di
     var nc = bw.nc(c)
@@ -150,7 +150,7 @@ def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task
 
 def _fold(args: I64Ptr, bw: BW2, c: Int, bb: Int, hh: Int):
     """Pass A: h at the start of chunk c + 1 = the forward's fold of chunk c
-    (mamba2_ssd.fold_chunk)."""
+    (ssd.fold_chunk)."""
     var dims = bw.dims
     var work = arg_f32(args, BW_WORK)
     var nc = bw.nc(c)

@@ -1,16 +1,16 @@
 """Mamba-3's forward row stages and per-token pieces, written once: the
-forward op (mamba3.mojo, mamba3_scan.mojo) and the backward's recompute
-(mamba3_backward.mojo) both call them, on their own memory (pointer
+forward op (mamba3/forward.mojo, mamba3/scan.mojo) and the backward's recompute
+(mamba3/backward.mojo) both call them, on their own memory (pointer
 arguments, never an op's argument record), so the recomputed activations
 have the forward's bits (tests/test_recompute_bits.py compares them).
 """
 from std.collections import Array
-from .abi import F32Ptr, I64Ptr
-from .linear import WIDE
-from .norms import rms_scales_of, scale_row
-from .dot128 import dot128
-from .numerics import sincos_f32, mod2pi_f32, silu_f32
-from .mamba3_layout import NST, HP, NANG, NG, BC_ROWS_PER_TASK, A_FLOOR, V16
+from ..abi import F32Ptr, I64Ptr
+from ..linear import WIDE
+from ..norms import rms_scales_of, scale_row
+from ..dot128 import dot128
+from ..numerics import sincos_f32, mod2pi_f32, silu_f32
+from .layout import NST, HP, NANG, NG, BC_ROWS_PER_TASK, A_FLOOR, V16
 
 
 def norm_rows(x: F32Ptr, l: Int, d: Int, t0: Int, nc: Int, r0: Int, r1: Int,

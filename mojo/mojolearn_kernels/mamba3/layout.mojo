@@ -1,8 +1,8 @@
 """Mamba-3 SISO block: sizes, argument slots, the weight blob's and the
-workspace's layouts (mamba3.mojo runs the block, mamba3_scan.mojo its scan;
+workspace's layouts (mamba3/forward.mojo runs the block, mamba3/scan.mojo its scan;
 the backward modules share these)."""
-from .abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
-from .linear import WF_F32, packed_floats
+from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
+from ..linear import WF_F32, packed_floats
 
 comptime NST = 128  # N, q/k head dimension
 comptime HP = 64  # P, v head dimension

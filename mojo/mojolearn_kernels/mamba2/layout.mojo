@@ -1,12 +1,12 @@
 """Mamba-2 kernel layout: sizes, argument slots, the prepared weight blob,
 the per-call workspace and the decoded arguments of one forward call.
 Mirrored in python/mojolearn/mamba/mamba2.py (slot numbers)."""
-from .abi import (
+from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from .linear import WF_F32
-from .linear_split import split_floats
-from .weight_panels import blob_format
+from ..linear import WF_F32
+from ..linear_split import split_floats
+from ..weight_panels import blob_format
 
 comptime P = 64  # head dim
 comptime N = 128  # state size
@@ -276,7 +276,7 @@ struct XRows(ImplicitlyCopyable):
     """Where one batch row's post-conv xBC rows (cd floats each) of a chunk
     live: rows i < nbuf in buf (a state's buffered rows, row 0 first), the
     others in new (its first row is chunk row i0). The SSD functions
-    (mamba2_ssd.mojo) read rows only through this, so the forward and the
+    (mamba2/ssd.mojo) read rows only through this, so the forward and the
     backward's recompute run the same code on their own memory."""
     var buf: F32Ptr
     var nbuf: Int
