@@ -130,3 +130,15 @@ def test_no_slot_number_is_written_in_the_package():
     old = ("args[6], args[7] = cw, h\nlib.run(OP_X, [b, l, d])\n"
            "_FWD_SLOTS = 16\n")
     assert len(_slot_numbers(old)) == 4
+
+
+def test_workspace_query_tells_a_refusal_from_an_unknown_op():
+    """A plan's refusal (-3) and an op the binary lacks (-2) read differently."""
+    from mojolearn import _loader
+    lib = _loader.library()
+    spec = _abi.op_spec(lib, _abi.OP_M1_PREPARE)
+    assert lib.workspace_bytes(_abi.OP_M1_PREPARE, spec.pack(d=64, wfmt=0)) > 0
+    with pytest.raises(RuntimeError, match="op 10 refused its arguments"):
+        lib.workspace_bytes(_abi.OP_M1_PREPARE, spec.pack(d=64, wfmt=99))
+    with pytest.raises(RuntimeError, match="unknown op 999"):
+        lib.workspace_bytes(999, [0] * 8)

@@ -458,6 +458,11 @@ struct Library {
 
   int64_t workspace_bytes(int64_t op, std::vector<int64_t> args) const {
     int64_t n = plan(op, args.data(), kPlanWorkspace);
+    // -2: the binary has no such op; -3: the op's plan refused this
+    // combination of arguments (e.g. packed weights given to a backward).
+    if (n == -3)
+      throw std::runtime_error("op " + std::to_string(op) +
+                               " refused its arguments (a combination its kernel does not take)");
     if (n < 0) throw std::runtime_error("unknown op " + std::to_string(op));
     return n;
   }
