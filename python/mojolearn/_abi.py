@@ -101,3 +101,24 @@ def op_spec(lib, op: int) -> OpSpec:
             raise ValueError(f"{lib.path} does not know op {op}")
         spec = _SPECS[key] = OpSpec(op, buf.raw[:n].decode("ascii"))
     return spec
+
+
+def slot_bytes(lib, op: int, args: list, name: str) -> int:
+    """Bytes the binary's buffer table (``ml_buffers``) gives slot `name` of
+    op for these arguments: sizes are computed where they are declared
+    (opspec.mojo), never again in Python."""
+    import ctypes
+    fn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_int64)(lib.symbol("ml_buffers"))
+    slot = op_spec(lib, op).slot(name)
+    a = (ctypes.c_int64 * len(args))(*args)
+    a[slot] = a[slot] or 1  # the table lists only non-null slots; never dereferenced
+    cap = 64
+    rows = (ctypes.c_int64 * (3 * cap))()
+    n = fn(op, a, rows, cap)
+    if n < 0 or n > cap:
+        raise ValueError(f"op {op}: no buffer table for these arguments")
+    for i in range(n):
+        if rows[3 * i] == slot:
+            return int(rows[3 * i + 1])
+    raise ValueError(f"op {op}: slot {name!r} is not one of its buffers here")

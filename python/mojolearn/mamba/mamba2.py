@@ -14,7 +14,6 @@ HEAD_DIM = 64
 D_CONV = 4
 CHUNK = 256
 
-_CACHE_HDR = 16  # a decode session's cache layout (mamba2/layout.mojo, CACHE_HDR)
 # The block keeps its workspace between calls (no allocation per decode
 # step) unless it is larger than this (a prefill of many rows).
 _KEEP_WORK_BYTES = 64 << 20
@@ -206,8 +205,7 @@ class Mamba2Block(_MambaBase):
     _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M2_BACKWARD, _packed_names, True
     _KEEP_WORK_BYTES = _KEEP_WORK_BYTES
     # what a Mamba2DecodeSession needs: its cache layout
-    _CACHE_HDR = _CACHE_HDR
-    _D_STATE, _HEAD_DIM, _CHUNK = D_STATE, HEAD_DIM, CHUNK
+    _CHUNK = CHUNK
 
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)

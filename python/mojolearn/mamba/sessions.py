@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from array import array
 
-from .. import _intake
+from .. import _abi, _intake
 from ._base import copy_bytes, workspace_floats
 from ._state import array_view, check_not_held
 
@@ -315,10 +315,10 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._use_thread_workspace()
         # transposed copies of h and of the open chunk's B rows, rebuilt by
         # the kernel whenever a marker is 0: same chains, vectorized
-        # (mamba2/layout.mojo, CACHE_HDR)
-        n, hdr = block._D_STATE, block._CACHE_HDR
-        per_row = (block.nheads * (hdr + n * block._HEAD_DIM) + hdr + n * block._CHUNK)
-        self._cache = Array((self._b * per_row,), zero=True)
+        # (mamba2/layout.mojo, cache_floats_per_row; its size read from the
+        # op's buffer table)
+        nbytes = _abi.slot_bytes(self._lib, self._op, self._args, "cache")
+        self._cache = Array((nbytes // 4,), zero=True)
         self._args[self._spec.slot("cache")] = self._cache.address
         self._activate()
 
