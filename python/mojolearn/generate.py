@@ -106,9 +106,20 @@ class _Rows:
             cls = {"mamba2": Mamba2DecodeSession, "mamba3": Mamba3DecodeSession}.get(self.kind)
             if cls is None:  # Mamba-1: block.step (a session would hold a workspace per layer)
                 self.sessions = [_Stepper(blk, st) for blk, st in zip(blocks, self.states)]
-            else:
-                self.sessions = [cls(blk, st, _row_tokens=self.pos, _in_place=True)
-                                 for blk, st in zip(blocks, self.states)]
+            else:  # one row-position array for all layers, advanced once a step
+                first = cls(blocks[0], self.states[0], _row_tokens=self.pos, _in_place=True)
+                self.sessions = [first] + [
+                    cls(blk, st, _row_tokens=first._rows, _in_place=True)
+                    for blk, st in zip(blocks[1:], self.states[1:])]
+                first._rows_shared = True  # advanced by step() after the last layer
+
+    def step(self, x):
+        """x through every layer's session, then the rows' positions move on."""
+        for s in self.sessions:
+            x = s.step(x)
+        if self.kind != "mamba":
+            self.sessions[0].advance_rows()
+        return x
 
     def close(self):
         if self.sessions is not None:
@@ -261,8 +272,7 @@ class Batcher:
             last = [r.tokens[-1] for r in g.requests]
             x = m._embed_ids(last).reshape((len(last), 1, d))
             g.open(m.blocks)
-            for s in g.sessions:
-                x = s.step(x)
+            x = g.step(x)
             rows += [(r, (x, i)) for i, r in enumerate(g.requests)]
         admitted, self._pending = self._pending, []
         for req in admitted:

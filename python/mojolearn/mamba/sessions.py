@@ -132,20 +132,31 @@ class DecodeSessionBase:
     # continuous batching). The state's scalar position is then not used or
     # updated; each row's buffered_tokens lives in an int64 Array the op reads
     # (its row_tokens slot), and _row_positions() reads it back.
+    # An int64 Array given as row_tokens is shared, not copied: the sessions
+    # of a model's layers read one array, and their owner calls
+    # advance_rows() once per model step (the sessions do not advance it).
     def _use_row_tokens(self, row_tokens):
         from .._array import Array
-        rows = [_intake.as_int(t, "row_tokens") for t in row_tokens]
-        if len(rows) != self._b:
-            raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
-        self._rows = Array((self._b,), "int64", zero=False)
-        memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
+        self._rows_shared = isinstance(row_tokens, Array)
+        if self._rows_shared:
+            if row_tokens.shape != (self._b,) or row_tokens.dtype != "int64":
+                raise ValueError(f"row_tokens must be an int64 Array of shape ({self._b},)")
+            self._rows = row_tokens
+        else:
+            rows = [_intake.as_int(t, "row_tokens") for t in row_tokens]
+            if len(rows) != self._b:
+                raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
+            self._rows = Array((self._b,), "int64", zero=False)
+            memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
         self._args[self._spec.slot("row_tokens")] = self._rows.address
 
     def _row_positions(self) -> list:
         return memoryview(self._rows).tolist()
 
-    def _advance_rows(self, after):
+    def advance_rows(self):
+        """Every row's position after one token (the class's _row_after)."""
         mv = memoryview(self._rows)
+        after = self._row_after
         for i in range(self._b):
             mv[i] = after(mv[i])
 
@@ -329,12 +340,15 @@ class Mamba2DecodeSession(DecodeSessionBase):
     def _before_step(self, args):
         args[self._s_slot] = self._s
 
+    def _row_after(self, s):
+        return (s + 1) % self._block._CHUNK
+
     def _after_step(self):
-        q = self._block._CHUNK
         if self._rows is not None:
-            self._advance_rows(lambda s: (s + 1) % q)
+            if not self._rows_shared:
+                self.advance_rows()
         else:
-            self._s = (self._s + 1) % q
+            self._s = self._row_after(self._s)
 
     def _position(self) -> tuple:
         return (self._s,)
@@ -428,12 +442,15 @@ class Mamba3DecodeSession(DecodeSessionBase):
         args[self._n0_slot] = self._nb
         args[self._pending_slot] = 1 if self._pending else 0
 
+    def _row_after(self, n):
+        return self._block._count_after(n, 1)
+
     def _after_step(self):
-        after = self._block._count_after
         if self._rows is not None:
-            self._advance_rows(lambda n: after(n, 1))
+            if not self._rows_shared:
+                self.advance_rows()
         else:
-            self._nb = after(self._nb, 1)
+            self._nb = self._row_after(self._nb)
         self._pending = False
 
     def _position(self) -> tuple:
