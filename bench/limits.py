@@ -188,14 +188,19 @@ def _sgemm_child(spec: str) -> None:
     print(json.dumps(out))
 
 
-def sgemm_gflops(shapes, threads: int, reps: int = 3, budget_s: float = 0.5) -> dict:
+def sgemm_gflops(shapes, threads: int, reps: int = 3, budget_s: float = 0.5,
+                 coretype: str | None = None) -> dict:
     """NumPy float32 sgemm on shapes [(M, K, N)] in a child process with
-    OPENBLAS_NUM_THREADS=threads and OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset.
+    OPENBLAS_NUM_THREADS=threads and OPENBLAS_L2_SIZE unset; OPENBLAS_CORETYPE
+    unset (the CPU's own kernel) or `coretype` ("Haswell": OpenBLAS's AVX2
+    kernel, the limit an AVX2 build is measured against on an AVX-512 CPU).
     Returns {'gflops' (sum FLOPs / sum best times), 'shapes': [...], 'env', 'blas'}."""
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     env.pop("OPENBLAS_CORETYPE", None)
+    if coretype:
+        env["OPENBLAS_CORETYPE"] = coretype
     env.pop("OPENBLAS_L2_SIZE", None)
     spec = json.dumps({"shapes": [list(s) for s in shapes], "reps": reps,
                        "budget_s": budget_s})
