@@ -9,7 +9,8 @@ reports (h_last_, ...), ragged rows, prefill + decode steps, a prefill split
 in two and continued, decode sessions, batch-8 steps, the state arrays after
 prefill and after decode, backward (every gradient; Mamba-1 also a ragged
 forward from a state and a backward from a state with final-state
-cotangents and ragged rows), and blocks on packed
+cotangents and ragged rows; Mamba-2 a backward from a state with an open
+chunk and final-state cotangents, and a ragged one), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
 backward), and whole language models (bench/lm_cases.py). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
 256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
@@ -199,6 +200,17 @@ def _shape_cases(mojolearn, kind, d, b, l, lengths):
         yield f"{tag} ragged from state", _bytes(y) + _state_bytes(kind, st)
         grads = block.backward(x, g, start, grad_state=cot, lengths=lengths)
         yield f"{tag} backward state", b"".join(_bytes(grads[k]) for k in sorted(grads))
+    if kind == 2 and lengths is not None:
+        # through the state: backward from a state with an open chunk (the
+        # prefill of `pre` tokens) over the whole x (crossing the chunk end),
+        # with final-state cotangents (that state's own arrays); and ragged
+        # rows without a state
+        start = block.allocate_state(b)
+        block.forward(x[:, :pre], start)
+        grads = block.backward(x, g, start, grad_state=start)
+        yield f"{tag} backward state", b"".join(_bytes(grads[k]) for k in sorted(grads))
+        grads = block.backward(x, g, lengths=lengths)
+        yield f"{tag} backward ragged", b"".join(_bytes(grads[k]) for k in sorted(grads))
 
 
 def run_case(mojolearn, kind, d, b, l, lengths) -> dict:

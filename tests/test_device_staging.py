@@ -99,8 +99,8 @@ def test_overlapping_buffers_are_refused_when_staged(emulated):
 def _every_path(kind, fmt="float32"):
     """One small block run through every call that reaches a device op:
     forward, ragged forward, forward with a state, step, a decode session
-    step, backward (float32 only; Mamba-1 and Mamba-3 also from a state with
-    final-state cotangents, and ragged)."""
+    step, backward (float32 only; also from a state with final-state
+    cotangents, and ragged)."""
     def run():
         d, b, l = 32, 2, 6
         w = gpu_cases._weights(kind, d)
@@ -123,6 +123,10 @@ def _every_path(kind, fmt="float32"):
             if kind == 3:  # through a state (an open chunk), with final-state cotangents
                 block.backward(x, g, state, grad_state={"h": np.asarray(state.h),
                                                         "buffer_v": np.asarray(state.buffer_v)})
+                block.backward(x, g, lengths=[l, 2])
+            if kind == 2:  # through a state (an open chunk), with final-state cotangents
+                block.backward(x, g, state, grad_state={"h": np.asarray(state.h),
+                                                        "buffer_xbc": np.asarray(state.buffer_xbc)})
                 block.backward(x, g, lengths=[l, 2])
     return run
 

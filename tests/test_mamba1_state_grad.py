@@ -423,16 +423,3 @@ def test_state_and_lengths_errors():
     g2[0, 4, 0] = np.nan
     fails(ValueError, block.backward, x, g2, lengths=[5, 2], keep=keep, match=["grad_output"])
     block.backward(x, g2, lengths=[4, 2])  # NaN in padding: fine
-
-
-@pytest.mark.parametrize("kind", ["mamba2"])
-def test_other_blocks_refuse_the_state_arguments(kind):
-    """Mamba-2 has no backward through the state yet (Mamba-3's:
-    tests/test_mamba3_state_grad.py)."""
-    from mojolearn.reference import weights as rw
-    block = {"mamba2": mojolearn.Mamba2Block}[kind](getattr(rw, f"{kind}_weights")(32, seed=0))
-    x = random_input(1, 3, 32, seed=1)
-    st = block.allocate_state(1)
-    for kw, name in ((dict(state=st), "state"), (dict(grad_state={}), "grad_state"),
-                     (dict(lengths=[2]), "lengths")):
-        fails(NotImplementedError, block.backward, x, x, keep=[x, st], match=[name], **kw)

@@ -327,6 +327,29 @@ def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "grad:out_proj.weight", m2b.BW_G_OUT, BUF_INOUT, d * dm.di)
     # W_in^T | W_out^T in matmul panels (OP_PACK_TRANSPOSED of (npj, d), (d, di))
     _f32(s, "panels", m2b.BW_PANELS, BUF_IN, TPanels(dm.npj, d, d, dm.di).floats)
+    # Through the state (optional, null = zeros / absent): the start state
+    # (buffered_tokens rows of its buffers), the final state's cotangents,
+    # ragged lengths, and the start state's gradients (mamba2/backward_state.mojo).
+    var b = arg_int(args, m2b.BW_B)
+    var cw = b * dm.cd * m2.KCONV
+    var hs = b * dm.nh * m2.P * m2.N
+    var bxc = b * m2.Q * dm.cd
+    var bd = b * m2.Q * dm.nh
+    _int(s, "buffered_tokens", m2b.BW_N0)
+    _int(s, "stated", m2b.BW_STATED)
+    s.slot("lengths", m2b.BW_LENGTHS, K_I64, BUF_IN, b * I8)
+    _f32(s, "state:conv_window", m2b.BW_S_CONV, BUF_IN, cw)
+    _f32(s, "state:h", m2b.BW_S_H, BUF_IN, hs)
+    _f32(s, "state:buffer_xbc", m2b.BW_S_BX, BUF_IN, bxc)
+    _f32(s, "state:buffer_dtraw", m2b.BW_S_BD, BUF_IN, bd)
+    _f32(s, "grad_state:conv_window", m2b.BW_C_CONV, BUF_IN, cw)
+    _f32(s, "grad_state:h", m2b.BW_C_H, BUF_IN, hs)
+    _f32(s, "grad_state:buffer_xbc", m2b.BW_C_BX, BUF_IN, bxc)
+    _f32(s, "grad_state:buffer_dtraw", m2b.BW_C_BD, BUF_IN, bd)
+    _f32(s, "grad:state.conv_window", m2b.BW_GS_CONV, BUF_OUT, cw)
+    _f32(s, "grad:state.h", m2b.BW_GS_H, BUF_OUT, hs)
+    _f32(s, "grad:state.buffer_xbc", m2b.BW_GS_BX, BUF_OUT, bxc)
+    _f32(s, "grad:state.buffer_dtraw", m2b.BW_GS_BD, BUF_OUT, bd)
 
 
 # ---- Mamba-3 ----------------------------------------------------------------

@@ -32,17 +32,18 @@ training that is once per optimizer step.
 
 State: ``forward(x, state)`` with a mojolearn state object updates it in
 place and has no gradients (``torch.no_grad()`` or nothing requiring grad,
-else NotImplementedError; ``step`` likewise). ``Mamba1`` also takes the state
-as a dict of tensors, ``forward(x, {'conv_window': ..., 'h': ...})``, and then
+else NotImplementedError; ``step`` likewise). Every module also takes the
+state as a dict of tensors (one per array of the block's state class, plus
+its plain values: ``buffered_tokens`` for Mamba2 / Mamba3, ``pending`` for
+Mamba3), e.g. ``forward(x, {'conv_window': ..., 'h': ...})``, and then
 returns ``(y, new_state)`` (a new dict; the given tensors are not changed),
 differentiable with respect to x, the parameters and the given state
 tensors (ops ``mojolearn::mamba_forward_state`` / ``mamba_backward_state``,
-over ``Mamba1Block.backward(x, g, state, grad_state=...)``): a long sequence
-can be trained in pieces with the state carried between them.
+over ``Block.backward(x, g, state, grad_state=...)``): a long sequence can be
+trained in pieces with the state carried between them.
 
 Limitations (see the user guide's PyTorch page): float32 on the CPU only;
-no gradients through a Mamba-2/3 state; no ragged ``lengths``; no double
-backward.
+no ragged ``lengths``; no double backward.
 """
 import atexit
 import ctypes
@@ -254,19 +255,27 @@ def _grad_tensor(g):
     return _tensor(g).clone()
 
 
-def _forward_state_impl(x, weights, state, handle):
+def _state_object(cls, arrays, values):
+    """A state of class cls over the buffers `arrays` (cls._ARRAYS order)
+    with its plain values (cls._VALUES order, as ints: the op schema's
+    List[int]; Mamba-3's pending is a bool)."""
+    kw = {n: bool(v) if n == "pending" else int(v) for n, v in zip(cls._VALUES, values)}
+    return cls(*arrays, **kw)
+
+
+def _forward_state_impl(x, weights, state, values, handle):
     """[y, the final state's arrays] = block.forward(x, state) from the
-    state arrays given (in the state class's order), run on copies: the op
-    changes no input."""
+    state arrays given (in the state class's order) and its plain values,
+    run on copies: the op changes no input."""
     block = _kernel(handle).block(weights)
     xc = _contiguous(x)
     arrays = [s.detach().clone(memory_format=torch.contiguous_format) for s in state]
-    st = block._STATE_CLASS(*[_buffer(a) for a in arrays])
+    st = _state_object(block._STATE_CLASS, [_buffer(a) for a in arrays], values)
     y = block.forward(_buffer(xc), st)
     return [_tensor(y)] + arrays
 
 
-def _backward_state_impl(x, grad_y, weights, state, grad_state, handle):
+def _backward_state_impl(x, grad_y, weights, state, values, grad_state, handle):
     """[dx, d(weight) for each weight, d(state array) for each array]:
     block.backward(x, grad_y, state, grad_state=...) (see _backward_impl)."""
     kernel = _kernel(handle)
@@ -274,7 +283,7 @@ def _backward_state_impl(x, grad_y, weights, state, grad_state, handle):
     cls = block._STATE_CLASS
     held = [_contiguous(t) for t in [x, grad_y, *state, *grad_state]]
     bufs = [_buffer(t) for t in held]
-    st = cls(*bufs[2:2 + len(state)])
+    st = _state_object(cls, bufs[2:2 + len(state)], values)
     gs = dict(zip(cls._ARRAYS, bufs[2 + len(state):]))
     _TLS.torch_outputs = True
     try:
@@ -292,11 +301,11 @@ def _autograd_backward_state(ctx, grads):
     outs = [x] + list(state)
     g = [torch.zeros_like(o) if gi is None else gi for gi, o in zip(grads, outs)]
     r = torch.ops.mojolearn.mamba_backward_state(x, g[0], list(weights), list(state),
-                                                 g[1:], ctx.handle)
-    need_x, need_w, need_s, _ = ctx.needs_input_grad
+                                                 ctx.values, g[1:], ctx.handle)
+    need_x, need_w, need_s, _, _ = ctx.needs_input_grad
     nw = len(weights)
     return (r[0] if need_x else None, [a if n else None for a, n in zip(r[1:1 + nw], need_w)],
-            [a if n else None for a, n in zip(r[1 + nw:], need_s)], None)
+            [a if n else None for a, n in zip(r[1 + nw:], need_s)], None, None)
 
 
 def _autograd_backward(ctx, grad_output):
@@ -356,34 +365,37 @@ def _backward_formula(ctx, grad_output):
 
 
 def _mamba_forward_state(x: torch.Tensor, weights: List[torch.Tensor], state: List[torch.Tensor],
-                         handle: int) -> List[torch.Tensor]:
-    """[y, final state arrays] = block(x) from the given state arrays."""
-    return sys.modules["mojolearn.torch"]._forward_state_impl(x, weights, state, handle)
+                         values: List[int], handle: int) -> List[torch.Tensor]:
+    """[y, final state arrays] = block(x) from the given state arrays and
+    the state's plain values (buffered_tokens, ...; the new ones are
+    computed by the module, _MambaModule._advance)."""
+    return sys.modules["mojolearn.torch"]._forward_state_impl(x, weights, state, values, handle)
 
 
-def _mamba_forward_state_fake(x, weights, state, handle):
+def _mamba_forward_state_fake(x, weights, state, values, handle):
     return ([torch.empty_like(x, memory_format=torch.contiguous_format)]
             + [torch.empty_like(s, memory_format=torch.contiguous_format) for s in state])
 
 
 def _mamba_backward_state(x: torch.Tensor, grad_y: torch.Tensor, weights: List[torch.Tensor],
-                          state: List[torch.Tensor], grad_state: List[torch.Tensor],
-                          handle: int) -> List[torch.Tensor]:
+                          state: List[torch.Tensor], values: List[int],
+                          grad_state: List[torch.Tensor], handle: int) -> List[torch.Tensor]:
     """[dx, one gradient per weight, one per state array]."""
     return sys.modules["mojolearn.torch"]._backward_state_impl(x, grad_y, weights, state,
-                                                               grad_state, handle)
+                                                               values, grad_state, handle)
 
 
-def _mamba_backward_state_fake(x, grad_y, weights, state, grad_state, handle):
+def _mamba_backward_state_fake(x, grad_y, weights, state, values, grad_state, handle):
     return ([torch.empty_like(x, memory_format=torch.contiguous_format)]
             + [torch.empty_like(w, memory_format=torch.contiguous_format) for w in weights]
             + [torch.empty_like(s, memory_format=torch.contiguous_format) for s in state])
 
 
 def _setup_context_state(ctx, inputs, output):
-    x, weights, state, handle = inputs
+    x, weights, state, values, handle = inputs
     ctx.save_for_backward(x, *weights, *state)
     ctx.nweights = len(weights)
+    ctx.values = list(values)
     ctx.handle = handle
 
 
@@ -414,6 +426,21 @@ del _setup_context, _backward_formula
 
 
 # --------------------------------------------------------------------------- modules
+def _state_value(state, name):
+    """A plain value of a state dict (a missing one is the fresh state's):
+    buffered_tokens an int, pending (Mamba-3) a bool; TypeError otherwise
+    (the block checks the range)."""
+    if name == "pending":
+        v = state.get(name, False)
+        if not isinstance(v, bool):
+            raise TypeError(f"state['pending'] must be a bool, got {type(v).__name__}")
+        return v
+    v = state.get(name, 0)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"state[{name!r}] must be an int, got {type(v).__name__}")
+    return v
+
+
 class _Weights(torch.nn.Module):
     """Holds the parameters of one dotted name prefix (e.g. ``in_proj``), so
     that state_dict keys are the block's weight names."""
@@ -539,16 +566,21 @@ class _MambaModule(torch.nn.Module):
         ----------
         x : float32 CPU tensor, shape (B, L, d_model)
         state : the block's state (from ``allocate_state``), a dict of
-            tensors (Mamba1 only) or None
+            tensors or None
             None: a zero-state prefill, differentiable w.r.t. x and every
             parameter. A state object is read and updated in place, like
             the mojolearn block's; allowed only under ``torch.no_grad()`` or
             when neither x nor any parameter requires grad
-            (NotImplementedError otherwise). A dict ``{'conv_window': (B,
-            2d, 4), 'h': (B, 2d, 16)}`` of float32 CPU tensors (Mamba1): the
-            state the forward starts from, not changed; the call returns
-            ``(y, new_state)`` and is differentiable w.r.t. x, the
-            parameters and those tensors.
+            (NotImplementedError otherwise). A dict of float32 CPU tensors,
+            one per array of the block's state class in its shape (Mamba1:
+            ``{'conv_window': (B, 2d, 4), 'h': (B, 2d, 16)}``; Mamba2 /
+            Mamba3: every ``Mamba2State`` / ``Mamba3State`` array), plus the
+            state's plain values as Python values (``buffered_tokens``, an
+            int, default 0; Mamba3's ``pending``, a bool, default False):
+            the state the forward starts from, not changed; the call
+            returns ``(y, new_state)`` (new tensors and the advanced
+            values) and is differentiable w.r.t. x, the parameters and
+            those tensors.
 
         Returns
         -------
@@ -564,20 +596,34 @@ class _MambaModule(torch.nn.Module):
         return _forward_op(x, weights, self._kernel.handle)
 
     def _functional(self, x, state, weights):
-        """forward from a dict of state tensors: (y, new state dict)."""
+        """forward from a dict of state tensors (and the state's plain
+        values): (y, new state dict)."""
         cls = self._kernel.block_cls
         if not cls._BWD_STATE:
             raise NotImplementedError(
-                f"{type(self).__name__}.forward takes a dict of state tensors only for "
-                f"Mamba1 (gradients through a {cls._STATE_CLASS.__name__} are not "
-                f"available yet); pass its state object under torch.no_grad()")
-        names = cls._STATE_CLASS._ARRAYS
-        if set(state) != set(names):
-            raise ValueError(f"state must have the tensors {list(names)}, got {sorted(state)}")
+                f"{type(self).__name__}.forward does not take a dict of state tensors "
+                f"(gradients through a {cls._STATE_CLASS.__name__} are not available); "
+                f"pass its state object under torch.no_grad()")
+        names, vnames = cls._STATE_CLASS._ARRAYS, cls._STATE_CLASS._VALUES
+        missing = [n for n in names if n not in state]
+        unknown = sorted(str(k) for k in state if k not in names and k not in vnames)
+        if missing or unknown:
+            raise ValueError(f"state must have the tensors {list(names)}"
+                             + (f" (and may have {list(vnames)})" if vnames else "")
+                             + f"; missing {missing}, unknown {unknown}")
         for n in names:
             self._check_x(state[n], f"state[{n!r}]")
-        outs = _forward_state_op(x, weights, [state[n] for n in names], self._kernel.handle)
-        return outs[0], dict(zip(names, outs[1:]))
+        values = {n: _state_value(state, n) for n in vnames}
+        outs = _forward_state_op(x, weights, [state[n] for n in names],
+                                 [int(v) for v in values.values()], self._kernel.handle)
+        new = dict(zip(names, outs[1:]))
+        new.update(self._advance(values, x.shape[1]))
+        return outs[0], new
+
+    @staticmethod
+    def _advance(values, tokens) -> dict:
+        """The state's plain values after a forward of `tokens` tokens."""
+        return {}
 
     def step(self, x, state):
         """One decode token: forward at L = 1 with the state carried (x of
@@ -590,10 +636,10 @@ class _MambaModule(torch.nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad
                                                                 for w in weights)):
             raise NotImplementedError(
-                f"{type(self).__name__}.{kind} with a state is not differentiable: gradients "
-                f"with respect to a carried state are not available yet (only the zero-state "
-                f"prefill has a backward). Call it under torch.no_grad(), or with neither x "
-                f"nor any parameter requiring grad, or call forward(x) without a state")
+                f"{type(self).__name__}.{kind} with a state object is not differentiable (it "
+                f"updates the state in place). Call it under torch.no_grad(), or with neither "
+                f"x nor any parameter requiring grad; for gradients through the state pass it "
+                f"as a dict of tensors: y, new_state = forward(x, state_dict)")
         block = self._kernel.block(weights)
         xc = _contiguous(x)
         y = getattr(block, kind)(_buffer(xc), state)
@@ -705,6 +751,10 @@ class Mamba2(_MambaModule):
 
     _shapes = staticmethod(mamba2_weight_shapes)
 
+    @staticmethod
+    def _advance(values, tokens):
+        return {"buffered_tokens": (values["buffered_tokens"] + tokens) % Mamba2Block._CHUNK}
+
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes
         d, di, h, cd = self.d_model, s["norm.weight"][0], s["D"][0], s["conv1d.bias"][0]
@@ -765,6 +815,12 @@ class Mamba3(_MambaModule):
             raise ValueError(f"Mamba-3 needs d_model a positive multiple of 32, got {d}")
 
     _shapes = staticmethod(mamba3_weight_shapes)
+
+    @staticmethod
+    def _advance(values, tokens):
+        # the input states (pending) are consumed by the first token
+        return {"buffered_tokens": Mamba3Block._count_after(values["buffered_tokens"], tokens),
+                "pending": False}
 
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes

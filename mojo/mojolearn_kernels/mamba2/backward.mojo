@@ -1,4 +1,5 @@
-"""Mamba-2 backward (vector-Jacobian product of a zero-state prefill).
+"""Mamba-2 backward (vector-Jacobian product of a forward, from a zero state
+or from a given state: backward_state.mojo).
 
 Chunks of Q = 256 tokens (the forward's chunks), two passes:
   pass A (chunks 0 .. n-2, forward order): norm, in_proj, conv + dt and the
@@ -46,12 +47,16 @@ from .layout import P, N, Q, KCONV, M2Dims
 from .ssd import seg_row
 from .backward_layout import (
     BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB,
-    BW_G_DTB, BW_G_ALOG, BW_G_D, BW_G_GNORM, BW_G_OUT, BW_PANELS, LANES, LV,
+    BW_G_DTB, BW_G_ALOG, BW_G_D, BW_G_GNORM, BW_G_OUT, BW_PANELS, BW_C_H, BW_C_BD,
+    BW_C_BX, BW_GS_H, BW_GS_BD, LANES, LV,
     ROWS_PER_TASK, CH_PER_TASK, SCR, S_NORM, S_INPROJ, S_CONV, S_CB, S_SSD, S_GNORM,
     S_OUT, S_GATE, S_SSD1, S_SSD3, S_CONVB, S_INB, S_NORMB, S_COLS, NBS, NAS, BW2,
 )
 from .backward_recompute import (
     _norm_rows, _conv_fwd, _dt_rows, _cx, _cb_rows, _ssd_fwd, _fold,
+)
+from .backward_state import (
+    init_state_row, window_cot, start_window_grads, open_cot, state_xbc_grads,
 )
 
 # ------------------------------------------------------------ helpers
@@ -61,7 +66,7 @@ def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
     var dims = bw.dims
     var b = bw.b
     var nc = bw.nc(c)
-    var rows = b * nc
+    var rows = b * bw.nt(c)  # token rows
     var nrb = ceil_div(nc, ROWS_PER_TASK)
     if stage == S_NORM:
         return ceil_div(rows + 3 * b, ROWS_PER_TASK)
@@ -97,6 +102,10 @@ def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
     if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
         return -3  # backward reads float32 panels; blocks on packed weights expand them
     var bw = BW2(args)
+    if bw.n0 < 0 or bw.n0 >= Q or (bw.n0 != 0 and not bw.stated):
+        return -3
+    if bw.stated and bw.lens != 0:
+        return -3  # ragged rows only without a state
     if phase == PLAN_WORKSPACE:
         return bw.floats * 4
     if phase == 0:
@@ -151,6 +160,8 @@ def _init_row(args: I64Ptr, bw: BW2, bb: Int):
         work[unsafe_offset=bw.o_dh + tot + bb * hs + i] = 0.0
     for i in range(3 * bw.dims.cd):
         work[unsafe_offset=bw.o_dpc + bb * 3 * bw.dims.cd + i] = 0.0
+    if bw.stated:
+        init_state_row(args, bw, bb)
 
 
 def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
@@ -160,7 +171,7 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     var di = dims.di
     var npj = dims.npj
     var nc = bw.nc(c)
-    var rows = b * nc
+    var rows = b * bw.nt(c)  # token rows
     var nrb = ceil_div(nc, ROWS_PER_TASK)
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
@@ -182,9 +193,9 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     elif stage == S_CONV:
         var nct = dims.cd // CH_PER_TASK
         if task < nct:
-            _conv_fwd(bw, work, blob, c, task)
+            _conv_fwd(args, bw, work, blob, c, task)
         else:
-            _dt_rows(bw, work, blob, c, (task - nct) // dims.nh, (task - nct) % dims.nh)
+            _dt_rows(args, bw, work, blob, c, (task - nct) // dims.nh, (task - nct) % dims.nh)
     elif stage == S_CB:
         _cb_rows(bw, work, c, task // nrb, task % nrb)
     elif stage == S_SSD:
@@ -212,12 +223,12 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     elif stage == S_SSD1:
         var nht = b * dims.nh
         if task < nht:
-            _ssd_head_backward(bw, work, blob, c, task // dims.nh, task % dims.nh, task)
+            _ssd_head_backward(args, bw, work, blob, c, task // dims.nh, task % dims.nh, task)
         else:
             var t = task - nht
             _dcb_rows(bw, work, c, t // nrb, t % nrb, t)
     elif stage == S_SSD3:
-        _dbc_rows(bw, work, c, task // nrb, task % nrb)
+        _dbc_rows(args, bw, work, c, task // nrb, task % nrb)
     elif stage == S_CONVB:
         _conv_backward(args, bw, work, blob, c, task)
     elif stage == S_INB:
@@ -248,7 +259,7 @@ def _gate_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
     var dims = bw.dims
     var di = dims.di
     var npj = dims.npj
-    var rows = bw.b * bw.nc(c)
+    var rows = bw.b * bw.nt(c)
     var w = blob.unsafe_offset(dims.o_gnorm)
     var r0 = task * ROWS_PER_TASK
     for r in range(r0, min(rows, r0 + ROWS_PER_TASK)):
@@ -290,8 +301,8 @@ def _dot_tree(a: F32Ptr, b: F32Ptr) -> Float32:
     return s2[0] + s2[1]
 
 
-def _ssd_head_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int,
-                       task: Int):
+def _ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int,
+                       hh: Int, task: Int):
     """Head hh of row bb over chunk c: dx (x part of d xBC), d dtraw, the
     d dt_bias / dA / dD terms, exp(S_i(-1)) and exp(S_last(j)) dt_j for the
     dB/dC stage, and dh at the chunk start (carried to chunk c - 1).
@@ -301,14 +312,26 @@ def _ssd_head_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh:
     fma(A, d(dA_j), .); d(dA_k): + chain over i ascending of the row
     prefix sums R_i(k) = T_i,-1 + T_i,0 + ... + T_i,k-1, then the h_end
     row's prefix sum; dh0 = exp(S_last(-1)) dh_end, then fma over i
-    ascending of (e_i dy_i[p]) C_i[n]."""
+    ascending of (e_i dy_i[p]) C_i[n].
+    Through the state: rows i run over the tokens only (a state row has no
+    output); the h_end terms run whenever dh_end may be nonzero (not the
+    last chunk, or a full last chunk with the final h's cotangent); the
+    open last chunk's dh0 starts at the final h's cotangent instead (the
+    final h is the h entering it), its d dtraw_j gets the final
+    buffer_dtraw's cotangent (one add, after the dt_bias term is taken);
+    chunk 0 writes state.h and the state rows' state.buffer_dtraw."""
     var dims = bw.dims
     var di = dims.di
     var nh = dims.nh
     var npj = dims.npj
     var cd = dims.cd
     var nc = bw.nc(c)
+    var nt = bw.nt(c)
+    var s0 = bw.s0(c)
     var last = c == bw.nch - 1
+    var open_last = bw.last_open(c)
+    var cot_h = bw.has(args, BW_C_H)
+    var fold_terms = not last or (cot_h and not open_last)
     var hs = bw.b * nh * P * N
     var scr = work.unsafe_offset(bw.o_scr + task * SCR)
     var dxacc = scr  # (Q, P)
@@ -336,17 +359,24 @@ def _ssd_head_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh:
     for j in range(Q):
         ddt[unsafe_offset=j] = 0.0
         dda[unsafe_offset=j] = 0.0
-    # dh0 starts as exp(S_last(-1)) dh_end
+    # dh0 starts as exp(S_last(-1)) dh_end (the open last chunk: the final
+    # h's cotangent, the final h being h0)
     var elt = exp_f32[1](seg_row(da, nc - 1, seg))
     var k = 0
-    while k < P * N:
-        dh0.unsafe_store(k, LV(elt) * dhe.unsafe_load[width=LANES](k))
-        k += LANES
+    if open_last and cot_h:
+        var ch = arg_f32(args, BW_C_H).unsafe_offset(off_h)
+        while k < P * N:
+            dh0.unsafe_store(k, ch.unsafe_load[width=LANES](k))
+            k += LANES
+    else:
+        while k < P * N:
+            dh0.unsafe_store(k, LV(elt) * dhe.unsafe_load[width=LANES](k))
+            k += LANES
     for p in range(P):
         for n in range(N):
             ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
-    for i in range(nc):
-        var r = bb * nc + i
+    for i in range(s0, nc):
+        var r = bb * nt + i - s0
         var ci = seg_row(da, i, seg)
         var eo = exp_f32[1](ci)
         work[unsafe_offset=bw.o_eoff + o + i] = eo
@@ -393,7 +423,7 @@ def _ssd_head_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh:
             var tp = dh0.unsafe_offset(p * N)
             comptime for q in range(N // LANES):
                 tp.unsafe_store(q * LANES, coef.fma(cv[q], tp.unsafe_load[width=LANES](q * LANES)))
-    if not last:  # h_end = fold of this (full) chunk; dh_end is nonzero
+    if fold_terms:  # h_end = fold of this (full) chunk; dh_end is nonzero
         var total = seg_row(da, nc - 1, seg)
         for p in range(P):
             for n in range(N):
@@ -428,20 +458,33 @@ def _ssd_head_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh:
             dda[unsafe_offset=kk] = dda[unsafe_offset=kk] + racc
     # finish: dx, d dtraw, column-sum terms
     var sg = work.unsafe_offset(bw.o_sg + o)
+    var cot_bd = open_last and bw.has(args, BW_C_BD)
+    var gsbd = arg_f32(args, BW_GS_BD)
     for j in range(nc):
-        var r = bb * nc + j
-        var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
+        var r = bb * nc + j  # (scan row)
         var xj = _cx(bw, work, bb, nc, j).unsafe_offset(hh * P)
         var ac = dxacc.unsafe_offset(j * P)
+        var dtot = a.fma(dda[unsafe_offset=j], ddt[unsafe_offset=j])
+        var dv = dtot * sg[unsafe_offset=j]
+        var dvo = dv  # d dtraw_j (+ the final buffer's cotangent)
+        if cot_bd:
+            dvo = dv + arg_f32(args, BW_C_BD)[unsafe_offset=(bb * Q + j) * nh + hh]
+        work[unsafe_offset=bw.o_pdtb + o + j] = dv
+        work[unsafe_offset=bw.o_pa + o + j] = dda[unsafe_offset=j] * dts[unsafe_offset=j]
+        if j < s0:  # a state row: no output, no D term
+            comptime for q in range(4):
+                work.unsafe_store(bw.o_dcx + r * cd + hh * P + q * LANES,
+                                  ac.unsafe_load[width=LANES](q * LANES))
+            gsbd[unsafe_offset=(bb * Q + j) * nh + hh] = dvo
+            work[unsafe_offset=bw.o_pd + o + j] = 0.0
+            continue
+        var rt = bb * nt + j - s0  # (token row)
+        var dyp = work.unsafe_offset(bw.o_dy + rt * di + hh * P)
         comptime for q in range(4):
             work.unsafe_store(bw.o_dcx + r * cd + hh * P + q * LANES,
                               LV(dskip).fma(dyp.unsafe_load[width=LANES](q * LANES),
                                             ac.unsafe_load[width=LANES](q * LANES)))
-        var dtot = a.fma(dda[unsafe_offset=j], ddt[unsafe_offset=j])
-        var dv = dtot * sg[unsafe_offset=j]
-        work[unsafe_offset=bw.o_dzx + r * npj + di + cd + hh] = dv
-        work[unsafe_offset=bw.o_pdtb + o + j] = dv
-        work[unsafe_offset=bw.o_pa + o + j] = dda[unsafe_offset=j] * dts[unsafe_offset=j]
+        work[unsafe_offset=bw.o_dzx + rt * npj + di + cd + hh] = dvo
         work[unsafe_offset=bw.o_pd + o + j] = _dot_tree(dyp, xj)
     # the chunk's terms of d dt_bias, dA, dD: a pairwise tree over the Q
     # token slots (slot j + slot j + w for w = 128, 64, ..., 1; slots past
@@ -460,11 +503,15 @@ def _ssd_head_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh:
             work[unsafe_offset=bw.o_pd + o + j] = (work[unsafe_offset=bw.o_pd + o + j]
                                                    + work[unsafe_offset=bw.o_pd + o + j + wd])
         wd //= 2
-    if c > 0:
+    if c > 0 or bw.stated:  # the carry to chunk c - 1, or state.h
+        var dst = dhout if c > 0 else arg_f32(args, BW_GS_H).unsafe_offset(off_h)
         k = 0
         while k < P * N:
-            dhout.unsafe_store(k, dh0.unsafe_load[width=LANES](k))
+            dst.unsafe_store(k, dh0.unsafe_load[width=LANES](k))
             k += LANES
+    if c == 0 and bw.stated:  # state.buffer_dtraw rows past n0: +0.0
+        for j in range(s0, Q):
+            gsbd[unsafe_offset=(bb * Q + j) * nh + hh] = 0.0
 
 
 def _dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
@@ -473,10 +520,12 @@ def _dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
     var dims = bw.dims
     var di = dims.di
     var nc = bw.nc(c)
+    var s0 = bw.s0(c)
     var seg = work.unsafe_offset(bw.o_scr2 + t * Q)
     var dcb = work.unsafe_offset(bw.o_dcb + bb * Q * Q)
-    for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-        var r = bb * nc + i
+    # token rows i only (a state row has no output: its dCB row is zero)
+    for i in range(max(s0, rb * ROWS_PER_TASK), min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+        var r = bb * bw.nt(c) + i - s0
         for j in range(i + 1):
             dcb[unsafe_offset=i * Q + j] = 0.0
         for hh in range(dims.nh):
@@ -490,50 +539,55 @@ def _dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
                     (g * e) * work[unsafe_offset=bw.o_dt + o + j])
 
 
-def _dbc_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
+def _dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
     """dC_i[n] = fma chain over j = 0..i of dCB_ij B_j[n], then for heads
     ascending fma(e_i, t[n], .) with t[n] = fma chain over p of
     dy_i[p] h0[p][n]. dB_j[n] = fma chain over i = j..n-1 of dCB_ij C_i[n],
-    then (not the last chunk) for heads ascending fma(el_j dt_j, t[n], .)
-    with t[n] = fma chain over p of x_j[p] dh_end[p][n]."""
+    then (when dh_end may be nonzero) for heads ascending fma(el_j dt_j,
+    t[n], .) with t[n] = fma chain over p of x_j[p] dh_end[p][n]. A state row has
+    no output: its dC is +0.0 and its dB sums over the token rows i2 only;
+    the h_end terms run as in _ssd_head_backward."""
     comptime NV = N // LANES
     var dims = bw.dims
     var di = dims.di
     var cd = dims.cd
     var nh = dims.nh
     var nc = bw.nc(c)
+    var s0 = bw.s0(c)
     var last = c == bw.nch - 1
+    var fold_terms = not last or (bw.has(args, BW_C_H) and not bw.last_open(c))
     var hs = bw.b * nh * P * N
     var dcb = work.unsafe_offset(bw.o_dcb + bb * Q * Q)
     for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-        var r = bb * nc + i
+        var r = bb * nc + i  # (scan row)
         var row = _cx(bw, work, bb, nc, i)
-        var acc = Array[LV, NV](fill=LV(0.0))
-        for j in range(i + 1):
-            var s = LV(dcb[unsafe_offset=i * Q + j])
-            var br = _cx(bw, work, bb, nc, j).unsafe_offset(di)
-            comptime for q in range(NV):
-                acc[q] = s.fma(br.unsafe_load[width=LANES](q * LANES), acc[q])
-        for hh in range(nh):
-            var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
-            var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
-            var t = Array[LV, NV](fill=LV(0.0))
-            for p in range(P):
-                var dp = LV(dyp[unsafe_offset=p])
+        var acc = Array[LV, NV](fill=LV(0.0))  # dC_i (+0.0 for a state row)
+        if i >= s0:
+            for j in range(i + 1):
+                var s = LV(dcb[unsafe_offset=i * Q + j])
+                var br = _cx(bw, work, bb, nc, j).unsafe_offset(di)
                 comptime for q in range(NV):
-                    t[q] = dp.fma(h0.unsafe_load[width=LANES](p * N + q * LANES), t[q])
-            var eo = LV(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i])
-            comptime for q in range(NV):
-                acc[q] = eo.fma(t[q], acc[q])
+                    acc[q] = s.fma(br.unsafe_load[width=LANES](q * LANES), acc[q])
+            for hh in range(nh):
+                var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
+                var dyp = work.unsafe_offset(bw.o_dy + (bb * bw.nt(c) + i - s0) * di + hh * P)
+                var t = Array[LV, NV](fill=LV(0.0))
+                for p in range(P):
+                    var dp = LV(dyp[unsafe_offset=p])
+                    comptime for q in range(NV):
+                        t[q] = dp.fma(h0.unsafe_load[width=LANES](p * N + q * LANES), t[q])
+                var eo = LV(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i])
+                comptime for q in range(NV):
+                    acc[q] = eo.fma(t[q], acc[q])
         comptime for q in range(NV):
             work.unsafe_store(bw.o_dcx + r * cd + di + N + q * LANES, acc[q])
         var bacc = Array[LV, NV](fill=LV(0.0))
-        for i2 in range(i, nc):
+        for i2 in range(max(i, s0), nc):
             var s = LV(dcb[unsafe_offset=i2 * Q + i])
             var cr = _cx(bw, work, bb, nc, i2).unsafe_offset(di + N)
             comptime for q in range(NV):
                 bacc[q] = s.fma(cr.unsafe_load[width=LANES](q * LANES), bacc[q])
-        if not last:
+        if fold_terms:
             for hh in range(nh):
                 var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + (bb * nh + hh) * P * N)
                 var xp = row.unsafe_offset(hh * P)
@@ -550,25 +604,36 @@ def _dbc_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
 
 
 def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
-    """64 channels: dpre = d cx * silu'(pre) (in place), d xBC_raw[t] = fma
-    chain over m = 0..3 of w[3 - m] dpre[t + m] (rows past the chunk from
-    the carry), weight terms gw[k] = fma(dpre[t], in[t - 3 + k], gw[k]) and
-    bias + dpre[t], rows b ascending then tokens ascending."""
+    """64 channels: dpre = d cx * silu'(pre) (in place; the open last
+    chunk's d cx plus the final buffer_xbc's cotangent, one add), d
+    xBC_raw[t] = fma chain over m = 0..3 of w[3 - m] dpre[t + m] (rows past
+    the chunk from the carry), from the final conv_window's cotangent for
+    the last four inputs, else from +0.0; weight terms gw[k] =
+    fma(dpre[t], in[t - 3 + k], gw[k]) and bias + dpre[t], rows b ascending
+    then tokens ascending. Chunk 0 of a stated call then writes
+    state.conv_window and state.buffer_xbc."""
     var dims = bw.dims
     var cd = dims.cd
     var di = dims.di
     var npj = dims.npj
     var b = bw.b
     var nc = bw.nc(c)
+    var nt = bw.nt(c)
+    var s0 = bw.s0(c)
+    var t0 = bw.tok0(c)
     var gcw = arg_f32(args, BW_G_CONVW)
     var gcb = arg_f32(args, BW_G_CONVB)
     var c0 = task * CH_PER_TASK
+    var cot_bx = bw.last_open(c) and bw.has(args, BW_C_BX)
     var ch = c0
     while ch < c0 + CH_PER_TASK:
-        for r in range(b * nc):
-            var o = bw.o_dcx + r * cd + ch
-            work.unsafe_store(o, work.unsafe_load[width=LANES](o)
-                              * silu_grad_f32[LANES](work.unsafe_load[width=LANES](bw.o_pre + r * cd + ch)))
+        for r in range(b * nt):  # token rows
+            var o = bw.o_dcx + ((r // nt) * nc + s0 + r % nt) * cd + ch
+            var op = bw.o_pre + ((r // nt) * nc + s0 + r % nt) * cd + ch
+            var dc = work.unsafe_load[width=LANES](o)
+            if cot_bx:
+                dc = dc + open_cot(args, bw, c, r // nt, s0 + r % nt, ch)
+            work.unsafe_store(o, dc * silu_grad_f32[LANES](work.unsafe_load[width=LANES](op)))
         var w = Array[LV, KCONV](fill=LV(0.0))
         var gw = Array[LV, KCONV](fill=LV(0.0))
         comptime for k in range(KCONV):
@@ -578,35 +643,39 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
         var gb = gcb.unsafe_load[width=LANES](ch)
         for bb in range(b):
             var carry = work.unsafe_offset(bw.o_dpc + bb * 3 * cd + ch)
-            var base = bb * nc
-            for j in range(nc):
-                var acc = LV(0.0)
+            var base = bb * nc + s0  # dpre of token j: scan row base + j
+            var tbase = bb * nt  # token rows
+            for j in range(nt):
+                var acc = window_cot(args, bw, bb, ch, t0 + j)
                 comptime for m in range(KCONV):
                     var src: LV
-                    if j + m < nc:
+                    if j + m < nt:
                         src = work.unsafe_load[width=LANES](bw.o_dcx + (base + j + m) * cd + ch)
                     else:
-                        src = carry.unsafe_load[width=LANES]((j + m - nc) * cd)
+                        src = carry.unsafe_load[width=LANES]((j + m - nt) * cd)
                     acc = w[KCONV - 1 - m].fma(src, acc)
-                work.unsafe_store(bw.o_dzx + (base + j) * npj + di + ch, acc)
+                work.unsafe_store(bw.o_dzx + (tbase + j) * npj + di + ch, acc)
                 var g = work.unsafe_load[width=LANES](bw.o_dcx + (base + j) * cd + ch)
                 comptime for k in range(KCONV):
                     var pos = j - 3 + k
                     var inp: LV
                     if pos >= 0:
-                        inp = work.unsafe_load[width=LANES](bw.o_zx + (base + pos) * npj + di + ch)
+                        inp = work.unsafe_load[width=LANES](bw.o_zx + (tbase + pos) * npj + di + ch)
                     else:
                         inp = work.unsafe_load[width=LANES](bw.o_zxp + (bb * 3 + 3 + pos) * npj + di + ch)
                     gw[k] = g.fma(inp, gw[k])
                 gb = gb + g
             var nw = Array[LV, 3](fill=LV(0.0))
             comptime for m in range(3):
-                if m < nc:
+                if m < nt:
                     nw[m] = work.unsafe_load[width=LANES](bw.o_dcx + (base + m) * cd + ch)
                 else:
-                    nw[m] = carry.unsafe_load[width=LANES]((m - nc) * cd)
+                    nw[m] = carry.unsafe_load[width=LANES]((m - nt) * cd)
             comptime for m in range(3):
                 carry.unsafe_store(m * cd, nw[m])
+            if c == 0 and bw.stated:
+                start_window_grads(args, bw, bb, ch, w, nw)
+                state_xbc_grads(args, bw, work, bb, ch)
         comptime for k in range(KCONV):
             for jl in range(LANES):
                 gcw[unsafe_offset=(ch + jl) * KCONV + k] = gw[k][jl]
@@ -616,15 +685,22 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
 
 def _norm_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
     """dx = grad_out + RMSNorm VJP of dxn; pn = the norm weight's terms
-    (norms.rmsnorm_row_vjp)."""
+    (norms.rmsnorm_row_vjp). Padding tokens of ragged rows: dx = +0.0 and
+    no norm weight terms (x there is never read)."""
     var d = bw.dims.d
-    var nc = bw.nc(c)
+    var nt = bw.nt(c)
     var x = arg_f32(args, BW_X)
     var g = arg_f32(args, BW_G)
     var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
-    for r in range(r0, min(bw.b * nc, r0 + ROWS_PER_TASK)):
-        var off = ((r // nc) * bw.l + c * Q + r % nc) * d
+    for r in range(r0, min(bw.b * nt, r0 + ROWS_PER_TASK)):
+        var t = bw.tok0(c) + r % nt
+        var off = ((r // nt) * bw.l + t) * d
+        if bw.pad(r // nt, t):
+            for j in range(d):
+                dx[unsafe_offset=off + j] = 0.0
+                work[unsafe_offset=bw.o_pn + r * d + j] = 0.0
+            continue
         rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(bw.dims.o_norm),
                               work.unsafe_offset(bw.o_dxn + r * d), g.unsafe_offset(off),
                               dx.unsafe_offset(off), work.unsafe_offset(bw.o_pn + r * d))
@@ -638,8 +714,7 @@ def _column_sums(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int):
     var dims = bw.dims
     var d = dims.d
     var di = dims.di
-    var nc = bw.nc(c)
-    var rows = bw.b * nc
+    var rows = bw.b * bw.nt(c)  # token rows
     var nd = ceil_div(d, LANES)
     var ng = ceil_div(di, LANES)
     if task < nd + ng:

@@ -37,7 +37,28 @@ comptime BW_G_D = 16
 comptime BW_G_GNORM = 17
 comptime BW_G_OUT = 18
 comptime BW_PANELS = 19  # W_in^T | W_out^T panels (OP_PACK_TRANSPOSED)
-comptime BW_NARGS = 20
+# Gradients through the state (all 0 for the zero-state backward, whose bits
+# and work are unchanged; backward_state.mojo). BW_STATED = 1: the
+# forward started from the state in BW_S_* (buffered_tokens BW_N0), the
+# final state's cotangents are in BW_C_* and the start state's gradients go
+# to BW_GS_* (every byte written; buffer rows past BW_N0 get +0.0). A null
+# BW_S_* or BW_C_* array is zeros. Layouts: the Mamba2State arrays.
+comptime BW_N0 = 20  # buffered_tokens of the start state, in [0, 256)
+comptime BW_STATED = 21
+comptime BW_LENGTHS = 22  # 0, or int64 (B,) ragged lengths (only without a state)
+comptime BW_S_CONV = 23  # (B, cd, 4) conv_window
+comptime BW_S_H = 24  # (B, H, P, N)
+comptime BW_S_BX = 25  # (B, Q, cd) buffer_xbc
+comptime BW_S_BD = 26  # (B, Q, H) buffer_dtraw
+comptime BW_C_CONV = 27
+comptime BW_C_H = 28
+comptime BW_C_BX = 29
+comptime BW_C_BD = 30
+comptime BW_GS_CONV = 31
+comptime BW_GS_H = 32
+comptime BW_GS_BX = 33
+comptime BW_GS_BD = 34
+comptime BW_NARGS = 35
 
 comptime LANES = 16
 comptime LV = SIMD[DType.float32, LANES]
@@ -69,6 +90,9 @@ struct BW2(ImplicitlyCopyable):
     var dims: M2Dims
     var b: Int
     var l: Int
+    var n0: Int  # state rows in front of chunk 0's tokens (buffered_tokens)
+    var stated: Bool
+    var lens: Int  # address of the ragged lengths, or 0
     var nch: Int
     var o_ckh: Int  # (nch, B, H, P, N) h at each chunk start
     var o_dh: Int  # (2, B, H, P, N) dh at a chunk end, by chunk parity
@@ -108,14 +132,19 @@ struct BW2(ImplicitlyCopyable):
         self.dims = M2Dims(arg_int(args, BW_D))
         self.b = arg_int(args, BW_B)
         self.l = arg_int(args, BW_L)
-        self.nch = ceil_div(self.l, Q)
+        self.n0 = arg_int(args, BW_N0)
+        self.stated = arg_int(args, BW_STATED) != 0
+        self.lens = arg_int(args, BW_LENGTHS)
+        # chunks of the rows "n0 state rows, then the L tokens", aligned to
+        # absolute positions as the forward's; n0 = 0: ceil(L / Q)
+        self.nch = ceil_div(self.n0 + self.l, Q)
         var b = self.b
         var d = self.dims.d
         var di = self.dims.di
         var cd = self.dims.cd
         var npj = self.dims.npj
         var nh = self.dims.nh
-        var rows = b * min(Q, self.l)
+        var rows = b * min(Q, self.n0 + self.l)
         var hs = b * nh * P * N
         var o = 0
         self.o_ckh = o
@@ -186,8 +215,37 @@ struct BW2(ImplicitlyCopyable):
         o += round_up(b * ceil_div(Q, ROWS_PER_TASK) * Q, ALIGN_FLOATS)
         self.floats = o
 
+    def tok0(self, c: Int) -> Int:
+        """The first token of chunk c."""
+        return max(0, c * Q - self.n0)
+
+    def s0(self, c: Int) -> Int:
+        """State rows in front of chunk c's tokens (n0 in chunk 0)."""
+        return self.n0 if c == 0 else 0
+
+    def nt(self, c: Int) -> Int:
+        """Tokens of chunk c (at least 1: n0 < Q and L >= 1)."""
+        return min(self.l, (c + 1) * Q - self.n0) - self.tok0(c)
+
     def nc(self, c: Int) -> Int:
-        return min(Q, self.l - c * Q)
+        """Rows of chunk c: its state rows, then its tokens. Row arrays of
+        the scan (cx, pre, dcx; the (B, H, Q) rows, CB, dCB) hold rows
+        bb * nc + j; token arrays (xn, zx, y, dy, dzx, ...) hold only the
+        tokens, bb * nt + t (row j = s0 + t)."""
+        return self.s0(c) + self.nt(c)
+
+    def last_open(self, c: Int) -> Bool:
+        """Is chunk c the final state's open chunk (the last chunk, not
+        full: the final h is its start state, its rows the final buffers)?"""
+        return c == self.nch - 1 and self.nc(c) < Q
+
+    def has(self, args: I64Ptr, slot: Int) -> Bool:
+        """A state slot is given (stated call, non-null array)."""
+        return self.stated and arg_int(args, slot) != 0
+
+    def pad(self, bb: Int, t: Int) -> Bool:
+        """Is token t of row bb padding (ragged rows)?"""
+        return self.lens != 0 and t >= Int(I64Ptr(unsafe_from_address=self.lens)[unsafe_offset=bb])
 
     def hq(self, bb: Int, hh: Int) -> Int:
         """Offset of row bb, head hh in a (B, H, Q) array."""

@@ -19,21 +19,25 @@ from .ssd import dt_clamp, cb_row_direct, ssd_row, fold_chunk
 from .layout import XRows
 from ..conv import conv_silu
 from .backward_layout import (
-    BW_X, BW_G, BW_BLOB, BW_WORK, LV, ROWS_PER_TASK, CH_PER_TASK, SCR, BW2,
+    BW_X, BW_G, BW_BLOB, BW_WORK, BW_S_BD, LV, ROWS_PER_TASK, CH_PER_TASK, SCR, BW2,
 )
+from .backward_state import state_rows_in
 
 
 # ------------------------------------------------------------ forward recompute
 
 
 def _norm_rows(args: I64Ptr, bw: BW2, c: Int, task: Int, is_b: Bool):
-    """Block RMSNorm of the chunk's rows and of the 3 tokens before it
-    (zeros before the sequence: the conv window starts at zeros); pass B
-    also copies the chunk's grad_output rows."""
+    """Block RMSNorm of the chunk's tokens and of the 3 tokens before it
+    (zeros before the sequence: the conv window there is zeros or the
+    start state's, filled in by _conv_fwd); pass B also copies the chunk's
+    grad_output rows. Padding tokens of ragged rows read as +0.0 (x and
+    grad_output there are never read), as in the forward."""
     var d = bw.dims.d
     var l = bw.l
-    var nc = bw.nc(c)
-    var rows = bw.b * nc
+    var nt = bw.nt(c)
+    var t0 = bw.tok0(c)
+    var rows = bw.b * nt
     var x = arg_f32(args, BW_X)
     var g = arg_f32(args, BW_G)
     var work = arg_f32(args, BW_WORK)
@@ -42,47 +46,64 @@ def _norm_rows(args: I64Ptr, bw: BW2, c: Int, task: Int, is_b: Bool):
     var r1 = min(rows + 3 * bw.b, r0 + ROWS_PER_TASK)
     for r in range(r0, r1):
         if r < rows:
-            var off = ((r // nc) * l + c * Q + r % nc) * d
-            rmsnorm_row(x.unsafe_offset(off), d, w, work.unsafe_offset(bw.o_xn + r * d))
+            var t = t0 + r % nt
+            var off = ((r // nt) * l + t) * d
+            var dst = work.unsafe_offset(bw.o_xn + r * d)
+            var pad = bw.pad(r // nt, t)
+            if pad:
+                for j in range(d):
+                    dst[unsafe_offset=j] = 0.0
+            else:
+                rmsnorm_row(x.unsafe_offset(off), d, w, dst)
             if is_b:
                 for j in range(d):
-                    work[unsafe_offset=bw.o_gch + r * d + j] = g[unsafe_offset=off + j]
+                    work[unsafe_offset=bw.o_gch + r * d + j] = 0.0 if pad else g[unsafe_offset=off + j]
         else:
             var q = r - rows
-            var t = c * Q - 3 + q % 3
+            var t = t0 - 3 + q % 3
             var dst = work.unsafe_offset(bw.o_xnp + q * d)
-            if t < 0:
+            if t < 0 or bw.pad(q // 3, t):
                 for j in range(d):
                     dst[unsafe_offset=j] = 0.0
             else:
                 rmsnorm_row(x.unsafe_offset(((q // 3) * l + t) * d), d, w, dst)
 
 
-def _conv_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
-    """conv.mojo for 64 channels of every row of the chunk (keeping the
+def _conv_fwd(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
+    """conv.mojo for 64 channels of the chunk's tokens (keeping the
     pre-activation); the window is the in_proj output of the 3 tokens
-    before the chunk (conv_silu never reads the row before them)."""
+    before the chunk (conv_silu never reads the row before them), the start
+    state's conv_window before the sequence. Chunk 0's state rows are the
+    start state's buffer_xbc rows."""
     var dims = bw.dims
     var cd = dims.cd
     var npj = dims.npj
     var nc = bw.nc(c)
+    var nt = bw.nt(c)
+    var s0 = bw.s0(c)
     var c0 = task * CH_PER_TASK
     for bb in range(bw.b):
+        state_rows_in(args, bw, work, c, bb, c0)
         var prev = work.unsafe_offset(bw.o_zxp + bb * 3 * npj + dims.di)
         conv_silu[True](prev.unsafe_offset(-npj), npj,
-                        work.unsafe_offset(bw.o_zx + bb * nc * npj + dims.di), npj, nc,
+                        work.unsafe_offset(bw.o_zx + bb * nt * npj + dims.di), npj, nt,
                         blob.unsafe_offset(dims.o_convw), cd, blob.unsafe_offset(dims.o_convb),
-                        c0, c0 + CH_PER_TASK, work.unsafe_offset(bw.o_cx + bb * nc * cd), cd,
-                        prev, False, work.unsafe_offset(bw.o_pre + bb * nc * cd))
+                        c0, c0 + CH_PER_TASK, work.unsafe_offset(bw.o_cx + (bb * nc + s0) * cd), cd,
+                        prev, False, work.unsafe_offset(bw.o_pre + (bb * nc + s0) * cd))
 
 
-def _dt_rows(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
+def _dt_rows(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
     """dt = clamp(softplus(dtraw + dt_bias)) as in ssd.dt_rows (lane
     by lane, so the same bits), dA = dt * A, and sg = d dt / d v: softplus'
     where lo <= softplus(v) <= hi (PyTorch's clamp: inclusive), else 0.
-    Rows past the chunk are zero."""
+    State rows read the start state's buffer_dtraw; rows past the chunk
+    are zero."""
     var dims = bw.dims
     var nc = bw.nc(c)
+    var s0 = bw.s0(c)
+    var nt = bw.nt(c)
+    var bd = arg_f32(args, BW_S_BD)
+    var has_bd = bw.has(args, BW_S_BD)
     var a = blob[unsafe_offset=dims.o_a + hh]
     var bias = blob[unsafe_offset=dims.o_dtb + hh]
     var lo = blob[unsafe_offset=dims.o_lim]
@@ -92,7 +113,12 @@ def _dt_rows(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
         var dt: Float32 = 0.0
         var sg: Float32 = 0.0
         if j < nc:
-            var v = work[unsafe_offset=bw.o_zx + (bb * nc + j) * dims.npj + dims.di + dims.cd + hh] + bias
+            var raw: Float32 = 0.0
+            if j >= s0:
+                raw = work[unsafe_offset=bw.o_zx + (bb * nt + j - s0) * dims.npj + dims.di + dims.cd + hh]
+            elif has_bd:
+                raw = bd[unsafe_offset=(bb * Q + j) * dims.nh + hh]
+            var v = raw + bias
             var sp = softplus_f32[1](v)
             dt = dt_clamp[1](sp, lo, hi)
             if sp >= lo and sp <= hi:
@@ -115,21 +141,24 @@ def _xrows(bw: BW2, work: F32Ptr, bb: Int, nc: Int) -> XRows:
 
 
 def _cb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
-    """CB_ij for the task's rows i, j <= i (ssd.cb_row_direct)."""
+    """CB_ij for the task's token rows i, j <= i (ssd.cb_row_direct;
+    state rows have no output, so no CB row)."""
     var di = bw.dims.di
     var nc = bw.nc(c)
     var xr = _xrows(bw, work, bb, nc)
     var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
-    for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+    for i in range(max(bw.s0(c), rb * ROWS_PER_TASK), min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
         cb_row_direct(xr, di, i, xr.row(i).unsafe_offset(di + N), cb.unsafe_offset(i * Q))
 
 
 def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task: Int):
     """Head hh of row bb: y (before the gate) and yg = y * silu(z) of the
-    chunk's rows (ssd.ssd_row, from h^T of the checkpoint)."""
+    chunk's tokens (ssd.ssd_row, from h^T of the checkpoint)."""
     var dims = bw.dims
     var di = dims.di
     var nc = bw.nc(c)
+    var s0 = bw.s0(c)
+    var nt = bw.nt(c)
     var scr = work.unsafe_offset(bw.o_scr + task * SCR)
     var ht = scr.unsafe_offset(2 * Q)
     var h0 = work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N)
@@ -138,8 +167,8 @@ def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task
             ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
     var xr = _xrows(bw, work, bb, nc)
     var dskip = LV(blob[unsafe_offset=dims.o_dskip + hh])
-    for i in range(nc):
-        var r = bb * nc + i
+    for i in range(s0, nc):  # token rows (state rows have no output)
+        var r = bb * nt + i - s0
         var o = r * di + hh * P
         ssd_row[True](xr, di, hh, i, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
                       work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)),

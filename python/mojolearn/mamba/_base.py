@@ -109,10 +109,9 @@ class _MambaBase:
     names ``_WEIGHT_ORDER`` (the constructor's, and the gradients'); the
     backward op ``_BWD_OP``, the
     gradients it writes in full ``_BWD_WRITTEN``, whether it takes the
-    transposed panels ``_BWD_PANELS``, whether it takes a start state, the
-    final state's cotangents and ragged lengths ``_BWD_STATE`` (its op then
-    has the slots ``state:<array>``, ``grad_state:<array>``, ``lengths`` and
-    ``grad:state.<array>``); whether forward takes lengths with a state
+    transposed panels ``_BWD_PANELS``, whether its backward takes a start
+    state, the final state's cotangents and ragged lengths ``_BWD_STATE``
+    (every block now; mojolearn.torch's dict states need it); whether forward takes lengths with a state
     ``_RAGGED_STATE`` (each row's state is left at its length);
     ``_KEEP_WORK_BYTES`` (forward and
     backward workspaces over it are not kept; None: always kept). And with
@@ -374,10 +373,10 @@ class _MambaBase:
         state's arrays of array * grad_state[name]. The op takes x,
         grad_output, the blob, the float32 projections, the gradient arrays
         under 'grad:<weight name>', if _BWD_PANELS the transposed panels,
-        and (only when given, _BWD_STATE blocks) the start state, the
-        cotangents, the lengths and the start state's gradient arrays."""
-        if not self._BWD_STATE:
-            _grad_state.refuse_unsupported(self, state, grad_state, lengths)
+        and (only when given) the start state, the cotangents, the lengths
+        and the start state's gradient arrays. (Mamba-2 and Mamba-3 call it
+        only for the zero-state backward: they have their own intake of
+        the state arguments.)"""
         xv, gv, lens = self._backward_views(x, grad_output, lengths)
         b, l, d = xv.shape
         sv = {} if state is None else _grad_state.start_state_views(self, state, b)

@@ -16,18 +16,6 @@ from .. import _intake
 from ._state import check_not_held
 
 
-def refuse_unsupported(block, state, grad_state, lengths) -> None:
-    """NotImplementedError naming the state arguments given to a block
-    whose backward does not take them yet (its kernel has no such path)."""
-    given = [n for n, v in (("state", state), ("grad_state", grad_state),
-                            ("lengths", lengths)) if v is not None]
-    if given:
-        raise NotImplementedError(
-            f"{type(block).__name__}.backward does not take {', '.join(given)} yet "
-            "(gradients through the state and ragged backward are implemented for "
-            "Mamba1Block); call it as backward(x, grad_output)")
-
-
 def start_state_views(block, state, b: int) -> dict:
     """{array name: View} of the state forward starts from: a state of the
     block's class (TypeError otherwise), not held by an open decode session,

@@ -203,6 +203,9 @@ class Mamba2Block(_MambaBase):
     _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M2_PREPARE, _WEIGHT_ORDER
     # the kernel writes the projections' gradients in full (no memset)
     _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M2_BACKWARD, _packed_names, True
+    # backward takes state, grad_state and lengths (its own intake below: only
+    # the rows of the buffers that are read are checked)
+    _BWD_STATE = True
     _KEEP_WORK_BYTES = _KEEP_WORK_BYTES
     # what a Mamba2DecodeSession needs: its cache layout
     _CHUNK = CHUNK
@@ -352,29 +355,135 @@ class Mamba2Block(_MambaBase):
         return Mamba2DecodeSession(self, state)
 
     def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
-        """Gradients of a zero-state prefill (a vector-Jacobian product).
+        """Gradients of a forward (a vector-Jacobian product).
 
+        The forward is ``y = forward(x, state)`` from ``state`` (None: a zero
+        state), and the loss ``sum(y * grad_output) + <grad_state, final
+        state>``, where the final state is the one that forward leaves.
         Recomputes the forward with the current weights on every call; no
-        earlier forward, state or ``h_last_`` is used or changed. The gradient
-        through the dt_limit clamp follows torch.clamp: it passes where
-        lo <= softplus(dtraw + dt_bias) <= hi (bounds included) and is zero
-        outside. Kernel order and memory: docs/backward.md ("Mamba-2").
+        earlier forward, state or ``h_last_`` is used, and nothing is
+        changed: neither ``state`` (read only) nor anything else. The
+        gradient through the dt_limit clamp follows torch.clamp: it passes
+        where lo <= softplus(dtraw + dt_bias) <= hi (bounds included) and is
+        zero outside. Kernel order and memory: docs/backward.md ("Mamba-2").
 
         Parameters
         ----------
         x : float32 buffer, shape (B, L, d_model)
         grad_output : float32 buffer, shape (B, L, d_model), finite
+        state : Mamba2State or None
+            The state the forward started from: its conv window, h and open
+            chunk (the ``buffered_tokens`` rows of buffer_xbc and
+            buffer_dtraw) are used as forward uses them. Read only (a
+            read-only or non-contiguous buffer is accepted).
+        grad_state : dict of str to float32 buffer, Mamba2State or None
+            Cotangents of the final state (the gradient arriving from later
+            pieces of a sequence), by array name (``Mamba2State._ARRAYS``),
+            each in that array's shape; a missing name or None means zeros.
+            Buffer rows at or past the final ``buffered_tokens`` are ignored
+            (and not checked). A Mamba2State's arrays are read as the
+            cotangents.
+        lengths : sequence of int or None
+            Ragged batch: B ints in [1, L]; padding positions contribute
+            nothing (their x gradient is +0.0; x and grad_output there are
+            never read). Not with state or grad_state.
 
         Returns
         -------
         grads : dict of str to mojolearn.Array
-            'x' (B, L, d_model) and one entry per constructor weight, under the
-            same name and in the shape the weight was given.
-
-        state, grad_state, lengths : not implemented for this block yet
-            (NotImplementedError naming them; Mamba1Block takes them).
+            'x' (B, L, d_model), one entry per constructor weight under the
+            same name and in the shape the weight was given, and, when state
+            or grad_state is given, 'state.<name>' for every state array
+            (the start state's gradient; buffer rows past its
+            buffered_tokens are +0.0, and so is conv_window's oldest slot,
+            which no convolution reads).
         """
-        return self._backward(x, grad_output, state, grad_state, lengths)
+        if state is None and grad_state is None and lengths is None:
+            return self._backward(x, grad_output)  # the zero-state op, unchanged
+        return self._backward_through_state(x, grad_output, state, grad_state, lengths)
+
+    def _start_state_views(self, state, b):
+        """({array name: View}, buffered_tokens) of the state backward
+        starts from, validated as forward validates it, but read only:
+        conv_window and h finite, the buffers' first buffered_tokens rows
+        finite (the only rows read)."""
+        self._check_state(state)
+        bt = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
+        if not 0 <= bt < CHUNK:
+            raise ValueError(f"state.buffered_tokens = {bt} is outside [0, {CHUNK})")
+        views = {n: _intake.float32_view(getattr(state, n), f"state.{n}")
+                 for n in Mamba2State._ARRAYS}
+        for n, shape in self._state_shapes(b).items():
+            _intake.check_shape(views[n], shape, f" (B={b} rows of x)")
+        _intake.check_finite(self._lib, views["conv_window"])
+        _intake.check_finite(self._lib, views["h"])
+        if bt:
+            self._check_rows_finite([views["buffer_xbc"], views["buffer_dtraw"]], b, bt, CHUNK)
+        return views, bt
+
+    def _cotangent_views(self, grad_state, b, final_rows):
+        """{array name: View} of the given cotangents of the final state
+        (the kernel reads a missing one as zeros): float32, the state's
+        shapes, finite (buffers: rows [0, final_rows) only, the rows the
+        final state holds)."""
+        shapes = self._state_shapes(b)
+        if isinstance(grad_state, Mamba2State):
+            self._check_state(grad_state)  # (not held by an open decode session)
+            given = {n: getattr(grad_state, n) for n in Mamba2State._ARRAYS}
+            label = "grad_state.{}"
+        elif hasattr(grad_state, "keys"):
+            unknown = sorted(repr(n) for n in grad_state.keys() if n not in shapes)
+            if unknown:
+                raise ValueError(f"grad_state has unknown names {', '.join(unknown)}; the "
+                                 f"Mamba2State arrays are {list(Mamba2State._ARRAYS)}")
+            given = dict(grad_state)
+            label = "grad_state[{!r}]"
+        else:
+            raise TypeError(f"grad_state must be a dict of state array name -> float32 "
+                            f"buffer, or a Mamba2State, got {type(grad_state).__name__}")
+        views = {}
+        for n in Mamba2State._ARRAYS:
+            if n in given:
+                views[n] = _intake.float32_view(given[n], label.format(n))
+                _intake.check_shape(views[n], shapes[n], " (the state's shape)")
+        for n in ("conv_window", "h"):
+            if n in views:
+                _intake.check_finite(self._lib, views[n])
+        rows = [views[n] for n in ("buffer_xbc", "buffer_dtraw") if n in views]
+        if rows and final_rows:
+            self._check_rows_finite(rows, b, final_rows, CHUNK)
+        return views
+
+    def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
+        """backward with a state, final-state cotangents or ragged rows (one
+        op: OP_M2_BACKWARD with its state slots; docs/backward.md)."""
+        from .._array import Array
+        if lengths is not None and (state is not None or grad_state is not None):
+            raise ValueError("lengths cannot be combined with state or grad_state "
+                             "(ragged rows are supported only without a state)")
+        xv, gv, lens = self._backward_views(x, grad_output, lengths)
+        b, l, d = xv.shape
+        stated = state is not None or grad_state is not None
+        named, bt = {}, 0
+        if state is not None:
+            sv, bt = self._start_state_views(state, b)
+            named.update({f"state:{n}": v for n, v in sv.items()})
+        if grad_state is not None:
+            cot = self._cotangent_views(grad_state, b, (bt + l) % CHUNK)
+            named.update({f"grad_state:{n}": v for n, v in cot.items()})
+        w, blob = self._backward_weights()
+        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
+        if stated:  # the kernel writes every byte of these
+            for n, shape in self._state_shapes(b).items():
+                grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shape, zero=False)
+        named.update({n: w[n] for n in self._packed_names})
+        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
+        named["panels"] = self._backward_panels(w)  # held until the op returns
+        args = _abi.op_spec(self._lib, self._BWD_OP).pack(
+            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"],
+            lengths=lens[1], buffered_tokens=bt, stated=1 if stated else 0)
+        self._run_op(self._BWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
+        return grads
 
 
 class Mamba2BlockInference(Mamba2Block):

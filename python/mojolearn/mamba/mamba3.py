@@ -234,6 +234,9 @@ class Mamba3Block(_MambaBase):
     _FWD_OP = _abi.OP_M3_FORWARD
     _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M3_PREPARE, _WEIGHT_ORDER
     _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M3_BACKWARD, _WRITTEN_GRADS, True
+    # backward takes state, grad_state and lengths (its own _backward_through_state
+    # packs them: the op names the cotangents 'cot:<array>')
+    _BWD_STATE = True
     _count_after = staticmethod(_count_after)  # (a Mamba3DecodeSession's too)
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):
