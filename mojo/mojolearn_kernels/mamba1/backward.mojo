@@ -36,27 +36,24 @@ Reference: torch autograd of transformers' MambaBlock run in float64
 (tests/reference/hf_mamba.py), whose forward equals mojolearn.reference.mamba1
 (float64 NumPy) to 1e-10.
 """
-from std.collections import Array
-from ..linear_split import tree16  # the one fixed 16-lane halving tree
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
-from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
+from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
+from ..linear import matmul_ntasks, matmul_task, NR, WF_F32
 from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task
-from ..norms import rmsnorm_row_vjp
-from ..numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
+from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
 from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
 from .backward_layout import (
-    BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_W_IN, BW_W_X, BW_W_DT,
-    BW_W_OUT, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB, BW_G_X, BW_G_DT, BW_G_DTB,
-    BW_G_ALOG, BW_G_D, BW_G_OUT, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, F_NORM,
-    F_INPROJ, F_CONV, F_XPROJ, F_DTPROJ, F_SCAN, NF, B_OUT, B_SCAN, B_RED, B_XPROJ,
-    B_CONV, B_INPROJ, B_NORM, B_NORMW, NB, BWork, BW_CONV_WINDOW, BW_H, BW_GS_CONV,
-    BW_GS_H, BW_LENGTHS, BW_G_CONV0, BW_G_H0, row_length,
+    BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_W_IN, BW_W_X, BW_W_DT, BW_W_OUT,
+    BW_G_NORM, BW_G_IN, BW_G_X, BW_G_DT, BW_G_ALOG, BW_G_OUT, LANES, ROWS_PER_TASK,
+    CH_PER_TASK, F_NORM, NF, B_OUT, B_SCAN, B_RED, B_XPROJ, B_CONV, B_INPROJ, B_NORM,
+    B_NORMW, NB, BWork, BW_CONV_WINDOW, BW_H, BW_GS_CONV, BW_GS_H, BW_LENGTHS,
+    BW_G_CONV0, BW_G_H0, row_length,
+)
+from .backward_stages import (
+    scan_backward, reduce_bc, column_sums, conv_backward, window_cotangent,
+    norm_backward,
 )
 
 
@@ -277,13 +274,13 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
     elif stage == B_SCAN:
         var bb = task // wk.nblk
         var nreal = min(nc, max(0, row_length(args, bb) - c * wk.tc))
-        _scan_backward(dims, wk, work, blob, c, bb, task % wk.nblk, nreal)
+        scan_backward(dims, wk, work, blob, c, bb, task % wk.nblk, nreal)
     elif stage == B_RED:
         var n1 = ceil_div(rows, ROWS_PER_TASK)
         var n2 = matmul_ntasks(rows, r_)
         var n3 = gemm_ntasks(di, r_)
         if task < n1:
-            _reduce_bc(dims, wk, work, nc, task)
+            reduce_bc(dims, wk, work, nc, task)
         elif task < n1 + n2:  # ddtr[r, k] = sum_c dv[r, c] W_dt[c, k]
             _ = matmul_task(task - n1, work.unsafe_offset(wk.o_dv), di, rows,
                             work.unsafe_offset(wk.o_tdt), di, r_,
@@ -293,7 +290,7 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                           work.unsafe_offset(wk.o_dbc), nx, rows,
                           arg_f32(args, BW_G_DT), r_, di, r_, True)
         else:
-            _column_sums(args, dims, wk, work, nc, task - n1 - n2 - n3)
+            column_sums(args, dims, wk, work, nc, task - n1 - n2 - n3)
     elif stage == B_XPROJ:
         var n1 = matmul_ntasks(rows, di)
         if task < n1:  # dpre = (du + ddbc @ W_x) * silu'(pre)
@@ -320,7 +317,7 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                           work.unsafe_offset(wk.o_u), di, rows,
                           arg_f32(args, BW_G_X), di, nx, di, True)
     elif stage == B_CONV:
-        _conv_backward(args, dims, wk, work, blob, c, task)
+        conv_backward(args, dims, wk, work, blob, c, task)
     elif stage == B_INPROJ:
         var n1 = matmul_ntasks(rows, d)
         if task < n1:  # dxn[r, i] = sum_j dhg[r, j] W_in[j, i]
@@ -332,7 +329,7 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                           work.unsafe_offset(wk.o_xn), d, rows,
                           arg_f32(args, BW_G_IN), d, 2 * di, d, True)
     elif stage == B_NORM:
-        _norm_backward(args, dims, wk, work, blob, c, task)
+        norm_backward(args, dims, wk, work, blob, c, task)
     else:  # B_NORMW: d norm.weight[j] += pn[r, j], r ascending
         var pn = work.unsafe_offset(wk.o_pn)
         var gn = arg_f32(args, BW_G_NORM)
@@ -342,251 +339,6 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         for r in range(rows):
             acc = acc + ld16(pn, r * d + j0, nv)
         st16(gn, j0, acc, nv)
-
-
-def _scan_backward(dims: M1Dims, wk: BWork, work: F32Ptr, blob: F32Ptr,
-                   c: Int, bb: Int, q: Int, nreal: Int):
-    """VJP of the scan, y and the gate for 16 channels of row bb over chunk
-    c, tokens last to first. Writes du (scan part), dv (softplus input),
-    dgate, dD terms, dB/dC block partials, dA terms (over hs), and carries
-    dh to the previous chunk. Tokens j >= nreal are a ragged row's padding:
-    every term of theirs is +0.0 and dh passes them unchanged (the final
-    state's cotangent applies after the row's last real token)."""
-    var di = dims.di
-    var nx = dims.nx
-    var b = wk.b
-    var nc = wk.chunk_tokens(c)
-    var c0 = q * LANES
-    var nv = min(LANES, di - c0)
-    var ck = work.unsafe_offset(wk.o_ckh + (c * b + bb) * NSTATE * di)
-    var dhc = work.unsafe_offset(wk.o_dh + bb * NSTATE * di)
-    var dl = work.unsafe_offset(wk.o_dl)
-    var vv = work.unsafe_offset(wk.o_v)
-    var u = work.unsafe_offset(wk.o_u)
-    var dbc = work.unsafe_offset(wk.o_dbc)
-    var hg = work.unsafe_offset(wk.o_hg)
-    var yb = work.unsafe_offset(wk.o_y)
-    var dyg = work.unsafe_offset(wk.o_dyg)
-    var du_o = work.unsafe_offset(wk.o_du)
-    var dv_o = work.unsafe_offset(wk.o_dv)
-    var ddc = work.unsafe_offset(wk.o_ddc)
-    var dhg = work.unsafe_offset(wk.o_dhg)
-    var part = work.unsafe_offset(wk.o_part)
-    var hs = work.unsafe_offset(wk.o_hs + (bb * wk.nblk + q) * wk.tc * NSTATE * LANES)
-    var dh = Array[LV, NSTATE](fill=LV(0.0))
-    var a = Array[LV, NSTATE](fill=LV(0.0))
-    comptime for n in range(NSTATE):
-        dh[n] = ld16(dhc, n * di + c0, nv)
-        a[n] = ld16(blob, dims.o_a + n * di + c0, nv)
-    var dskip = ld16(blob, dims.o_dskip + c0, nv)
-    for jp in range(nreal, nc):
-        var row = bb * nc + jp
-        var o = row * di + c0
-        st16(dhg, row * 2 * di + di + c0, LV(0.0), nv)
-        st16(ddc, o, LV(0.0), nv)
-        st16(du_o, o, LV(0.0), nv)
-        st16(dv_o, o, LV(0.0), nv)
-        var pp = part.unsafe_offset((row * wk.nblk + q) * 2 * NSTATE)
-        for n in range(2 * NSTATE):
-            pp[unsafe_offset=n] = 0.0
-        for n in range(NSTATE):
-            hs.unsafe_store((jp * NSTATE + n) * LANES, LV(0.0))
-    var j = nreal - 1
-    while j >= 0:
-        var row = bb * nc + j
-        var o = row * di + c0
-        var delta = ld16(dl, o, nv)
-        var uu = ld16(u, o, nv)
-        var gate = ld16(hg, row * 2 * di + di + c0, nv)
-        var g_yg = ld16(dyg, o, nv)
-        var y = ld16(yb, o, nv)
-        var bc = dbc.unsafe_offset(row * nx + dims.r)
-        var pp = part.unsafe_offset((row * wk.nblk + q) * 2 * NSTATE)
-        var dy = g_yg * silu_f32[LANES](gate)
-        st16(dhg, row * 2 * di + di + c0, (g_yg * y) * silu_grad_f32[LANES](gate), nv)
-        st16(ddc, o, dy * uu, nv)
-        var du = dy * dskip
-        var ddl = LV(0.0)
-        var dlu = delta * uu
-        comptime for n in range(NSTATE):
-            var bn = LV(bc[unsafe_offset=n])
-            var cn = LV(bc[unsafe_offset=NSTATE + n])
-            var hn = hs.unsafe_load[width=LANES]((j * NSTATE + n) * LANES)
-            var hp: LV
-            if j > 0:
-                hp = hs.unsafe_load[width=LANES](((j - 1) * NSTATE + n) * LANES)
-            else:
-                hp = ld16(ck, n * di + c0, nv)
-            var dH = dy.fma(cn, dh[n])
-            pp[unsafe_offset=NSTATE + n] = tree16(dy * hn)
-            pp[unsafe_offset=n] = tree16(dH * dlu)
-            var da = exp_f32[LANES](delta * a[n])
-            var garg = (dH * hp) * da
-            ddl = garg.fma(a[n], ddl)
-            ddl = (dH * uu).fma(bn, ddl)
-            du = dH.fma(delta * bn, du)
-            hs.unsafe_store((j * NSTATE + n) * LANES, garg * delta)
-            dh[n] = dH * da
-        st16(du_o, o, du, nv)
-        st16(dv_o, o, ddl * softplus_grad_f32[LANES](ld16(vv, o, nv)), nv)
-        j -= 1
-    comptime for n in range(NSTATE):
-        st16(dhc, n * di + c0, dh[n], nv)
-
-
-def _reduce_bc(dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int, task: Int):
-    """ddbc[r, R + k] = block partials summed in ascending block order."""
-    var nx = dims.nx
-    var rows = wk.b * nc
-    var r0 = task * ROWS_PER_TASK
-    var r1 = min(rows, r0 + ROWS_PER_TASK)
-    var part = work.unsafe_offset(wk.o_part)
-    var ddbc = work.unsafe_offset(wk.o_ddbc)
-    for r in range(r0, r1):
-        var base = r * wk.nblk * 2 * NSTATE
-        for kk in range(2 * NSTATE):
-            var acc = part[unsafe_offset=base + kk]
-            for qb in range(1, wk.nblk):
-                acc = acc + part[unsafe_offset=base + qb * 2 * NSTATE + kk]
-            ddbc[unsafe_offset=r * nx + dims.r + kk] = acc
-
-
-def _column_sums(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int,
-                 q: Int):
-    """For 16 channels: dt_proj.bias += dv, D += dD terms, dA += dA terms,
-    rows b ascending then tokens ascending (one + chain per element)."""
-    var di = dims.di
-    var b = wk.b
-    var rows = b * nc
-    var c0 = q * LANES
-    var nv = min(LANES, di - c0)
-    var dv = work.unsafe_offset(wk.o_dv)
-    var ddc = work.unsafe_offset(wk.o_ddc)
-    var gdtb = arg_f32(args, BW_G_DTB)
-    var gd = arg_f32(args, BW_G_D)
-    var ga = arg_f32(args, BW_G_ALOG)
-    var s1 = ld16(gdtb, c0, nv)
-    var s2 = ld16(gd, c0, nv)
-    for r in range(rows):
-        s1 = s1 + ld16(dv, r * di + c0, nv)
-        s2 = s2 + ld16(ddc, r * di + c0, nv)
-    st16(gdtb, c0, s1, nv)
-    st16(gd, c0, s2, nv)
-    for n in range(NSTATE):
-        var acc = LV(0.0)
-        for jl in range(nv):
-            acc[jl] = ga[unsafe_offset=(c0 + jl) * NSTATE + n]
-        for bb in range(b):
-            var hs = work.unsafe_offset(wk.o_hs + (bb * wk.nblk + q) * wk.tc * NSTATE * LANES)
-            for j in range(nc):
-                acc = acc + hs.unsafe_load[width=LANES]((j * NSTATE + n) * LANES)
-        for jl in range(nv):
-            ga[unsafe_offset=(c0 + jl) * NSTATE + n] = acc[jl]
-
-
-def _conv_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
-                   blob: F32Ptr, c: Int, task: Int):
-    """Channels of one task: dhid (into dhg), conv weight/bias gradients,
-    and the dpre look-ahead carried to the previous chunk."""
-    var di = dims.di
-    var b = wk.b
-    var nc = wk.chunk_tokens(c)
-    var c0 = task * CH_PER_TASK
-    var c1 = min(di, c0 + CH_PER_TASK)
-    var dpre = work.unsafe_offset(wk.o_dpre)
-    var hg = work.unsafe_offset(wk.o_hg)
-    var dhg = work.unsafe_offset(wk.o_dhg)
-    var gcw = arg_f32(args, BW_G_CONVW)
-    var gcb = arg_f32(args, BW_G_CONVB)
-    var gs = arg_int(args, BW_GS_CONV)
-    var ch = c0
-    while ch < c1:
-        var nv = min(LANES, c1 - ch)
-        var w = Array[LV, KCONV](fill=LV(0.0))
-        var gw = Array[LV, KCONV](fill=LV(0.0))
-        comptime for k in range(KCONV):
-            w[k] = ld16(blob, dims.o_convw + k * di + ch, nv)
-            for jl in range(nv):
-                gw[k][jl] = gcw[unsafe_offset=(ch + jl) * KCONV + k]
-        var gb = ld16(gcb, ch, nv)
-        for bb in range(b):
-            var carry = work.unsafe_offset(wk.o_dpc + bb * 3 * di)
-            var win = work.unsafe_offset(wk.o_ckw + (c * b + bb) * KCONV * di)
-            var base = bb * nc
-            var f0 = c * wk.tc - (row_length(args, bb) - KCONV)  # final-window slot of j = 0
-            for j in range(nc):
-                # dhid[t] = sum over m = 0..3 of w[3 - m] * dpre[t + m], from
-                # the final window's cotangent if t is one of its 4 inputs
-                var acc = _window_cotangent(gs, bb, di, ch, nv, f0 + j)
-                comptime for m in range(KCONV):
-                    var src: LV
-                    if j + m < nc:
-                        src = ld16(dpre, (base + j + m) * di + ch, nv)
-                    else:
-                        src = ld16(carry, (j + m - nc) * di + ch, nv)
-                    acc = w[KCONV - 1 - m].fma(src, acc)
-                st16(dhg, (base + j) * 2 * di + ch, acc, nv)
-                # weight and bias terms of token j
-                var g = ld16(dpre, (base + j) * di + ch, nv)
-                comptime for k in range(KCONV):
-                    var pos = j - 3 + k
-                    var inp: LV
-                    if pos >= 0:
-                        inp = ld16(hg, (base + pos) * 2 * di + ch, nv)
-                    else:
-                        inp = ld16(win, (KCONV + pos) * di + ch, nv)
-                    gw[k] = g.fma(inp, gw[k])
-                gb = gb + g
-            # new carry: dpre rows 0..2 of this chunk (older carry past nc)
-            var nw = Array[LV, 3](fill=LV(0.0))
-            comptime for m in range(3):
-                if m < nc:
-                    nw[m] = ld16(dpre, (base + m) * di + ch, nv)
-                else:
-                    nw[m] = ld16(carry, (m - nc) * di + ch, nv)
-            comptime for m in range(3):
-                st16(carry, m * di + ch, nw[m], nv)
-        comptime for k in range(KCONV):
-            for jl in range(nv):
-                gcw[unsafe_offset=(ch + jl) * KCONV + k] = gw[k][jl]
-        st16(gcb, ch, gb, nv)
-        ch += LANES
-
-
-@always_inline
-def _window_cotangent(gs: Int, bb: Int, di: Int, ch: Int, nv: Int, f: Int) -> LV:
-    """Lanes ch.. of the final conv window's cotangent at slot f (0 = the
-    oldest of the last four inputs), row bb; +0.0 if f is not a slot or
-    none was given (so the zero-cotangent chains are the former ones)."""
-    var v = LV(0.0)
-    if gs != 0 and f >= 0 and f < KCONV:
-        var src = F32Ptr(unsafe_from_address=gs).unsafe_offset((bb * di + ch) * KCONV + f)
-        for jl in range(nv):
-            v[jl] = src[unsafe_offset=jl * KCONV]
-    return v
-
-
-def _norm_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
-                   blob: F32Ptr, c: Int, task: Int):
-    """dx = g + RMSNorm VJP of dxn; pn = the norm weight's terms
-    (norms.rmsnorm_row_vjp). A ragged row's padding: dx and pn are +0.0."""
-    var d = dims.d
-    var nc = wk.chunk_tokens(c)
-    var x = arg_f32(args, BW_X)
-    var g = arg_f32(args, BW_G)
-    var dx = arg_f32(args, BW_DX)
-    var r0 = task * ROWS_PER_TASK
-    for r in range(r0, min(wk.b * nc, r0 + ROWS_PER_TASK)):
-        var t = c * wk.tc + r % nc
-        var off = ((r // nc) * wk.l + t) * d
-        if t >= row_length(args, r // nc):
-            for j in range(d):
-                dx[unsafe_offset=off + j] = 0.0
-                work[unsafe_offset=wk.o_pn + r * d + j] = 0.0
-            continue
-        rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
-                              work.unsafe_offset(wk.o_dxn + r * d), g.unsafe_offset(off),
-                              dx.unsafe_offset(off), work.unsafe_offset(wk.o_pn + r * d))
 
 
 def _finish_alog(args: I64Ptr, dims: M1Dims, wk: BWork, q: Int):
@@ -631,7 +383,7 @@ def _state_grads(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, bb: Int):
     while ch < di:
         var nv = min(LANES, di - ch)
         comptime for k in range(KCONV):
-            var acc = _window_cotangent(gs, bb, di, ch, nv, f0 + k)
+            var acc = window_cotangent(gs, bb, di, ch, nv, f0 + k)
             comptime for m in range(KCONV):
                 comptime if k - KCONV + m >= 0:
                     acc = ld16(blob, dims.o_convw + (KCONV - 1 - m) * di + ch, nv).fma(
