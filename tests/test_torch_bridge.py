@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 import mojolearn  # noqa: E402
 import mojolearn.torch as mt  # noqa: E402
+from mojolearn.torch import _ops, _tensors  # noqa: E402
 from mojolearn import Array  # noqa: E402
 from mojolearn._loader import native  # noqa: E402
 from mojolearn.reference.weights import (  # noqa: E402
@@ -165,18 +166,18 @@ def test_gradients_land_in_torch_memory():
     m, _, w = _setup("mamba2")
     x = _t(random_input(2, 9, D, seed=2)).requires_grad_(True)
     kinds = []
-    orig = mt._grad_tensor
+    orig = _ops._grad_tensor
 
     def spy(g):
         kinds.append(type(g))
         return orig(g)
 
-    mt._grad_tensor = spy
+    _ops._grad_tensor = spy
     try:
         m(x).sum().backward()
     finally:
-        mt._grad_tensor = orig
-    assert kinds == [mt._TorchOut] * (1 + len(w))
+        _ops._grad_tensor = orig
+    assert kinds == [_tensors._TorchOut] * (1 + len(w))
     direct = m.kernel_block().backward(np.asarray(x.detach()), np.ones((2, 9, D), np.float32))
     assert all(isinstance(v, Array) for v in direct.values())
 
@@ -184,14 +185,14 @@ def test_gradients_land_in_torch_memory():
 def test_without_numpy_the_buffers_are_ctypes_views(monkeypatch):
     m, block, _ = _setup("mamba1")
     x = _t(random_input(2, 9, D, seed=2))
-    buf = mt._buffer(x)
+    buf = _tensors._buffer(x)
     assert isinstance(buf, np.ndarray) and buf.ctypes.data == x.data_ptr()
-    monkeypatch.setattr(mt, "_np", None)
-    buf = mt._buffer(x)
+    monkeypatch.setattr(_tensors, "_np", None)
+    buf = _tensors._buffer(x)
     assert isinstance(buf, memoryview) and buf.shape == (2, 9, D) and buf.format == "f"
     assert native().address(buf) == x.data_ptr()
     a = Array((2, 3))
-    assert mt._tensor(a).data_ptr() == a.address and mt._tensor(a).shape == (2, 3)
+    assert _tensors._tensor(a).data_ptr() == a.address and _tensors._tensor(a).shape == (2, 3)
     with torch.no_grad():
         y = m(x)
     assert_same_bits(y.numpy(), block.forward(np.asarray(x)), "forward without NumPy")
