@@ -38,6 +38,7 @@ from ..abi import (
     arg_int, arg_f32, round_up, ceil_div,
 )
 from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
+from ..linear_split import split_matmul_ntasks, split_matmul_task, split_ld
 from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row_vjp
@@ -85,8 +86,8 @@ def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> I
             return ceil_div(rows, ROWS_PER_TASK)
         if stage == A_INPROJ:
             if wk.kept(c):
-                return matmul_ntasks(rows, dims.np)
-            return matmul_ntasks(rows, dims.np - dims.di)  # z is not needed
+                return split_matmul_ntasks(rows, dims.np)
+            return split_matmul_ntasks(rows, dims.np - dims.di)  # z is not needed
         if stage == A_KEEP:
             if wk.kept(c):
                 return ceil_div(wk.b * wk.chunk_tokens(c), ROWS_PER_TASK)
@@ -100,7 +101,7 @@ def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> I
     if stage == F_NORM or stage == F_BCNORM or stage == B_NORM:
         return ceil_div(rows, ROWS_PER_TASK)
     if stage == F_INPROJ:
-        return matmul_ntasks(rows, dims.np)
+        return split_matmul_ntasks(rows, dims.np)
     if stage == S_FWD or stage == B_SCAN:
         return bh
     if stage == B_OUT:
@@ -278,20 +279,20 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
 def _inproj(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
-                    blob.unsafe_offset(dims.o_in), dims.d, dims.np,
-                    work.unsafe_offset(wk.o_proj), dims.np)
+    _ = split_matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                          blob.unsafe_offset(dims.o_in), dims.d, dims.np,
+                          work.unsafe_offset(wk.o_proj), dims.np)
 
 
 def _inproj_no_z(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     """in_proj without the z panels (the first di outputs): pass A's scan
-    never reads z, and pass B recomputes this chunk in full."""
+    never reads z, and pass B recomputes this chunk in full. di is a whole
+    number of 16-row groups, so the packed rows from di on are that matrix."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    var zp = dims.di // NR  # di is a multiple of 64: whole panels
-    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
-                    blob.unsafe_offset(dims.o_in + zp * dims.d * NR), dims.d,
-                    dims.np - dims.di, work.unsafe_offset(wk.o_proj + dims.di), dims.np)
+    _ = split_matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                          blob.unsafe_offset(dims.o_in + dims.di * split_ld(dims.d)), dims.d,
+                          dims.np - dims.di, work.unsafe_offset(wk.o_proj + dims.di), dims.np)
 
 
 def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
