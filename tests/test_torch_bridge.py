@@ -311,11 +311,8 @@ def test_transformers_mixer_state_dict_loads(kind):
     with torch.no_grad():
         y = m(_t(x)).numpy()
     assert_same_bits(y, block.forward(x), f"{kind} from a transformers state_dict")
-    # negative control: out_proj.weight one ulp up everywhere changes the bits
-    # (one ulp of a single weight may vanish in the rounding of its 16-lane
-    # partial sums: it did for Mamba-1 here)
-    w_out = sd["out_proj.weight"].numpy()
-    bad = dict(sd, **{"out_proj.weight": _t(np.nextafter(w_out, np.float32(np.inf)))})
+    # negative control: one ulp of one loaded weight changes the bits
+    bad = dict(sd, **{"out_proj.weight": _t(nudge(sd["out_proj.weight"].numpy(), 0))})
     m.load_state_dict(bad)
     with torch.no_grad():
         assert_bits_differ(m(_t(x)).numpy(), y, "out_proj.weight nudged")

@@ -46,11 +46,8 @@ accuracy case (COPIES = 3): Mamba-1 31 (x_proj.weight, d = 64 L = 7 B = 3;
 99.99th percentile 15, median 0.5), Mamba-2 60 (out_proj.weight, d = 32
 L = 256 B = 3; 20, 0.6), Mamba-3 67 (in_proj.weight, d = 64 L = 64 B = 3;
 22, 0.6): a margin of 1.9x over the single worst element and 6x over the
-99.99th percentile. (Measured with one chain per Mamba-1/3 projection; with
-the lane split of every projection (docs/numerics.md) the worst elements
-are Mamba-1 34 (in_proj.weight, d = 64 L = 130 B = 3) and Mamba-3 73
-(in_proj.weight, d = 64 L = 63 B = 3): a margin of 1.75x.) The Mamba-3 forward (tests/test_mamba3_forward.py, y
-only) measures 45 at most. The negative controls multiply the smallest 20% of the
+99.99th percentile. The Mamba-3 forward (tests/test_mamba3_forward.py, y
+only) measures 51 at most. The negative controls multiply the smallest 20% of the
 nonzero elements of an array by 1.01 (smallest_changed): in the controlled
 cases the mutated worst ratio is at least 1151 (Mamba-1), 361 (Mamba-2,
 D at d = 32 L = 530 B = 1, the case whose former bound allowed 1.85%) and

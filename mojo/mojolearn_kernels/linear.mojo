@@ -1,10 +1,5 @@
 """Canonical matrix products: y[r, o] = sum_k x[r, k] * W[o, k].
 
-Which products use this order (docs/numerics.md, "Matrix products: which
-order"): the short reductions (Mamba-1's dt_proj over dt_rank = d/16) and
-the backward's activation-gradient products. Every projection over d_model
-or d_inner uses linear_split.mojo's 16-lane order instead.
-
 Canonical order (identical mode): every output element is one sequential fma
 chain over k in ascending order, starting from +0.0:
     acc = 0; for k in 0..K-1: acc = fma(x[r, k], W[o, k], acc)

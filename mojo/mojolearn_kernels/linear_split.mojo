@@ -1,10 +1,7 @@
 """Lane-split matrix products: y[r, o] = sum_k x[r, k] * W[o, k] with the
-k axis split over 16 lanes. The order of every projection whose reduction
-runs over d_model or d_inner: in_proj, x_proj and out_proj of Mamba-1,
-in_proj and out_proj of Mamba-2 and Mamba-3, and the LM head
-(docs/numerics.md, "Matrix products: which order"). Only short
-reductions (Mamba-1's dt_proj over dt_rank = d/16) and the backward's
-gradient products keep linear.mojo's one chain.
+k axis split over 16 lanes, for the long reductions where one sequential
+chain loses too much (Mamba-2/3 out_proj: K = d_inner, and outputs that
+cancel to near zero).
 
 Canonical order (identical mode), per output element:
     lane l (0..15) = fma chain over k = l, l + 16, l + 32, ... ascending,
@@ -24,7 +21,6 @@ Formats (mojolearn.lowbit, kept packed; widened exactly on load):
 from std.collections import Array
 from std.memory import Pointer, bitcast
 from std.sys import get_defined_string
-from std.sys.intrinsics import prefetch, PrefetchOptions
 from .abi import F32Ptr, ALIGN_FLOATS, ceil_div, round_up
 from .linear import TileRange, WF_F32, WF_BF16, WF_INT8
 
@@ -81,61 +77,33 @@ def split_pack_wf(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr):
     """The (m, k) weight at address src in format wf (float32 values,
     bfloat16 bits, or int8 codes with int32 exponents at exps, one per row)
     -> the packed form: a copy of the given values, no conversion."""
-    split_pack_rows(wf, src, exps, m, 0, m, k, dst)
-
-
-def split_pack_rows(wf: Int, src: Int, exps: Int, m: Int, row0: Int, n: Int, k: Int,
-                    dst: F32Ptr):
-    """Rows [row0, row0 + n) of an (m, k) weight into its packed form at dst
-    (row0 a multiple of MPAD; src and exps point at row row0): a large
-    matrix (a vocabulary) packed in pieces gives the bytes of one call.
-    The piece that ends the matrix also writes the padding rows."""
     var ld = split_ld(k)
     var mp = split_rows(m)
-    var end = mp if row0 + n >= m else row0 + n
     var codes = dst
     if wf == WF_INT8:
-        for o in range(row0, end):
-            var e = Int(I32Ptr(unsafe_from_address=exps)[unsafe_offset=o - row0]) if o < m else 0
+        for o in range(mp):
+            var e = Int(I32Ptr(unsafe_from_address=exps)[unsafe_offset=o]) if o < m else 0
             dst[unsafe_offset=o] = pow2_f32(e)
         codes = dst.unsafe_offset(mp)
-    for o in range(row0, end):
-        var i = o - row0  # row in src
+    for o in range(mp):
         for kk in range(ld):
             var at = _woff(o, kk // KL, ld) + kk % KL
             var inside = o < m and kk < k
             if wf == WF_BF16:
                 var v: UInt16 = 0
                 if inside:
-                    v = U16Ptr(unsafe_from_address=src)[unsafe_offset=i * k + kk]
+                    v = U16Ptr(unsafe_from_address=src)[unsafe_offset=o * k + kk]
                 codes.unsafe_bitcast[UInt16]()[unsafe_offset=at] = v
             elif wf == WF_INT8:
                 var v: Int8 = 0
                 if inside:
-                    v = I8Ptr(unsafe_from_address=src)[unsafe_offset=i * k + kk]
+                    v = I8Ptr(unsafe_from_address=src)[unsafe_offset=o * k + kk]
                 codes.unsafe_bitcast[Int8]()[unsafe_offset=at] = v
             else:
                 var v: Float32 = 0.0
                 if inside:
-                    v = F32Ptr(unsafe_from_address=src)[unsafe_offset=i * k + kk]
+                    v = F32Ptr(unsafe_from_address=src)[unsafe_offset=o * k + kk]
                 codes[unsafe_offset=at] = v
-
-
-def split_widen_row(wf: Int, w: F32Ptr, m: Int, k: Int, o: Int, dst: F32Ptr):
-    """Row o of a packed (m, k) weight as k float32 values (the exact
-    widening of its codes: an embedding row read from the head's weight)."""
-    var ld = split_ld(k)
-    var codes = w.unsafe_offset(split_rows(m)) if wf == WF_INT8 else w
-    for kk in range(k):
-        var at = _woff(o, kk // KL, ld) + kk % KL
-        if wf == WF_BF16:
-            var bits = UInt32(codes.unsafe_bitcast[UInt16]()[unsafe_offset=at]) << 16
-            dst[unsafe_offset=kk] = bitcast[DType.float32, 1](bits)
-        elif wf == WF_INT8:
-            dst[unsafe_offset=kk] = (Float32(codes.unsafe_bitcast[Int8]()[unsafe_offset=at])
-                                     * w[unsafe_offset=o])
-        else:
-            dst[unsafe_offset=kk] = codes[unsafe_offset=at]
 
 
 def split_extract(wf: Int, w: F32Ptr, m: Int, k: Int, r0: Int, r1: Int,
@@ -173,19 +141,6 @@ def _wload[WF: Int](codes: F32Ptr, scales: F32Ptr, o: Int, at: Int) -> VK:
         return c.cast[DType.float32]() * VK(scales[unsafe_offset=o])  # exact
     else:
         return codes.unsafe_load[width=KL](at)
-
-
-@always_inline
-def _wprefetch[WF: Int](codes: F32Ptr, at: Int):
-    """Ask for the cache line of element `at` (a hint: any address)."""
-    comptime if WF == WF_BF16:
-        prefetch[PrefetchOptions().for_read().high_locality()](
-            codes.unsafe_bitcast[UInt16]().unsafe_offset(at))
-    elif WF == WF_INT8:
-        prefetch[PrefetchOptions().for_read().high_locality()](
-            codes.unsafe_bitcast[Int8]().unsafe_offset(at))
-    else:
-        prefetch[PrefetchOptions().for_read().high_locality()](codes.unsafe_offset(at))
 
 
 @always_inline
@@ -265,14 +220,13 @@ def _xblock(x: F32Ptr, k0: Int, k: Int) -> VK:
 
 
 @always_inline
-def _tile[R: Int, C: Int, WF: Int, PF: Int = 0](
+def _tile[R: Int, C: Int, WF: Int](
     x: F32Ptr, ldx: Int, w: F32Ptr, sc: F32Ptr, ld: Int, k: Int, c: Int, nc: Int,
     y: F32Ptr, ldy: Int,
 ):
     """R rows x outputs [c, c + C) (c a multiple of min(C, G), C <= G or a
     multiple of G); stores the
-    first nc: y[i, c + j] = tree16(lane chains of x[i, :] . W[c + j, :]).
-    PF > 0: ask for each weight row's k block kb + PF while at kb."""
+    first nc: y[i, c + j] = tree16(lane chains of x[i, :] . W[c + j, :])."""
     var acc = Array[VK, R * C](fill=VK(0.0))
     var kfull = k // KL
     # element offset of (c + j, kb) = base + j's constant part + kb * G * KL
@@ -283,9 +237,6 @@ def _tile[R: Int, C: Int, WF: Int, PF: Int = 0](
         comptime for i in range(R):
             xs[i] = x.unsafe_load[width=KL](i * ldx + kb * KL)
         var at = base + kb * (G * KL)
-        comptime if PF > 0:
-            comptime for j in range(C):
-                _wprefetch[WF](w, at + PF * (G * KL) + (j // G) * G * ld + (j % G) * KL)
         comptime for j in range(C):
             var wv = _wload[WF](w, sc, c + j, at + (j // G) * G * ld + (j % G) * KL)
             comptime for i in range(R):
@@ -346,49 +297,19 @@ def split_matmul_block[WF: Int = WF_F32](
             c += SC1
         return
     # Output tiles outside, rows inside: the tile's weights stay in L1 while
-    # the block's rows stream past them. The first row tile meets them first
-    # and asks for them FEW_PF k blocks ahead: in a decode step of a few rows
-    # they come from L3 or memory (and two leftover rows share a tile).
+    # the block's rows stream past them.
     var c = c0
     while c < c1:
         var r = r0
         while r + SR <= r1:
-            if r == r0:
-                _tile[SR, SC, WF, FEW_PF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c,
-                                          c1 - c, y.unsafe_offset(r * ldy), ldy)
-            else:
-                _tile[SR, SC, WF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c, c1 - c,
-                                  y.unsafe_offset(r * ldy), ldy)
+            _tile[SR, SC, WF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c, c1 - c,
+                              y.unsafe_offset(r * ldy), ldy)
             r += SR
-        comptime if WIDE:
-            if r + 2 <= r1:
-                if r == r0:
-                    _tile[2, SC, WF, FEW_PF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c,
-                                             c1 - c, y.unsafe_offset(r * ldy), ldy)
-                else:
-                    _tile[2, SC, WF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c, c1 - c,
-                                     y.unsafe_offset(r * ldy), ldy)
-                r += 2
         while r < r1:
-            if r == r0:
-                _tile[1, SC, WF, FEW_PF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c,
-                                         c1 - c, y.unsafe_offset(r * ldy), ldy)
-            else:
-                _tile[1, SC, WF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c, c1 - c,
-                                 y.unsafe_offset(r * ldy), ldy)
+            _tile[1, SC, WF](x.unsafe_offset(r * ldx), ldx, w, wp, ld, k, c, c1 - c,
+                             y.unsafe_offset(r * ldy), ldy)
             r += 1
         c += SC
-
-
-# k blocks ahead the first row tile asks for its weights (4 KB of a float32
-# group). In a batch-8 decode step the weights come from L3 or memory: this
-# prefetch and one tile for two leftover rows (not 3 + 3 + 1 + 1 rows) took
-# in_proj of a d = 768 batch-8 Mamba-1 step from about 2.1x to 1.3-1.9x
-# linear.mojo's time (AMD EPYC, AVX-512, a shared machine: noisy); at
-# d = 256 (weights in L2) it is 1.1x. Tried and not faster: all 8 rows in
-# one pass (8 x 2 tiles, with groups of 8 or of 2 rows), K in 8 KB segments
-# with the accumulators parked between row tiles.
-comptime FEW_PF = 8
 
 
 # Task grid: row blocks x output blocks.

@@ -3,8 +3,8 @@ and the choice of the next token.
 
 The vocabulary matrices live in a prepared blob, in the weight format they
 were given in (float32 values, bfloat16 bits or int8 codes with a power-of-
-two scale per row: mojolearn.lowbit), in linear_split.mojo's layout:
-    header | final norm weight (d) | head (V, d) | embedding (V, d)
+two scale per row: mojolearn.lowbit), as linear.mojo's panels:
+    header | final norm weight (d) | head panels (V, d) | embedding panels
 The embedding section is the head section itself when the weights are tied,
 so a tied model holds one copy. Blob header word 1 is the head's offset,
 word 2 the embedding's (weight_panels.mojo's section words).
@@ -13,9 +13,8 @@ Canonical order (identical mode):
 - embedding: a copy of the row (float32), or its exact widening (bfloat16
   bits << 16; int8 code * 2^e): no arithmetic that could round.
 - logits: h = norm_w * (x * r), r the RMSNorm scale of x (norms.mojo);
-  logits = h @ W^T in linear_split.mojo's order (16 lanes over k, then the
-  fixed tree): a reduction over d_model, like every block projection
-  (docs/numerics.md); a row's logits do not depend on the other rows.
+  logits = h @ W^T in linear.mojo's order (one sequential fma chain over k
+  per output), so a row's logits do not depend on the other rows.
 - next token (one task per row; a pure function of the row's logits, its
   parameters and its uniform number u):
     temperature 0: the first index of the largest logit;
@@ -32,13 +31,11 @@ from .abi import (
     F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, ALIGN_FLOATS, arg_int, arg_f32, arg_i64,
     ceil_div, round_up,
 )
-from .linear import WF_F32
-from .linear_split import (
-    split_floats, split_pack_rows, split_widen_row, split_matmul_ntasks,
-    split_matmul_task_wf, MPAD,
-)
+from .linear import NR, WF_F32, WF_BF16, WF_INT8, packed_floats, panel_floats
+from .linear import matmul_ntasks, matmul_task_wf
 from .weight_panels import (
-    set_blob_format, set_blob_section, set_blob_layout, blob_format, valid_format, O_SECTIONS,
+    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
+    O_SECTIONS,
 )
 from .norms import rmsnorm_row
 from .numerics import exp_f32
@@ -111,11 +108,11 @@ struct LMDims(ImplicitlyCopyable):
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_head = o
-        o += split_floats(v, d, wf)
+        o += packed_floats(v, d, wf)
         self.o_emb = self.o_head
         if not tied:
             self.o_emb = o
-            o += split_floats(v, d, wf)
+            o += packed_floats(v, d, wf)
         self.blob = o
 
 
@@ -140,7 +137,7 @@ def lm_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     var wf = arg_int(args, LMP_WFMT)
     var row0 = arg_int(args, LMP_ROW0)
     var n = arg_int(args, LMP_NROWS)
-    if not valid_format(wf) or row0 % MPAD != 0 or n < 0 or row0 + n > arg_int(args, LMP_V):
+    if not valid_format(wf) or row0 % NR != 0 or n < 0 or row0 + n > arg_int(args, LMP_V):
         return -3
     if phase == PLAN_WORKSPACE:
         var tied = arg_int(args, LMP_EMB) == 0
@@ -150,6 +147,14 @@ def lm_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     return PHASE_END
 
 
+def _panel_floats(wf: Int, k: Int) -> Int:
+    if wf == WF_BF16:
+        return panel_floats[WF_BF16](k)
+    if wf == WF_INT8:
+        return panel_floats[WF_INT8](k)
+    return panel_floats[WF_F32](k)
+
+
 def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var wf = arg_int(args, LMP_WFMT)
     var tied = arg_int(args, LMP_EMB) == 0
@@ -157,18 +162,18 @@ def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var blob = arg_f32(args, LMP_BLOB)
     var row0 = arg_int(args, LMP_ROW0)
     var n = arg_int(args, LMP_NROWS)
+    var at = (row0 // NR) * _panel_floats(wf, dm.d)
     if task == 0:
-        split_pack_rows(wf, arg_int(args, LMP_HEAD), arg_int(args, LMP_HEAD_EXP),
-                        dm.v, row0, n, dm.d, blob.unsafe_offset(dm.o_head))
+        pack_weight_panels(wf, arg_int(args, LMP_HEAD), arg_int(args, LMP_HEAD_EXP),
+                           n, dm.d, blob.unsafe_offset(dm.o_head + at))
     elif task == 1:
         if not tied:
-            split_pack_rows(wf, arg_int(args, LMP_EMB), arg_int(args, LMP_EMB_EXP),
-                            dm.v, row0, n, dm.d, blob.unsafe_offset(dm.o_emb))
+            pack_weight_panels(wf, arg_int(args, LMP_EMB), arg_int(args, LMP_EMB_EXP),
+                               n, dm.d, blob.unsafe_offset(dm.o_emb + at))
     else:
         set_blob_format(blob, wf)
         set_blob_section(blob, 0, dm.o_head)
         set_blob_section(blob, 1, dm.o_emb)
-        set_blob_layout(blob, 0b11)
         var w = arg_f32(args, LMP_NORM)
         for j in range(dm.d):
             blob[unsafe_offset=dm.o_norm + j] = w[unsafe_offset=j]
@@ -195,8 +200,25 @@ def lm_embed_task(args: I64Ptr, phase: Int, task: Int):
     var n = arg_int(args, LME_N)
     var emb = blob.unsafe_offset(dm.o_emb)
     for i in range(task * EMBED_ROWS_PER_TASK, min(n, (task + 1) * EMBED_ROWS_PER_TASK)):
-        split_widen_row(dm.wf, emb, dm.v, dm.d, Int(toks[unsafe_offset=i]),
-                        x.unsafe_offset(i * dm.d))
+        var t = Int(toks[unsafe_offset=i])
+        var p = t // NR
+        var j = t % NR
+        var dst = x.unsafe_offset(i * dm.d)
+        if dm.wf == WF_BF16:
+            var h = emb.unsafe_offset(p * panel_floats[WF_BF16](dm.d)).unsafe_bitcast[UInt16]()
+            for k in range(dm.d):
+                var bits = UInt32(h[unsafe_offset=k * NR + j]) << 16
+                dst[unsafe_offset=k] = bitcast[DType.float32, 1](bits)
+        elif dm.wf == WF_INT8:
+            var panel = emb.unsafe_offset(p * panel_floats[WF_INT8](dm.d))
+            var scale = panel[unsafe_offset=j]
+            var codes = panel.unsafe_offset(NR).unsafe_bitcast[Int8]()
+            for k in range(dm.d):
+                dst[unsafe_offset=k] = Float32(codes[unsafe_offset=k * NR + j]) * scale
+        else:
+            var panel = emb.unsafe_offset(p * panel_floats[WF_F32](dm.d))
+            for k in range(dm.d):
+                dst[unsafe_offset=k] = panel[unsafe_offset=k * NR + j]
 
 
 # ---------------------------------------------------------------- logits
@@ -211,7 +233,7 @@ def lm_logits_plan(args: I64Ptr, phase: Int) -> Int:
     if phase == 0:
         return ceil_div(r, NORM_ROWS_PER_TASK)
     if phase == 1:
-        return split_matmul_ntasks(r, arg_int(args, LML_V))
+        return matmul_ntasks(r, arg_int(args, LML_V))
     return PHASE_END
 
 
@@ -226,8 +248,8 @@ def lm_logits_task(args: I64Ptr, phase: Int, task: Int):
         for i in range(task * NORM_ROWS_PER_TASK, min(r, (task + 1) * NORM_ROWS_PER_TASK)):
             rmsnorm_row(x.unsafe_offset(i * dm.d), dm.d, w, xn.unsafe_offset(i * dm.d))
         return
-    _ = split_matmul_task_wf(dm.wf, task, xn, dm.d, r, blob.unsafe_offset(dm.o_head), dm.d,
-                             dm.v, arg_f32(args, LML_OUT), dm.v)
+    _ = matmul_task_wf(dm.wf, task, xn, dm.d, r, blob.unsafe_offset(dm.o_head), dm.d, dm.v,
+                       arg_f32(args, LML_OUT), dm.v)
 
 
 # ---------------------------------------------------------------- next token

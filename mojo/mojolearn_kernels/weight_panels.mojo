@@ -6,17 +6,13 @@ weight format (a WF_* id), word 1 + i the float offset of projection i's
 panels (i in the slot order of the prepare op's *_EXP slots). So a blob
 describes itself: the forward ops read the format from the blob they are
 given and pick the matching micro-kernel instantiation
-(linear_split.split_matmul_task_wf, linear.matmul_task_wf); nothing in the
-call arguments can disagree with
+(linear.matmul_task_wf); nothing in the call arguments can disagree with
 the blob. OP_PANELS_EXTRACT copies the weights (float32 values or packed
 codes) back out of the panels, so a block need not keep a second copy of
 them (get_params, backward).
 
-Word O_LAYOUT is a bit set: bit i set when projection i is in
-linear_split.mojo's layout (the 16-lane split: every product over d_model
-or d_inner, docs/numerics.md), clear when it is in linear.mojo's panels
-(Mamba-1's dt_proj). The prepare ops copy the packed codes in, a copy, not
-a conversion, so either layout holds exactly the given values; in panels:
+The prepare ops copy the packed codes into panels (linear.mojo's layout):
+a copy, not a conversion, so the panels hold exactly the given values:
   bf16: uint16 bits, panel[p][k][j] = bits[p * NR + j, k]
   int8: per panel NR float32 scales 2^e[p * NR + j] (1.0 past the last
         row), then int8 codes [k][j]; rows past the last are code 0.
@@ -32,7 +28,9 @@ comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 
 comptime O_FORMAT = 0  # blob word holding the weight format
 comptime O_SECTIONS = 1  # blob words 1 + i: float offset of projection i
-comptime O_LAYOUT = 15  # blob word: bit i set = projection i in linear_split's layout
+comptime O_LAYOUT = 15  # blob word: LAYOUT_PANELS (linear.mojo) or LAYOUT_SPLIT
+comptime LAYOUT_PANELS = 0
+comptime LAYOUT_SPLIT = 1  # linear_split.mojo (Mamba-2)
 
 # OP_PANELS_EXTRACT slots
 comptime EX_BLOB = 0  # a prepared blob (any weight format)
@@ -61,14 +59,8 @@ def set_blob_section(blob: F32Ptr, i: Int, offset: Int):
     _set_word(blob, O_SECTIONS + i, offset)
 
 
-def set_blob_layout(blob: F32Ptr, split_sections: Int):
-    """split_sections: bit i set when projection i is packed by
-    linear_split.split_pack_wf (else linear.mojo's panels)."""
-    _set_word(blob, O_LAYOUT, split_sections)
-
-
-def section_is_split(blob: F32Ptr, i: Int) -> Bool:
-    return ((_word(blob, O_LAYOUT) >> i) & 1) != 0
+def set_blob_layout(blob: F32Ptr, layout: Int):
+    _set_word(blob, O_LAYOUT, layout)
 
 
 def blob_format(blob: F32Ptr) -> Int:
@@ -146,11 +138,10 @@ def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
     var wf = blob_format(blob)
     var m = arg_int(args, EX_ROWS)
     var k = arg_int(args, EX_COLS)
-    var i = arg_int(args, EX_SECTION)
-    var sec = blob.unsafe_offset(_word(blob, O_SECTIONS + i))
+    var sec = blob.unsafe_offset(_word(blob, O_SECTIONS + arg_int(args, EX_SECTION)))
     var r0 = task * NR
     var nr = min(NR, m - r0)
-    if section_is_split(blob, i):
+    if _word(blob, O_LAYOUT) == LAYOUT_SPLIT:
         split_extract(wf, sec, m, k, r0, r0 + nr, arg_int(args, EX_DST), arg_int(args, EX_EXP))
         return
     if wf == WF_F32:

@@ -4,18 +4,15 @@ ragged rows and the one-token decode step are all this one operation).
 Every token's output is computed by the same per-token formula whatever the
 batch, the chunking of tokens into workspace rows, or the thread split:
     xn  = RMSNorm(x)                              (norms.mojo)
-    hg  = in_proj @ xn          [hid | gate]      (linear_split.mojo)
+    hg  = in_proj @ xn          [hid | gate]      (linear.mojo)
     u   = silu(conv(hid))                          (conv.mojo)
-    dbc = x_proj @ u            [dtr | B | C]     (linear_split.mojo)
-    dl  = softplus(dt_proj @ dtr + dt_bias)       (linear.mojo)
+    dbc = x_proj @ u            [dtr | B | C]
+    dl  = softplus(dt_proj @ dtr + dt_bias)
     per channel c, state n = 0..15 (sequential):
         h_n = fma(exp(dl * A_n), h_n, (dl * B_n) * u)
         y   = fma(C_n, h_n, y)                     (y starts at +0.0)
     y   = fma(u, D, y);  yg = y * silu(gate)
-    out = x + out_proj @ yg                        (linear_split.mojo)
-The products over d_model or d_inner use the 16-lane split; dt_proj sums
-only dt_rank = d/16 terms and stays one chain (docs/numerics.md, "Matrix
-products: which order").
+    out = x + out_proj @ yg
 Tokens are processed in chunks of rows (B rows x Tc tokens) only to bound the
 workspace; the chunking never changes an operation's operands.
 Reference: mojolearn.reference.mamba1 (float64 NumPy); tests compare
@@ -26,11 +23,9 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from ..linear import WF_F32, packed_floats
-from ..linear_split import split_floats, split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
+from ..linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    pack_weight_panels, set_blob_format, set_blob_section, set_blob_layout, blob_format,
-    valid_format,
+    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
 from ..numerics import exp_f32
 from ..lanes import copy_floats
@@ -110,7 +105,7 @@ struct M1Dims(ImplicitlyCopyable):
     var o_dskip: Int
     var o_out: Int
     var blob: Int  # floats
-    var wf: Int  # format of the projection weights (linear.WF_*)
+    var wf: Int  # format of the projection panels (linear.WF_*)
 
     def __init__(out self, d: Int, wf: Int = WF_F32):
         self.d = d
@@ -122,15 +117,15 @@ struct M1Dims(ImplicitlyCopyable):
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += split_floats(2 * self.di, d, wf)
+        o += packed_floats(2 * self.di, d, wf)
         self.o_convw = o
         o += round_up(KCONV * self.di, ALIGN_FLOATS)
         self.o_convb = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_x = o
-        o += split_floats(self.nx, self.di, wf)
+        o += packed_floats(self.nx, self.di, wf)
         self.o_dt = o
-        o += packed_floats(self.di, self.r, wf)  # dt_proj: panels, one chain
+        o += packed_floats(self.di, self.r, wf)
         self.o_dtb = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_a = o
@@ -138,7 +133,7 @@ struct M1Dims(ImplicitlyCopyable):
         self.o_dskip = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_out = o
-        o += split_floats(d, self.di, wf)
+        o += packed_floats(d, self.di, wf)
         self.blob = o
 
 
@@ -208,17 +203,17 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var d = dims.d
     var di = dims.di
     if task == 0:
-        split_pack_wf(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
-                      2 * di, d, blob.unsafe_offset(dims.o_in))
+        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+                           2 * di, d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        split_pack_wf(wf, arg_int(args, PREP_X), arg_int(args, PREP_X_EXP),
-                      dims.nx, di, blob.unsafe_offset(dims.o_x))
+        pack_weight_panels(wf, arg_int(args, PREP_X), arg_int(args, PREP_X_EXP),
+                           dims.nx, di, blob.unsafe_offset(dims.o_x))
     elif task == 2:
         pack_weight_panels(wf, arg_int(args, PREP_DT), arg_int(args, PREP_DT_EXP),
                            di, dims.r, blob.unsafe_offset(dims.o_dt))
     elif task == 3:
-        split_pack_wf(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
-                      d, di, blob.unsafe_offset(dims.o_out))
+        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+                           d, di, blob.unsafe_offset(dims.o_out))
     elif task == 4:
         var alog = arg_f32(args, PREP_ALOG)
         for c in range(di):
@@ -236,7 +231,6 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
         set_blob_section(blob, 1, dims.o_x)
         set_blob_section(blob, 2, dims.o_dt)
         set_blob_section(blob, 3, dims.o_out)
-        set_blob_layout(blob, 0b1011)  # in, x, out lane-split; dt_proj in panels
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)
@@ -272,7 +266,7 @@ def m1_forward_plan(args: I64Ptr, phase: Int) -> Int:
     var stage = (phase - 1) % NSTAGES
     var nc = wk.chunk_tokens(c)
     if stage == ST_OUTPROJ:
-        return split_matmul_ntasks(b * nc, dims.d)
+        return matmul_ntasks(b * nc, dims.d)
     return m1_stage_ntasks(dims, stage, b, nc)
 
 
@@ -295,9 +289,8 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
     var blob = arg_f32(args, FWD_BLOB)
     var xn = work.unsafe_offset(wk.o_xn)
     if stage == ST_OUTPROJ:
-        var t = split_matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di,
-                                     rows, blob.unsafe_offset(dims.o_out), dims.di, dims.d,
-                                     xn, dims.d)
+        var t = matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+                               blob.unsafe_offset(dims.o_out), dims.di, dims.d, xn, dims.d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
         return
     var ch = M1Chunk(b, nc, t0, arg_int(args, FWD_L), arg_f32(args, FWD_X), xn,

@@ -19,7 +19,6 @@ next chunk start); it never changes an operation or its order.
 from std.collections import Array
 from ..abi import F32Ptr, I64Ptr, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
-from ..linear_split import split_matmul_ntasks, split_matmul_task_wf
 from ..norms import rmsnorm_row
 from ..conv import conv_silu
 from ..lanes import LANES, LV, ld_lanes, st_lanes
@@ -102,11 +101,11 @@ def m1_stage_ntasks(dims: M1Dims, stage: Int, b: Int, nc: Int) -> Int:
     if stage == ST_NORM:
         return ceil_div(rows, NORM_ROWS_PER_TASK)
     if stage == ST_INPROJ:
-        return split_matmul_ntasks(rows, 2 * dims.di)
+        return matmul_ntasks(rows, 2 * dims.di)
     if stage == ST_CONV:
         return ceil_div(dims.di, CONV_CHANNELS_PER_TASK)
     if stage == ST_XPROJ:
-        return split_matmul_ntasks(rows, dims.nx)
+        return matmul_ntasks(rows, dims.nx)
     if stage == ST_DTPROJ:
         return matmul_ntasks(rows, dims.di)
     return b * ceil_div(dims.di, SCAN_LANES)  # ST_SCAN
@@ -131,8 +130,8 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
                 rmsnorm_row(ch.x.unsafe_offset((bb * ch.l + t) * d), d,
                             blob.unsafe_offset(dims.o_norm), dst)
     elif stage == ST_INPROJ:
-        _ = split_matmul_task_wf(dims.wf, task, ch.xn, d, rows, blob.unsafe_offset(dims.o_in),
-                                 d, 2 * di, ch.hg, 2 * di)
+        _ = matmul_task_wf(dims.wf, task, ch.xn, d, rows, blob.unsafe_offset(dims.o_in), d,
+                           2 * di, ch.hg, 2 * di)
     elif stage == ST_CONV:
         var c0 = task * CONV_CHANNELS_PER_TASK
         var c1 = min(di, c0 + CONV_CHANNELS_PER_TASK)
@@ -151,8 +150,8 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
                     comptime if RUN == RUN_B:
                         pre[unsafe_offset=j * di + c] = 0.0
     elif stage == ST_XPROJ:
-        _ = split_matmul_task_wf(dims.wf, task, ch.u, di, rows, blob.unsafe_offset(dims.o_x),
-                                 di, dims.nx, ch.dbc, dims.nx)
+        _ = matmul_task_wf(dims.wf, task, ch.u, di, rows, blob.unsafe_offset(dims.o_x), di,
+                           dims.nx, ch.dbc, dims.nx)
     elif stage == ST_DTPROJ:
         var raw = ch.v if RUN == RUN_B else ch.dl  # the dt_proj product, then
         var t = matmul_task_wf(dims.wf, task, ch.dbc, dims.nx, rows,

@@ -36,7 +36,7 @@ recurrence); tests compare against transformers' Mamba2Block run in float64
 from std.memory import bitcast
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear_split import split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
-from ..weight_panels import set_blob_format, set_blob_section, set_blob_layout, valid_format
+from ..weight_panels import set_blob_format, set_blob_section, set_blob_layout, valid_format, LAYOUT_SPLIT
 from ..norms import rmsnorm_row
 from ..conv import causal_conv_silu
 from ..numerics import exp_f32
@@ -90,7 +90,7 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
         set_blob_format(blob, wf)
         set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
         set_blob_section(blob, 1, dims.o_out)
-        set_blob_layout(blob, 0b11)  # both projections lane-split
+        set_blob_layout(blob, LAYOUT_SPLIT)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)

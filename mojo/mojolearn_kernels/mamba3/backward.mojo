@@ -36,8 +36,7 @@ tests/reference/torch_mamba3.py, whose forward equals mojolearn.reference.mamba3
 (float64 NumPy) to 1e-12.
 """
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
-from ..linear import matmul_ntasks, matmul_task, WF_F32
-from ..linear_split import split_matmul_ntasks, split_matmul_task, split_ld
+from ..linear import matmul_ntasks, matmul_task, NR, WF_F32
 from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row_vjp
@@ -80,8 +79,8 @@ def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> I
             return ceil_div(rows, ROWS_PER_TASK)
         if stage == A_INPROJ:
             if wk.kept(c):
-                return split_matmul_ntasks(rows, dims.np)
-            return split_matmul_ntasks(rows, dims.np - dims.di)  # z is not needed
+                return matmul_ntasks(rows, dims.np)
+            return matmul_ntasks(rows, dims.np - dims.di)  # z is not needed
         if stage == A_KEEP:
             if wk.kept(c):
                 return ceil_div(wk.b * wk.chunk_tokens(c), ROWS_PER_TASK)
@@ -95,7 +94,7 @@ def _counts(dims: M3Dims, wk: BW3, c: Int, stage: Int, nr: Int, is_b: Bool) -> I
     if stage == F_NORM or stage == F_BCNORM or stage == B_NORM:
         return ceil_div(rows, ROWS_PER_TASK)
     if stage == F_INPROJ:
-        return split_matmul_ntasks(rows, dims.np)
+        return matmul_ntasks(rows, dims.np)
     if stage == S_FWD or stage == B_SCAN:
         return bh
     if stage == B_OUT:
@@ -273,20 +272,20 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
 def _inproj(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    _ = split_matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
-                          blob.unsafe_offset(dims.o_in), dims.d, dims.np,
-                          work.unsafe_offset(wk.o_proj), dims.np)
+    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                    blob.unsafe_offset(dims.o_in), dims.d, dims.np,
+                    work.unsafe_offset(wk.o_proj), dims.np)
 
 
 def _inproj_no_z(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     """in_proj without the z panels (the first di outputs): pass A's scan
-    never reads z, and pass B recomputes this chunk in full. di is a whole
-    number of 16-row groups, so the packed rows from di on are that matrix."""
+    never reads z, and pass B recomputes this chunk in full."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    _ = split_matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
-                          blob.unsafe_offset(dims.o_in + dims.di * split_ld(dims.d)), dims.d,
-                          dims.np - dims.di, work.unsafe_offset(wk.o_proj + dims.di), dims.np)
+    var zp = dims.di // NR  # di is a multiple of 64: whole panels
+    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                    blob.unsafe_offset(dims.o_in + zp * dims.d * NR), dims.d,
+                    dims.np - dims.di, work.unsafe_offset(wk.o_proj + dims.di), dims.np)
 
 
 def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):

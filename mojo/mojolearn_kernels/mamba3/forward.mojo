@@ -19,19 +19,17 @@ canonical order in full):
             + ((q . k) gamma_i) v_i + D v_i
         o = y * silu(z)
     out = x + out_proj @ o
-Both projections use linear_split.mojo's 16-lane order (docs/numerics.md,
-"Matrix products: which order"). Dot products over N = 128 use a fixed
-16-lane split (lane l sums n = l, l+16, ... in order) and a fixed halving
-tree, the same on every target.
+Dot products over N = 128 use a fixed 16-lane split (lane l sums n = l, l+16,
+... in order) and a fixed halving tree, the same on every target.
 Reference: mojolearn.reference.mamba3 (float64 NumPy, the unchunked
 recurrence); tests/test_mamba3_forward.py compares against it.
 """
 from ..abi import (
     F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,
 )
-from ..linear_split import split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
+from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    set_blob_format, set_blob_section, set_blob_layout, blob_format, valid_format,
+    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
 from .stages import norm_rows, bc_norm_rows
 from .layout import *
@@ -58,16 +56,15 @@ def m3_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var dims = M3Dims(arg_int(args, PREP_D), wf)
     var blob = arg_f32(args, PREP_BLOB)
     if task == 0:
-        split_pack_wf(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
-                      dims.np, dims.d, blob.unsafe_offset(dims.o_in))
+        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+                           dims.np, dims.d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        split_pack_wf(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
-                      dims.d, dims.di, blob.unsafe_offset(dims.o_out))
+        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+                           dims.d, dims.di, blob.unsafe_offset(dims.o_out))
     else:
         set_blob_format(blob, wf)
         set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
         set_blob_section(blob, 1, dims.o_out)
-        set_blob_layout(blob, 0b11)  # both projections lane-split
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), dims.d)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
         copy_floats(arg_f32(args, PREP_BNW), blob.unsafe_offset(dims.o_bnw), NST)
@@ -110,10 +107,10 @@ def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
     if stage == ST_BCNORM:
         return ceil_div(rows, BC_ROWS_PER_TASK)
     if stage == ST_INPROJ:
-        return split_matmul_ntasks(rows, dims.np)
+        return matmul_ntasks(rows, dims.np)
     if stage == ST_SCAN:
         return b * dims.nh
-    return split_matmul_ntasks(rows, dims.d)
+    return matmul_ntasks(rows, dims.d)
 
 
 def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
@@ -142,8 +139,8 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
                   min(rows, r0 + NORM_ROWS_PER_TASK), blob.unsafe_offset(dims.o_norm), xn,
                   arg_int(args, FWD_LENGTHS))
     elif stage == ST_INPROJ:
-        _ = split_matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
-                                 dims.np, proj, dims.np)
+        _ = matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
+                           dims.np, proj, dims.np)
     elif stage == ST_BCNORM:
         var r0 = task * BC_ROWS_PER_TASK
         var r1 = min(rows, r0 + BC_ROWS_PER_TASK)
@@ -157,8 +154,8 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
         scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * wk.scr),
                    bb, hh, t0, nc)
     else:
-        var t = split_matmul_task_wf(dims.wf, task, o, dims.np, rows,
-                                     blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
+        var t = matmul_task_wf(dims.wf, task, o, dims.np, rows,
+                               blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
 
 

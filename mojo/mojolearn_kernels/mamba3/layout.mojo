@@ -2,8 +2,7 @@
 workspace's layouts (mamba3/forward.mojo runs the block, mamba3/scan.mojo its scan;
 the backward modules share these)."""
 from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
-from ..linear import WF_F32
-from ..linear_split import split_floats
+from ..linear import WF_F32, packed_floats
 
 comptime NST = 128  # N, q/k head dimension
 comptime HP = 64  # P, v head dimension
@@ -121,7 +120,7 @@ struct M3Dims(ImplicitlyCopyable):
     var o_cb: Int
     var o_dskip: Int
     var blob: Int
-    var wf: Int  # format of the projection weights (linear.WF_*), linear_split's layout
+    var wf: Int  # format of the projection panels (linear.WF_*)
 
     def __init__(out self, d: Int, wf: Int = WF_F32):
         self.d = d
@@ -140,9 +139,9 @@ struct M3Dims(ImplicitlyCopyable):
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += split_floats(self.np, d, wf)
+        o += packed_floats(self.np, d, wf)
         self.o_out = o
-        o += split_floats(d, self.di, wf)
+        o += packed_floats(d, self.di, wf)
         self.o_dtb = o
         o += round_up(self.nh, ALIGN_FLOATS)
         self.o_bnw = o

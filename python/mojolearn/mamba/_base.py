@@ -139,10 +139,8 @@ class _MambaBase:
     # -- weights ------------------------------------------------------------
     # The projection weights live only in the prepared blob, in the format
     # they were given in: the prepare op copies float32 values, or the codes
-    # of packed weights (mojolearn.lowbit), into the layout of each
-    # projection's matmul kernel (linear_split.mojo's or linear.mojo's:
-    # docs/numerics.md; bfloat16 / int8 codes are widened exactly on
-    # load). get_params and backward read
+    # of packed weights (mojolearn.lowbit), into matmul panels (bfloat16 /
+    # int8 panels are widened exactly on load). get_params and backward read
     # them back out with OP_PANELS_EXTRACT. So a float32 block holds one copy
     # of its projections, and a packed block about 1/2 (bfloat16) or 1/4
     # (int8) of that, giving the bits of the block on unpack(weights). The
