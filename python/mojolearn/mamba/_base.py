@@ -378,27 +378,37 @@ class _MambaBase:
         only for the zero-state backward: they have their own intake of
         the state arguments.)"""
         xv, gv, lens = self._backward_views(x, grad_output, lengths)
-        b, l, d = xv.shape
+        b = xv.shape[0]
         sv = {} if state is None else _grad_state.start_state_views(self, state, b)
         gsv = {} if grad_state is None else _grad_state.cotangent_views(self, grad_state, b)
-        w, blob = self._backward_weights()
-        # the kernel writes the _BWD_WRITTEN gradients in full (no memset)
-        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
-        named = {n: w[n] for n in self._packed_names}
-        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
+        named, shapes = {}, None
         if state is not None or grad_state is not None:
-            from .._array import Array
-            shapes = self._state_shapes(b)
-            for n in self._bwd_state_arrays():  # written in full by the kernel
-                grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shapes[n], zero=False)
+            all_shapes = self._state_shapes(b)
+            shapes = {n: all_shapes[n] for n in self._bwd_state_arrays()}
             named.update(self._backward_state_args(state, sv))
             named.update({f"grad_state:{n}": v for n, v in gsv.items()})
+        return self._run_backward(xv, gv, lens, named, shapes)
+
+    def _run_backward(self, xv, gv, lens, named, state_shapes=None, **scalars):
+        """Run the backward op on views xv, gv (B, L, d) and the ragged
+        lengths lens, with `named` holding the block's state and cotangent
+        slots; allocate the gradients (the kernel writes the _BWD_WRITTEN
+        ones and every 'state.<name>' of state_shapes in full: no memset)
+        and return them. `scalars` go to the op's other named slots."""
+        from .._array import Array
+        b, l, d = xv.shape
+        w, blob = self._backward_weights()
+        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
+        for n, shape in (state_shapes or {}).items():
+            grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shape, zero=False)
+        named.update({n: w[n] for n in self._packed_names})
+        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
         if lens[1]:
             named["lengths"] = lens[1]
         if self._BWD_PANELS:
-            named["panels"] = panels = self._backward_panels(w)  # held until the op returns
+            named["panels"] = self._backward_panels(w)  # `named` holds it until the op returns
         args = _abi.op_spec(self._lib, self._BWD_OP).pack(
-            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"])
+            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"], **scalars)
         self._run_op(self._BWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
         return grads
 

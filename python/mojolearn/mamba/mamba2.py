@@ -457,7 +457,6 @@ class Mamba2Block(_MambaBase):
     def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M2_BACKWARD with its state slots; docs/backward.md)."""
-        from .._array import Array
         if lengths is not None and (state is not None or grad_state is not None):
             raise ValueError("lengths cannot be combined with state or grad_state "
                              "(ragged rows are supported only without a state)")
@@ -471,19 +470,9 @@ class Mamba2Block(_MambaBase):
         if grad_state is not None:
             cot = self._cotangent_views(grad_state, b, (bt + l) % CHUNK)
             named.update({f"grad_state:{n}": v for n, v in cot.items()})
-        w, blob = self._backward_weights()
-        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
-        if stated:  # the kernel writes every byte of these
-            for n, shape in self._state_shapes(b).items():
-                grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shape, zero=False)
-        named.update({n: w[n] for n in self._packed_names})
-        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
-        named["panels"] = self._backward_panels(w)  # held until the op returns
-        args = _abi.op_spec(self._lib, self._BWD_OP).pack(
-            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"],
-            lengths=lens[1], buffered_tokens=bt, stated=1 if stated else 0)
-        self._run_op(self._BWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
-        return grads
+        return self._run_backward(xv, gv, lens, named,
+                                  self._state_shapes(b) if stated else None,
+                                  buffered_tokens=bt, stated=1 if stated else 0)
 
 
 class Mamba2BlockInference(Mamba2Block):

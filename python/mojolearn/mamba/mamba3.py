@@ -572,20 +572,10 @@ class Mamba3Block(_MambaBase):
                 if n != "buffer_qrot" and n in sviews:
                     named[f"state:{n}"] = sviews[n]
                 named[f"cot:{n}"] = cot[n]
-        w, blob = self._backward_weights()
-        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
-        if stated:  # the kernel writes every byte of these
-            for n, shape in _state_shapes(b, self.nheads).items():
-                grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shape, zero=False)
-        named.update({n: w[n] for n in self._packed_names})
-        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
-        named["panels"] = self._backward_panels(w)  # held until the op returns
-        args = _abi.op_spec(self._lib, self._BWD_OP).pack(
-            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"],
-            lengths=lens[1], buffered_tokens=nb, pending=1 if pending else 0,
-            stated=1 if stated else 0)
-        self._run_op(self._BWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
-        return grads
+        return self._run_backward(xv, gv, lens, named,
+                                  _state_shapes(b, self.nheads) if stated else None,
+                                  buffered_tokens=nb, pending=1 if pending else 0,
+                                  stated=1 if stated else 0)
 
 
 class Mamba3BlockInference(Mamba3Block):
