@@ -26,17 +26,20 @@ def start_state_views(block, state, b: int) -> dict:
                   lambda n: f"state.{n}")
 
 
-def cotangent_views(block, grad_state, b: int) -> dict:
+def cotangent_views(block, grad_state, b: int, check_finite=None) -> dict:
     """{array name: View} of the final state's cotangent: a mapping of state
-    array names to float32 buffers (a missing name means zeros; an unknown
-    one is a ValueError) or a state of the block's class (its arrays are
-    read). TypeError for anything else."""
+    array names to float32 buffers (a missing name means zeros: it has no
+    entry; an unknown one is a ValueError) or a state of the block's class
+    (its arrays are read). TypeError for anything else. Every view is
+    checked finite, or, with `check_finite`, handed to it after every type
+    and shape check (blocks with open-chunk buffers check only the rows
+    the final state holds)."""
     cls = block._STATE_CLASS
     names = cls._ARRAYS
     if isinstance(grad_state, cls):
         check_not_held(grad_state)
         return _views(block, {n: getattr(grad_state, n) for n in names}, b,
-                      lambda n: f"grad_state.{n}")
+                      lambda n: f"grad_state.{n}", check_finite)
     if not isinstance(grad_state, Mapping):
         raise TypeError(f"grad_state must be a dict of state array name -> float32 "
                         f"buffer, or a {cls.__name__}, got {type(grad_state).__name__}")
@@ -45,16 +48,19 @@ def cotangent_views(block, grad_state, b: int) -> dict:
         raise ValueError(f"grad_state has unknown names {', '.join(unknown)}; the "
                          f"{cls.__name__} arrays are {list(names)}")
     return _views(block, {n: grad_state[n] for n in names if n in grad_state}, b,
-                  lambda n: f"grad_state[{n!r}]")
+                  lambda n: f"grad_state[{n!r}]", check_finite)
 
 
-def _views(block, arrays: dict, b: int, label) -> dict:
+def _views(block, arrays: dict, b: int, label, check_finite=None) -> dict:
     shapes = block._state_shapes(b)
     out = {}
     for n, buf in arrays.items():
         v = _intake.float32_view(buf, label(n))
         _intake.check_shape(v, shapes[n], f" (B={b} rows of x)")
         out[n] = v
-    for v in out.values():  # after every type and shape check
-        _intake.check_finite(block._lib, v)
+    if check_finite is not None:  # after every type and shape check
+        check_finite(out)
+    else:
+        for v in out.values():
+            _intake.check_finite(block._lib, v)
     return out

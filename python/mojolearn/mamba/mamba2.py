@@ -5,6 +5,7 @@ import math
 import struct
 
 from .. import _abi, _intake
+from . import _grad_state
 from ._base import _MambaBase, weight_views
 from ._state import StateBase
 from .sessions import Mamba2DecodeSession
@@ -426,33 +427,14 @@ class Mamba2Block(_MambaBase):
         (the kernel reads a missing one as zeros): float32, the state's
         shapes, finite (buffers: rows [0, final_rows) only, the rows the
         final state holds)."""
-        shapes = self._state_shapes(b)
-        if isinstance(grad_state, Mamba2State):
-            self._check_state(grad_state)  # (not held by an open decode session)
-            given = {n: getattr(grad_state, n) for n in Mamba2State._ARRAYS}
-            label = "grad_state.{}"
-        elif hasattr(grad_state, "keys"):
-            unknown = sorted(repr(n) for n in grad_state.keys() if n not in shapes)
-            if unknown:
-                raise ValueError(f"grad_state has unknown names {', '.join(unknown)}; the "
-                                 f"Mamba2State arrays are {list(Mamba2State._ARRAYS)}")
-            given = dict(grad_state)
-            label = "grad_state[{!r}]"
-        else:
-            raise TypeError(f"grad_state must be a dict of state array name -> float32 "
-                            f"buffer, or a Mamba2State, got {type(grad_state).__name__}")
-        views = {}
-        for n in Mamba2State._ARRAYS:
-            if n in given:
-                views[n] = _intake.float32_view(given[n], label.format(n))
-                _intake.check_shape(views[n], shapes[n], " (the state's shape)")
-        for n in ("conv_window", "h"):
-            if n in views:
-                _intake.check_finite(self._lib, views[n])
-        rows = [views[n] for n in ("buffer_xbc", "buffer_dtraw") if n in views]
-        if rows and final_rows:
-            self._check_rows_finite(rows, b, final_rows, CHUNK)
-        return views
+        def finite(views):
+            for n in ("conv_window", "h"):
+                if n in views:
+                    _intake.check_finite(self._lib, views[n])
+            rows = [views[n] for n in ("buffer_xbc", "buffer_dtraw") if n in views]
+            if rows and final_rows:
+                self._check_rows_finite(rows, b, final_rows, CHUNK)
+        return _grad_state.cotangent_views(self, grad_state, b, finite)
 
     def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
         """backward with a state, final-state cotangents or ragged rows (one

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 from .. import _abi, _intake
+from . import _grad_state
 from ._base import _MambaBase, copy_bytes, weight_views
 from ._state import StateBase
 from .sessions import Mamba3DecodeSession
@@ -514,40 +515,23 @@ class Mamba3Block(_MambaBase):
 
     def _grad_state_views(self, grad_state, b, final_rows):
         """{array name: View} of the final state's cotangents (zeros made
-        for the missing ones), validated: float32, the state's shapes, finite
-        (buffer arrays: rows [0, final_rows) only, the rows that are read)."""
+        for the missing ones: the kernel reads every one), validated:
+        float32, the state's shapes, finite (buffer arrays: rows
+        [0, final_rows) only, the rows that are read)."""
         from .._array import Array
+        def finite(views):
+            rows = []
+            for n, v in views.items():
+                if n.startswith("buffer_"):
+                    rows.append(v)
+                else:
+                    _intake.check_finite(self._lib, v)
+            if rows and final_rows:
+                self._check_rows_finite(rows, b, final_rows, CHUNK)
+        given = ({} if grad_state is None else
+                 _grad_state.cotangent_views(self, grad_state, b, finite))
         shapes = _state_shapes(b, self.nheads)
-        if grad_state is None:
-            given = {}
-        elif isinstance(grad_state, Mamba3State):
-            given = {n: getattr(grad_state, n) for n in _STATE_BUFFERS}
-            label = "grad_state.{}"
-        elif hasattr(grad_state, "keys"):
-            unknown = sorted(str(n) for n in grad_state.keys() if n not in shapes)
-            if unknown:
-                raise ValueError(f"grad_state: unknown {unknown} (the state's arrays: "
-                                 f"{list(_STATE_BUFFERS)})")
-            given = dict(grad_state)
-            label = "grad_state['{}']"
-        else:
-            raise TypeError(f"grad_state must be a dict of array name -> float32 buffer or "
-                            f"a Mamba3State, got {type(grad_state).__name__}")
-        views, rows = {}, []
-        for n in _STATE_BUFFERS:
-            if n not in given:
-                views[n] = Array(shapes[n])  # zeros
-                continue
-            v = _intake.float32_view(given[n], label.format(n))
-            _intake.check_shape(v, shapes[n], " (the state's shape)")
-            if n.startswith("buffer_"):
-                rows.append(v)
-            else:
-                _intake.check_finite(self._lib, v)
-            views[n] = v
-        if rows and final_rows:
-            self._check_rows_finite(rows, b, final_rows, CHUNK)
-        return views
+        return {n: given[n] if n in given else Array(shapes[n]) for n in _STATE_BUFFERS}
 
     def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
         """backward with a state, final-state cotangents or ragged rows (one
