@@ -16,6 +16,14 @@ from .. import _intake
 from ._state import check_not_held
 
 
+def check_ragged_without_state(state, grad_state, lengths) -> None:
+    """ValueError for ragged lengths together with a state or cotangents
+    (blocks whose backward takes ragged rows only from a zero state)."""
+    if lengths is not None and (state is not None or grad_state is not None):
+        raise ValueError("lengths cannot be combined with state or grad_state "
+                         "(ragged rows are supported only without a state)")
+
+
 def start_state_views(block, state, b: int) -> dict:
     """{array name: View} of the state forward starts from: a state of the
     block's class (TypeError otherwise), not held by an open decode session,

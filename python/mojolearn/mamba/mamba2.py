@@ -439,9 +439,7 @@ class Mamba2Block(_MambaBase):
     def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M2_BACKWARD with its state slots; docs/backward.md)."""
-        if lengths is not None and (state is not None or grad_state is not None):
-            raise ValueError("lengths cannot be combined with state or grad_state "
-                             "(ragged rows are supported only without a state)")
+        _grad_state.check_ragged_without_state(state, grad_state, lengths)
         xv, gv, lens = self._backward_views(x, grad_output, lengths)
         b, l, d = xv.shape
         stated = state is not None or grad_state is not None

@@ -537,9 +537,7 @@ class Mamba3Block(_MambaBase):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M3_BACKWARD with its state slots; docs/backward.md)."""
         from .._array import Array
-        if lengths is not None and (state is not None or grad_state is not None):
-            raise ValueError("lengths cannot be combined with state or grad_state "
-                             "(ragged rows are supported only without a state)")
+        _grad_state.check_ragged_without_state(state, grad_state, lengths)
         xv, gv, lens = self._backward_views(x, grad_output, lengths)
         b, l, d = xv.shape
         stated = state is not None or grad_state is not None
