@@ -1,11 +1,25 @@
 """Canonical matrix products: y[r, o] = sum_k x[r, k] * W[o, k].
 
-Canonical order (identical mode): every output element is one sequential fma
-chain over k in ascending order, starting from +0.0:
-    acc = 0; for k in 0..K-1: acc = fma(x[r, k], W[o, k], acc)
-The micro-kernel vectorizes across 16 outputs (one weight panel) and keeps MR
-rows in registers; it never splits or reorders the k axis, so the bits do not
-depend on the SIMD width, the tile shape or how tiles are spread on threads.
+Canonical order of a forward product (identical mode): segmented k. The k
+axis is cut into contiguous segments of KSEG = 32 steps; each segment is one
+sequential fma chain in ascending k from +0.0, and the segment sums are
+added in ascending order, the first one taken as it is:
+    p_s = 0; for k in [32 s, min(32 s + 32, K)): p_s = fma(x[r, k], W[o, k], p_s)
+    y = p_0; for s in 1, 2, ...: y = y + p_s
+(K <= 32: one chain, as before.) The micro-kernel vectorizes across 16
+outputs (one weight panel) and keeps MR rows in registers; its k loop stops
+at every segment end, where it stores its registers to y (segment 0) or adds
+them to y (one load, add, store per tile every 32 k steps). Segment ends are
+fixed multiples of KSEG in k, so the bits do not depend on the SIMD width,
+the tile shape, the rows of a batch or how tiles are spread on threads.
+Why segments: chains of at most 32 terms plus one chain of K/32 sums round
+in the class of Mamba-2's 16-lane split (docs/numerics.md), at the speed of
+the broadcast micro-kernel.
+
+SEG (a compile-time parameter): KSEG for every forward product (always so
+in matmul_task_wf); ONE_CHAIN (the default of matmul_task) is one fma chain
+over all of k, the order of the backward passes' activation products
+(x @ W on transposed panels, the same chain as linear_grad.mojo's).
 
 Weights are packed once into panels of NR = 16 output rows, k-major:
 packed[p, k, j] = W[p * NR + j, k] (zero rows past M), so each k step loads
@@ -15,8 +29,8 @@ Weight format WF (a compile-time parameter; float32 is the default and its
 code is the plain float32 kernel): the panels may also hold bfloat16 bits or
 int8 codes (mojolearn.lowbit). Each weight is widened to float32 on load,
 exactly (bf16: bits << 16; int8: code * 2^e, a power-of-two scale per
-output row), so the fma chain sees the same float32 values in the same
-order and gives the same bits as on the expanded float32 panels.
+output row), so the fma chains see the same float32 values in the same
+order and give the same bits as on the expanded float32 panels.
 """
 from std.collections import Array
 from std.memory import bitcast
@@ -33,6 +47,20 @@ comptime WIDE = get_defined_string["ML_ARCH", "x86-64-v3"]() == "x86-64-v4"
 comptime MR = 6
 comptime TP = 2 if WIDE else 1
 comptime VN = SIMD[DType.float32, NR]
+# The segment length of the canonical forward order (module docstring). A
+# constant of the formula: changing it changes bits (tests/digests.json).
+comptime KSEG = 32
+comptime ONE_CHAIN = 0  # SEG value: one chain over all of k (no segments)
+
+
+@always_inline
+def _seg_end[SEG: Int](k0: Int, k: Int) -> Int:
+    """End of the segment that starts at k0 (segments start at multiples of
+    SEG, and every caller starts at 0 and steps segment by segment)."""
+    comptime if SEG == ONE_CHAIN:
+        return k
+    else:
+        return min(k0 + SEG, k)
 
 # Weight panel formats (ids shared with lowbit.mojo's FMT_* and the blobs).
 comptime WF_F32 = 0  # packed[p, k, j] float32
@@ -100,50 +128,76 @@ def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
 
 
 @always_inline
-def _tile[R: Int, WF: Int = WF_F32](
+def _tile[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
     x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int, ncols: Int
 ):
-    """R rows x one panel: y[i, 0:ncols] = x[i, :] . panel."""
-    var acc = Array[VN, R](fill=VN(0.0))
+    """R rows x one panel: y[i, 0:ncols] = x[i, :] . panel (order SEG)."""
     var scale = _wscale[WF](panel)
-    for kk in range(k):
-        var wv = _wload[WF](panel, kk, scale)
-        comptime for i in range(R):
-            acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
-    if ncols == NR:
-        comptime for i in range(R):
-            y.unsafe_store(i * ldy, acc[i])
-    else:
-        comptime for i in range(R):
-            for j in range(ncols):
-                y[unsafe_offset=i * ldy + j] = acc[i][j]
+    var k0 = 0
+    while True:  # one segment per pass; k = 0 stores +0.0
+        var k1 = _seg_end[SEG](k0, k)
+        var acc = Array[VN, R](fill=VN(0.0))
+        for kk in range(k0, k1):
+            var wv = _wload[WF](panel, kk, scale)
+            comptime for i in range(R):
+                acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
+        if ncols == NR:
+            if k0 == 0:
+                comptime for i in range(R):
+                    y.unsafe_store(i * ldy, acc[i])
+            else:
+                comptime for i in range(R):
+                    y.unsafe_store(i * ldy, y.unsafe_load[width=NR](i * ldy) + acc[i])
+        else:
+            comptime for i in range(R):
+                for j in range(ncols):
+                    if k0 == 0:
+                        y[unsafe_offset=i * ldy + j] = acc[i][j]
+                    else:
+                        y[unsafe_offset=i * ldy + j] = y[unsafe_offset=i * ldy + j] + acc[i][j]
+        k0 = k1
+        if k0 >= k:
+            break
 
 
 @always_inline
-def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0](
+def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG](
     x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int
 ):
-    """R rows x NP consecutive full panels. With few rows, one panel has too
-    few independent fma chains to hide the fma latency; several panels do.
-    PF > 0: ask for each panel's step kk + PF while at kk (the weights of
-    a few-row product are used once; float32 panels only)."""
-    var acc = Array[VN, R * NP](fill=VN(0.0))
+    """R rows x NP consecutive full panels (order SEG). With few rows, one
+    panel has too few independent fma chains to hide the fma latency;
+    several panels do. PF > 0: ask for each panel's step kk + PF while at
+    kk (the weights of a few-row product are used once; float32 panels
+    only)."""
     var pstride = panel_floats[WF](k)
     var scale = Array[VN, NP](fill=VN(1.0))
     comptime for q in range(NP):
         scale[q] = _wscale[WF](panel.unsafe_offset(q * pstride))
-    for kk in range(k):
-        comptime if PF > 0 and WF == WF_F32:
+    var k0 = 0
+    while True:  # one segment per pass; k = 0 stores +0.0
+        var k1 = _seg_end[SEG](k0, k)
+        var acc = Array[VN, R * NP](fill=VN(0.0))
+        for kk in range(k0, k1):
+            comptime if PF > 0 and WF == WF_F32:
+                comptime for q in range(NP):
+                    prefetch[PrefetchOptions().for_read().high_locality()](
+                        panel.unsafe_offset(q * pstride + (kk + PF) * NR))
             comptime for q in range(NP):
-                prefetch[PrefetchOptions().for_read().high_locality()](
-                    panel.unsafe_offset(q * pstride + (kk + PF) * NR))
-        comptime for q in range(NP):
-            var wv = _wload[WF](panel.unsafe_offset(q * pstride), kk, scale[q])
+                var wv = _wload[WF](panel.unsafe_offset(q * pstride), kk, scale[q])
+                comptime for i in range(R):
+                    acc[i * NP + q] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
+        if k0 == 0:
             comptime for i in range(R):
-                acc[i * NP + q] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
-    comptime for i in range(R):
-        comptime for q in range(NP):
-            y.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
+                comptime for q in range(NP):
+                    y.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
+        else:
+            comptime for i in range(R):
+                comptime for q in range(NP):
+                    var o = i * ldy + q * NR
+                    y.unsafe_store(o, y.unsafe_load[width=NR](o) + acc[i * NP + q])
+        k0 = k1
+        if k0 >= k:
+            break
 
 
 # Steps ahead the 8-row pass asks for its panels (64: 4 KB, a page ahead).
@@ -153,7 +207,7 @@ def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0](
 comptime FEW_PF = 64
 
 
-def _rows_few[R: Int, WF: Int = WF_F32](
+def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
     x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
     y: F32Ptr, ldy: Int,
 ):
@@ -165,16 +219,16 @@ def _rows_few[R: Int, WF: Int = WF_F32](
     var ps = panel_floats[WF](k)
     var p = p0
     while p + NP <= p1 and (p + NP) * NR <= m:
-        _tile_panels[R, NP, WF, FEW_PF if R >= MR else 0](
+        _tile_panels[R, NP, WF, FEW_PF if R >= MR else 0, SEG](
             x, ldx, wp.unsafe_offset(p * ps), k, y.unsafe_offset(p * NR), ldy)
         p += NP
     while p < p1:
-        _tile[R, WF](x, ldx, wp.unsafe_offset(p * ps), k,
+        _tile[R, WF, SEG](x, ldx, wp.unsafe_offset(p * ps), k,
                      y.unsafe_offset(p * NR), ldy, min(NR, m - p * NR))
         p += 1
 
 
-def matmul_block[WF: Int = WF_F32](
+def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
     x: F32Ptr,
     ldx: Int,
     r0: Int,
@@ -187,10 +241,11 @@ def matmul_block[WF: Int = WF_F32](
     y: F32Ptr,
     ldy: Int,
 ):
-    """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k)."""
+    """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k), in
+    the order SEG (module docstring)."""
     comptime if WIDE:
         if r1 - r0 == 8:  # one pass over the weights, not a 6-row and a 2-row one
-            _rows_few[8, WF](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
+            _rows_few[8, WF, SEG](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
                              y.unsafe_offset(r0 * ldy), ldy)
             return
     var full = r0 + (r1 - r0) // MR * MR
@@ -201,14 +256,14 @@ def matmul_block[WF: Int = WF_F32](
         var r = r0
         if TP > 1 and p + TP <= p1 and (p + TP) * NR <= m:
             while r < full:
-                _tile_panels[MR, TP, WF](x.unsafe_offset(r * ldx), ldx, panel, k,
+                _tile_panels[MR, TP, WF, 0, SEG](x.unsafe_offset(r * ldx), ldx, panel, k,
                                          y.unsafe_offset(r * ldy + col), ldy)
                 r += MR
             p += TP
         else:
             var ncols = min(NR, m - col)
             while r < full:
-                _tile[MR, WF](x.unsafe_offset(r * ldx), ldx, panel, k,
+                _tile[MR, WF, SEG](x.unsafe_offset(r * ldx), ldx, panel, k,
                               y.unsafe_offset(r * ldy + col), ldy, ncols)
                 r += MR
             p += 1
@@ -218,7 +273,7 @@ def matmul_block[WF: Int = WF_F32](
     var yr = y.unsafe_offset(full * ldy)
     comptime for R in range(1, MR):
         if rem == R:
-            _rows_few[R, WF](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+            _rows_few[R, WF, SEG](xr, ldx, wp, k, m, p0, p1, yr, ldy)
 
 
 # Task grid for one matmul phase: row blocks x panel blocks.
@@ -244,18 +299,21 @@ struct TileRange(ImplicitlyCopyable):
         self.c1 = c1
 
 
-def matmul_task[WF: Int = WF_F32](
+def matmul_task[WF: Int = WF_F32, SEG: Int = ONE_CHAIN](
     task: Int, x: F32Ptr, ldx: Int, rows: Int, wp: F32Ptr, k: Int, m: Int,
     y: F32Ptr, ldy: Int,
 ) -> TileRange:
-    """Run task `task` of the (row block, panel block) grid."""
+    """Run task `task` of the (row block, panel block) grid. SEG defaults to
+    ONE_CHAIN, the backward passes' activation products (transposed panels);
+    a forward product (or its recompute) passes KSEG or calls
+    matmul_task_wf."""
     var npanels = ceil_div(m, NR)
     var npb = ceil_div(npanels, PANEL_BLOCK)
     var r0 = (task // npb) * ROW_BLOCK
     var r1 = min(rows, r0 + ROW_BLOCK)
     var p0 = (task % npb) * PANEL_BLOCK
     var p1 = min(npanels, p0 + PANEL_BLOCK)
-    matmul_block[WF](x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)
+    matmul_block[WF, SEG](x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)
     return TileRange(r0, r1, p0 * NR, min(m, p1 * NR))
 
 
@@ -263,9 +321,10 @@ def matmul_task_wf(
     wf: Int, task: Int, x: F32Ptr, ldx: Int, rows: Int, wp: F32Ptr, k: Int, m: Int,
     y: F32Ptr, ldy: Int,
 ) -> TileRange:
-    """matmul_task on panels in the run-time weight format wf."""
+    """A forward product (canonical order, KSEG segments) on panels in the
+    run-time weight format wf."""
     if wf == WF_BF16:
-        return matmul_task[WF_BF16](task, x, ldx, rows, wp, k, m, y, ldy)
+        return matmul_task[WF_BF16, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)
     if wf == WF_INT8:
-        return matmul_task[WF_INT8](task, x, ldx, rows, wp, k, m, y, ldy)
-    return matmul_task[WF_F32](task, x, ldx, rows, wp, k, m, y, ldy)
+        return matmul_task[WF_INT8, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)
+    return matmul_task[WF_F32, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)

@@ -141,7 +141,7 @@ _KINDS = [
          params={"weights", "numeric_mode"},
          reports=("h_last_", "k_last_", "v_last_", "theta_last_"), buffers=_M3_BUFFERS,
          unread=("pending_k", "pending_v"), inert=("buffer_qrot",),
-         position="buffered_tokens", ulp_moves=(("theta", 1), ("buffer_krot", 0)),
+         position="buffered_tokens", ulp_moves=(("theta", 1), ("buffer_krot", 2)),
          batch_words=lambda name, rows: f"state.{name} has shape ({rows}, "),
 ]
 

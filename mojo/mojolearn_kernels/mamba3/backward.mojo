@@ -36,7 +36,7 @@ tests/reference/torch_mamba3.py, whose forward equals mojolearn.reference.mamba3
 (float64 NumPy) to 1e-12.
 """
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
-from ..linear import matmul_ntasks, matmul_task, NR, WF_F32
+from ..linear import matmul_ntasks, matmul_task, NR, WF_F32, KSEG
 from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row_vjp
@@ -272,9 +272,9 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
 def _inproj(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
-                    blob.unsafe_offset(dims.o_in), dims.d, dims.np,
-                    work.unsafe_offset(wk.o_proj), dims.np)
+    _ = matmul_task[WF_F32, KSEG](task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                                  blob.unsafe_offset(dims.o_in), dims.d, dims.np,
+                                  work.unsafe_offset(wk.o_proj), dims.np)
 
 
 def _inproj_no_z(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
@@ -283,9 +283,10 @@ def _inproj_no_z(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
     var zp = dims.di // NR  # di is a multiple of 64: whole panels
-    _ = matmul_task(task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
-                    blob.unsafe_offset(dims.o_in + zp * dims.d * NR), dims.d,
-                    dims.np - dims.di, work.unsafe_offset(wk.o_proj + dims.di), dims.np)
+    _ = matmul_task[WF_F32, KSEG](task, work.unsafe_offset(wk.o_xn), dims.d, wk.b * nr,
+                                  blob.unsafe_offset(dims.o_in + zp * dims.d * NR), dims.d,
+                                  dims.np - dims.di, work.unsafe_offset(wk.o_proj + dims.di),
+                                  dims.np)
 
 
 def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
