@@ -30,7 +30,7 @@ comptime O_FORMAT = 0  # blob word holding the weight format
 comptime O_SECTIONS = 1  # blob words 1 + i: float offset of projection i
 comptime O_LAYOUT = 15  # blob word: LAYOUT_PANELS (linear.mojo) or LAYOUT_SPLIT
 comptime LAYOUT_PANELS = 0
-comptime LAYOUT_SPLIT = 1  # linear_split.mojo (Mamba-2)
+comptime LAYOUT_SPLIT = 1  # linear_split.mojo (no block writes it now: Mamba-2 moved to panels)
 
 # OP_PANELS_EXTRACT slots
 comptime EX_BLOB = 0  # a prepared blob (any weight format)

@@ -39,8 +39,7 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from ..linear import WF_F32, matmul_ntasks, matmul_task
-from ..linear_split import split_matmul_ntasks, split_matmul_task, split_ld
+from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale, rmsnorm_row_vjp
@@ -73,7 +72,7 @@ def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
         return ceil_div(rows + 3 * b, ROWS_PER_TASK)
     if stage == S_INPROJ:
         var m = dims.npj if is_b else dims.npj - dims.di  # pass A: no z
-        return split_matmul_ntasks(rows, m) + split_matmul_ntasks(3 * b, m)
+        return matmul_ntasks(rows, m) + matmul_ntasks(3 * b, m)
     if stage == S_CONV:
         return dims.cd // CH_PER_TASK + b * dims.nh
     if stage == S_CB:
@@ -179,18 +178,19 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     if stage == S_NORM:
         _norm_rows(args, bw, c, task, is_b)
     elif stage == S_INPROJ:
-        # pass A needs no z: outputs from di on (di is a whole number of
-        # 16-row groups, so the packed rows from di on are that matrix)
+        # pass A needs no z: outputs from di on (di is a multiple of 64:
+        # whole float32 panels, so the panels from di // NR on are that matrix)
         var c0 = 0 if is_b else di
         var m = npj - c0
-        var wp = blob.unsafe_offset(dims.o_in + c0 * split_ld(d))
-        var n1 = split_matmul_ntasks(rows, m)
+        var wp = blob.unsafe_offset(dims.o_in + (c0 // NR) * panel_floats[WF_F32](d))
+        var n1 = matmul_ntasks(rows, m)
         if task < n1:
-            _ = split_matmul_task(task, work.unsafe_offset(bw.o_xn), d, rows, wp, d, m,
-                                  work.unsafe_offset(bw.o_zx + c0), npj)
+            # the forward's order (segmented k), so the forward's bits
+            _ = matmul_task[WF_F32, KSEG](task, work.unsafe_offset(bw.o_xn), d, rows, wp, d, m,
+                                          work.unsafe_offset(bw.o_zx + c0), npj)
         else:
-            _ = split_matmul_task(task - n1, work.unsafe_offset(bw.o_xnp), d, 3 * b, wp, d, m,
-                                  work.unsafe_offset(bw.o_zxp + c0), npj)
+            _ = matmul_task[WF_F32, KSEG](task - n1, work.unsafe_offset(bw.o_xnp), d, 3 * b,
+                                          wp, d, m, work.unsafe_offset(bw.o_zxp + c0), npj)
     elif stage == S_CONV:
         var nct = dims.cd // CH_PER_TASK
         if task < nct:

@@ -6,7 +6,6 @@ from ..abi import (
     arg_int, arg_f32, round_up, ceil_div,
 )
 from ..linear import WF_F32, matmul_ntasks, matmul_task
-from ..linear_split import split_matmul_ntasks, split_matmul_task, split_ld
 from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale

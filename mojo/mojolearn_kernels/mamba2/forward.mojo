@@ -35,8 +35,11 @@ recurrence); tests compare against transformers' Mamba2Block run in float64
 """
 from std.memory import bitcast
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
-from ..linear_split import split_pack_wf, split_matmul_ntasks, split_matmul_task_wf
-from ..weight_panels import set_blob_format, set_blob_section, set_blob_layout, valid_format, LAYOUT_SPLIT
+from ..linear import matmul_ntasks, matmul_task_wf
+from ..weight_panels import (
+    pack_weight_panels, set_blob_format, set_blob_section, set_blob_layout, valid_format,
+    LAYOUT_PANELS,
+)
 from ..norms import rmsnorm_row
 from ..conv import causal_conv_silu
 from ..numerics import exp_f32
@@ -76,11 +79,11 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     if task == 0:
-        split_pack_wf(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
-                      dims.npj, d, blob.unsafe_offset(dims.o_in))
+        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+                           dims.npj, d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        split_pack_wf(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
-                      d, dims.di, blob.unsafe_offset(dims.o_out))
+        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+                           d, dims.di, blob.unsafe_offset(dims.o_out))
     elif task == 2:
         var cw = arg_f32(args, PREP_CONVW)
         for c in range(dims.cd):
@@ -90,7 +93,7 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
         set_blob_format(blob, wf)
         set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
         set_blob_section(blob, 1, dims.o_out)
-        set_blob_layout(blob, LAYOUT_SPLIT)
+        set_blob_layout(blob, LAYOUT_PANELS)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
@@ -127,14 +130,14 @@ def m2_forward_plan(args: I64Ptr, phase: Int) -> Int:
     if stage == ST_NORM or stage == ST_GNORM:
         return ceil_div(rows, NORM_ROWS_PER_TASK)
     if stage == ST_INPROJ:
-        return split_matmul_ntasks(rows, dims.npj)
+        return matmul_ntasks(rows, dims.npj)
     if stage == ST_CONV:
         return dims.nh + 4
     if stage == ST_CB:
         return wk.b * ceil_div(gp.gn, CB_ROWS_PER_TASK)
     if stage == ST_SSD:
         return wk.b * dims.nh
-    return split_matmul_ntasks(rows, dims.d)
+    return matmul_ntasks(rows, dims.d)
 
 
 def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
@@ -156,9 +159,9 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     if stage == ST_NORM:
         _norm_rows(cl, gp, task)
     elif stage == ST_INPROJ:
-        _ = split_matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_xn), dims.d, rows,
-                                 blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
-                                 work.unsafe_offset(wk.o_zx), dims.npj)
+        _ = matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_xn), dims.d, rows,
+                           blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
+                           work.unsafe_offset(wk.o_zx), dims.npj)
     elif stage == ST_CONV:
         _conv_task(cl, gp, task)
     elif stage == ST_CB:
@@ -168,9 +171,9 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == ST_GNORM:
         _gnorm_rows(cl, gp, task)
     else:
-        var t = split_matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
-                                     blob.unsafe_offset(dims.o_out), dims.di, dims.d,
-                                     work.unsafe_offset(wk.o_xn), dims.d)
+        var t = matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+                               blob.unsafe_offset(dims.o_out), dims.di, dims.d,
+                               work.unsafe_offset(wk.o_xn), dims.d)
         _residual(cl, gp, t.r0, t.r1, t.c0, t.c1)
 
 

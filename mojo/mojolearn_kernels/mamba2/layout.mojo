@@ -4,8 +4,7 @@ Mirrored in python/mojolearn/mamba/mamba2.py (slot numbers)."""
 from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from ..linear import WF_F32
-from ..linear_split import split_floats
+from ..linear import WF_F32, packed_floats
 from ..weight_panels import blob_format
 
 comptime P = 64  # head dim
@@ -120,7 +119,7 @@ struct M2Dims(ImplicitlyCopyable):
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += split_floats(self.npj, d, wf)
+        o += packed_floats(self.npj, d, wf)
         self.o_convw = o
         o += round_up(KCONV * self.cd, ALIGN_FLOATS)
         self.o_convb = o
@@ -134,7 +133,7 @@ struct M2Dims(ImplicitlyCopyable):
         self.o_gnorm = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_out = o
-        o += split_floats(d, self.di, wf)
+        o += packed_floats(d, self.di, wf)
         self.o_lim = o
         o += ALIGN_FLOATS
         self.blob = o
