@@ -13,7 +13,7 @@ them to y (one load, add, store per tile every 32 k steps). Segment ends are
 fixed multiples of KSEG in k, so the bits do not depend on the SIMD width,
 the tile shape, the rows of a batch or how tiles are spread on threads.
 Why segments: chains of at most 32 terms plus one chain of K/32 sums round
-in the class of Mamba-2's 16-lane split (docs/numerics.md), at the speed of
+in the class of a 16-lane split (docs/numerics.md), at the speed of
 the broadcast micro-kernel.
 
 SEG (a compile-time parameter): KSEG for every forward product (always so
