@@ -4,7 +4,7 @@ Bound (docs/mamba2.md, "Accuracy"): max |err| <= 1e-6 + 1e-5 |ref| per element. 
 d_model = 256 it needs a split reduction in the projections (linear.mojo's
 order, docs/numerics.md): one sequential chain over d_inner = 512 terms
 reaches err/bound 1.1-1.9 there; the 16-lane split Mamba-2 used before
-(linear_split.mojo) measured 0.84 (docs/mamba2.md, "Accuracy").
+(a kernel since removed) measured 0.84 (docs/mamba2.md, "Accuracy").
 """
 import math
 

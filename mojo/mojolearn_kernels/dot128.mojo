@@ -1,13 +1,13 @@
 """The canonical 128-long dot product of Mamba-3 (q . k, q . h rows) and the
 batched forms the forward and backward use. Every form gives each result by
 the same lane chains (lane l sums n = l, l + 16, ..., l + 112 in order with
-fma) and the same halving tree (linear_split.tree16): batching only decides
+fma) and the same halving tree (lane_tree.tree16): batching only decides
 how many chains are in flight and how often a loaded vector is reused, never
 an order. So one dot gives the same bits whichever function computed it."""
 from std.collections import Array
 from .abi import F32Ptr
 from .linear import WIDE
-from .linear_split import reduce_many, tree16
+from .lane_tree import reduce_many, tree16
 
 comptime V16 = SIMD[DType.float32, 16]
 comptime V4 = SIMD[DType.float32, 4]
@@ -29,7 +29,7 @@ def dot128(a: F32Ptr, b: F32Ptr) -> Float32:
 @always_inline
 def dot128_many[M: Int](a: F32Ptr, b: F32Ptr, stride: Int) -> SIMD[DType.float32, M]:
     """Lane m = dot128(a, b + m * stride), M in {4, 8, 16}: the same chains,
-    reduced M at a time by the same tree (linear_split.reduce_many)."""
+    reduced M at a time by the same tree (lane_tree.reduce_many)."""
     var acc = Array[V16, M](fill=V16(0.0))
     comptime for c in range(8):
         var av = a.unsafe_load[width=16](c * 16)

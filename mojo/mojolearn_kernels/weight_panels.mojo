@@ -20,17 +20,19 @@ a copy, not a conversion, so the panels hold exactly the given values:
 from std.memory import Pointer, bitcast
 from .abi import F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, arg_int, arg_f32, ceil_div
 from .linear import NR, WF_F32, WF_BF16, WF_INT8, panel_floats, pack_panels
-from .linear_split import split_extract, pow2_f32
 
 comptime U16Ptr = Pointer[UInt16, MutUntrackedOrigin]
 comptime I8Ptr = Pointer[Int8, MutUntrackedOrigin]
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 
+
+@always_inline
+def pow2_f32(e: Int) -> Float32:
+    """2^e exactly for e in [-149, 127] (through float64: no rounding)."""
+    return Float32(bitcast[DType.float64, 1](UInt64(e + 1023) << 52))
+
 comptime O_FORMAT = 0  # blob word holding the weight format
 comptime O_SECTIONS = 1  # blob words 1 + i: float offset of projection i
-comptime O_LAYOUT = 15  # blob word: LAYOUT_PANELS (linear.mojo) or LAYOUT_SPLIT
-comptime LAYOUT_PANELS = 0
-comptime LAYOUT_SPLIT = 1  # linear_split.mojo (no block writes it now: Mamba-2 moved to panels)
 
 # OP_PANELS_EXTRACT slots
 comptime EX_BLOB = 0  # a prepared blob (any weight format)
@@ -57,10 +59,6 @@ def set_blob_format(blob: F32Ptr, wf: Int):
 
 def set_blob_section(blob: F32Ptr, i: Int, offset: Int):
     _set_word(blob, O_SECTIONS + i, offset)
-
-
-def set_blob_layout(blob: F32Ptr, layout: Int):
-    _set_word(blob, O_LAYOUT, layout)
 
 
 def blob_format(blob: F32Ptr) -> Int:
@@ -141,9 +139,6 @@ def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
     var sec = blob.unsafe_offset(_word(blob, O_SECTIONS + arg_int(args, EX_SECTION)))
     var r0 = task * NR
     var nr = min(NR, m - r0)
-    if _word(blob, O_LAYOUT) == LAYOUT_SPLIT:
-        split_extract(wf, sec, m, k, r0, r0 + nr, arg_int(args, EX_DST), arg_int(args, EX_EXP))
-        return
     if wf == WF_F32:
         _rows_from_panel[DType.float32](Int(sec.unsafe_offset(task * panel_floats[WF_F32](k))),
                                         arg_int(args, EX_DST), r0, nr, k)

@@ -5,7 +5,7 @@ and docs/backward.md, "Mamba-1").
 """
 from std.collections import Array
 from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32
-from ..linear_split import tree16  # the one fixed 16-lane halving tree
+from ..lane_tree import tree16  # the one fixed 16-lane halving tree
 from ..norms import rmsnorm_row_vjp
 from ..numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
 from ..lanes import ld16, st16

@@ -37,8 +37,7 @@ from std.memory import bitcast
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    pack_weight_panels, set_blob_format, set_blob_section, set_blob_layout, valid_format,
-    LAYOUT_PANELS,
+    pack_weight_panels, set_blob_format, set_blob_section, valid_format,
 )
 from ..norms import rmsnorm_row
 from ..conv import causal_conv_silu
@@ -93,7 +92,6 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
         set_blob_format(blob, wf)
         set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
         set_blob_section(blob, 1, dims.o_out)
-        set_blob_layout(blob, LAYOUT_PANELS)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)

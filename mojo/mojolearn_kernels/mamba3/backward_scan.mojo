@@ -3,7 +3,7 @@ one chunk (_scan_bwd), with its dot-product helpers. Canonical order in
 mamba3/backward.mojo and docs/backward.md."""
 from std.collections import Array
 from std.sys import get_defined_int
-from ..linear_split import tree16  # the one fixed 16-lane halving tree
+from ..lane_tree import tree16  # the one fixed 16-lane halving tree
 from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
