@@ -107,11 +107,12 @@ class _Rows:
             if cls is None:  # Mamba-1: block.step (a session would hold a workspace per layer)
                 self.sessions = [_Stepper(blk, st) for blk, st in zip(blocks, self.states)]
             else:  # one row-position array for all layers, advanced once a step
-                first = cls(blocks[0], self.states[0], _row_tokens=self.pos, _in_place=True)
-                self.sessions = [first] + [
-                    cls(blk, st, _row_tokens=first._rows, _in_place=True)
-                    for blk, st in zip(blocks[1:], self.states[1:])]
-                first._rows_shared = True  # advanced by step() after the last layer
+                from array import array
+                from ._array import Array
+                rows = Array((len(self.pos),), "int64", zero=False)
+                memoryview(rows).cast("B")[:] = array("q", self.pos).tobytes()
+                self.sessions = [cls(blk, st, _row_tokens=rows, _in_place=True)
+                                 for blk, st in zip(blocks, self.states)]
 
     def step(self, x):
         """x through every layer's session, then the rows' positions move on."""
