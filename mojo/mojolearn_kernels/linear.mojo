@@ -212,10 +212,12 @@ def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
     y: F32Ptr, ldy: Int,
 ):
     """R rows over panels [p0, p1), several full panels at a time: R < MR
-    (leftover rows: four panels, fewer where R rows of four would not fit
-    the AVX-512 registers), or R = 8 on AVX-512 (a batch-8 step in one pass
-    over the weights: 8 x 2 panels, measured faster than 8 x 3)."""
-    comptime NP = (min(4, max(1, 24 // R)) if R < MR else 2) if WIDE else 4
+    (leftover rows: four panels, fewer where R rows of them would not fit
+    the registers: 32 on AVX-512; AVX2's 16 hold at most 12 accumulators,
+    and 2-5 rows of four panels spilled them to the stack, 1.2-1.7x slower),
+    or R = 8 on AVX-512 (a batch-8 step in one pass over the weights: 8 x 2
+    panels, measured faster than 8 x 3)."""
+    comptime NP = (min(4, max(1, 24 // R)) if R < MR else 2) if WIDE else min(4, max(1, 6 // R))
     var ps = panel_floats[WF](k)
     var p = p0
     while p + NP <= p1 and (p + NP) * NR <= m:
