@@ -58,8 +58,8 @@ comptime _EXP_MAX_ARG = 88.72283172607422
 # Inputs below this give exp(x) far below 2^-151: clamp here (keeps 2^k normal in halves).
 comptime _EXP_MIN_ARG = -104.0
 # exp_f32's fast range: e^x normal and 2^k a normal float (see there).
-comptime _EXP_FAST_LO = -87.0
-comptime _EXP_FAST_HI = 88.0
+comptime EXP_FAST_LO = -87.0
+comptime EXP_FAST_HI = 88.0
 
 # exp: e^r = 1 + r + r^2 Q(r) on |r| <= ln2/2; Q minimax, max rel. contribution 2^-33.
 comptime _E0 = 0.5
@@ -254,6 +254,14 @@ def _log_parts[W: Int](u: SIMD[F32, W], c: SIMD[F32, W]) -> Tuple[SIMD[F32, W], 
 # ----------------------------------------------------------------------------
 
 
+@always_inline
+def exp_f32_in_range[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
+    """exp_f32's bits for x in [EXP_FAST_LO, EXP_FAST_HI] on every lane (the
+    caller has checked it; anything else, NaN included, is undefined)."""
+    var q = _exp_parts[W](x)
+    return q[0] * _pow2[W](q[2])
+
+
 def exp_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     """e^x. Overflow (x > 88.7228317) -> +inf; results below 2^-126 -> +0."""
     comptime V = SIMD[F32, W]
@@ -262,9 +270,8 @@ def exp_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     # is one exact product equal to the two exact steps below, and the
     # flush and the overflow / NaN selects keep it. About 40% fewer vector
     # ops: most of a Mamba-1 scan step.
-    if (x.ge(V(_EXP_FAST_LO)) & x.le(V(_EXP_FAST_HI))).reduce_and():
-        var q = _exp_parts[W](x)
-        return q[0] * _pow2[W](q[2])
+    if (x.ge(V(EXP_FAST_LO)) & x.le(V(EXP_FAST_HI))).reduce_and():
+        return exp_f32_in_range[W](x)
     var xc = _clamp[W](x, _EXP_MIN_ARG, 89.0)
     var p = _exp_parts[W](xc)
     var y = p[0]
