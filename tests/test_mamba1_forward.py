@@ -59,6 +59,22 @@ def test_softplus_near_threshold_and_large_inputs(bias_shift, x_scale):
     _check(block.forward(x), ref, f"bias+{bias_shift} x*{x_scale}")
 
 
+@pytest.mark.parametrize("a_scale", [150.0, 3000.0])
+def test_decays_beyond_exps_fast_range(a_scale):
+    """dt * A below -87 on some lanes, where the scan must take exp's checked
+    path (its fast path needs the whole token's 16 x 16 exponents in
+    [-87, 88]): every third channel's A scaled up."""
+    d = 32
+    w = mamba1_weights(d, seed=5)
+    w["A_log"] = w["A_log"].copy()
+    w["A_log"][::3] += np.float32(np.log(a_scale))
+    w["dt_proj.bias"] = w["dt_proj.bias"] + np.float32(2.0)
+    x = random_input(2, 40, d, seed=6, scale=3.0)
+    block = mojolearn.Mamba1Block(w)
+    ref, _, _ = mamba1_reference(w, x)
+    _check(block.forward(x), ref, f"A x{a_scale}")
+
+
 def test_reference_mismatch_is_detected():
     """Negative control: a perturbed weight must fail the tolerance."""
     d = 16
