@@ -207,7 +207,7 @@ def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG
 comptime FEW_PF = 64
 
 
-def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
+def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG, PF: Int = FEW_PF if R >= MR else 0](
     x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
     y: F32Ptr, ldy: Int,
 ):
@@ -221,7 +221,7 @@ def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
     var ps = panel_floats[WF](k)
     var p = p0
     while p + NP <= p1 and (p + NP) * NR <= m:
-        _tile_panels[R, NP, WF, FEW_PF if R >= MR else 0, SEG](
+        _tile_panels[R, NP, WF, PF, SEG](
             x, ldx, wp.unsafe_offset(p * ps), k, y.unsafe_offset(p * NR), ldy)
         p += NP
     while p < p1:
@@ -245,11 +245,16 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
 ):
     """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k), in
     the order SEG (module docstring)."""
-    comptime if WIDE:
-        if r1 - r0 == 8:  # one pass over the weights, not a 6-row and a 2-row one
+    if r1 - r0 == 8:  # a batch-8 step: weights that come from DRAM
+        comptime if WIDE:  # one pass over the weights, not a 6-row and a 2-row one
             _rows_few[8, WF, SEG](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
                              y.unsafe_offset(r0 * ldy), ldy)
-            return
+        else:  # 4 rows, prefetching; 4 more on the panels the first left in L2
+            _rows_few[4, WF, SEG, FEW_PF](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
+                                     y.unsafe_offset(r0 * ldy), ldy)
+            _rows_few[4, WF, SEG, 0](x.unsafe_offset((r0 + 4) * ldx), ldx, wp, k, m, p0, p1,
+                                y.unsafe_offset((r0 + 4) * ldy), ldy)
+        return
     var full = r0 + (r1 - r0) // MR * MR
     var p = p0
     while p < p1:
