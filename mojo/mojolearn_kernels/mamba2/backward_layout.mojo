@@ -62,7 +62,9 @@ comptime LANES = 16
 comptime LV = SIMD[DType.float32, LANES]
 comptime ROWS_PER_TASK = 16
 comptime CH_PER_TASK = 64
-comptime SCR = Q * P + 2 * P * N + 8 * Q  # per (row, head) task
+# Per (row, head) task; the recompute (backward_recompute._ssd_fwd) uses its
+# first 2 Q + N P + layout.TILE_SCR floats.
+comptime SCR = Q * P + 2 * P * N + 8 * Q
 
 # Stages. Pass A: S_NORM, S_INPROJ, S_CONV, A_FOLD; pass B: all but A_FOLD.
 comptime S_NORM = 0

@@ -13,7 +13,8 @@ from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale
 from ..numerics import softplus_f32, softplus_grad_f32
 from .layout import P, N, Q, KCONV, M2Dims
-from .ssd import dt_clamp, cb_row_direct, ssd_row, fold_chunk
+from .ssd import dt_clamp, cb_row_direct, fold_chunk
+from .ssd_tiles import ssd_rows
 from .layout import XRows
 from ..conv import conv_silu
 from .backward_layout import (
@@ -151,7 +152,7 @@ def _cb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
 
 def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task: Int):
     """Head hh of row bb: y (before the gate) and yg = y * silu(z) of the
-    chunk's tokens (ssd.ssd_row, from h^T of the checkpoint)."""
+    chunk's tokens (ssd_tiles.ssd_rows, from h^T of the checkpoint)."""
     var dims = bw.dims
     var di = dims.di
     var nc = bw.nc(c)
@@ -165,14 +166,14 @@ def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task
             ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
     var xr = _xrows(bw, work, bb, nc)
     var dskip = LV(blob[unsafe_offset=dims.o_dskip + hh])
-    for i in range(s0, nc):  # token rows (state rows have no output)
-        var r = bb * nt + i - s0
-        var o = r * di + hh * P
-        ssd_row[True](xr, di, hh, i, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
-                      work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)),
-                      work.unsafe_offset(bw.o_cb + (bb * Q + i) * Q), scr, scr.unsafe_offset(Q),
-                      h0, ht, False, dskip, work.unsafe_offset(bw.o_zx + r * dims.npj + hh * P),
-                      work.unsafe_offset(bw.o_yg + o), work.unsafe_offset(bw.o_y + o))
+    var r = bb * nt  # token rows from s0 (state rows have no output)
+    var o = r * di + hh * P
+    ssd_rows[True](xr, di, hh, s0, nc, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
+                   work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)),
+                   work.unsafe_offset(bw.o_cb + (bb * Q + s0) * Q), ht, dskip,
+                   work.unsafe_offset(bw.o_zx + r * dims.npj + hh * P), dims.npj,
+                   work.unsafe_offset(bw.o_yg + o), work.unsafe_offset(bw.o_y + o),
+                   scr.unsafe_offset(2 * Q + N * P))
 
 
 def _fold(args: I64Ptr, bw: BW2, c: Int, bb: Int, hh: Int):
@@ -186,4 +187,4 @@ def _fold(args: I64Ptr, bw: BW2, c: Int, bb: Int, hh: Int):
                work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)), nc,
                work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N),
                work.unsafe_offset(bw.o_ckh + (((c + 1) * bw.b + bb) * dims.nh + hh) * P * N),
-               scr, scr.unsafe_offset(Q))
+               scr, scr.unsafe_offset(Q), scr.unsafe_offset(2 * Q))

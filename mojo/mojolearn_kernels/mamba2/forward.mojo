@@ -34,7 +34,7 @@ recurrence); tests compare against transformers' Mamba2Block run in float64
 (tests/reference/hf_mamba.py), itself checked equal to it to 1e-10.
 """
 from std.memory import bitcast
-from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
+from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, valid_format,
@@ -239,8 +239,9 @@ def _residual(cl: M2Call, gp: M2Group, r0: Int, r1: Int, c0: Int, c1: Int):
 def _conv_task(cl: M2Call, gp: M2Group, task: Int):
     """Channel block `task` (64 channels) of the conv for the group's rows;
     then for a head block: the raw dt of the group's rows, dt and dA of
-    chunk rows [lo, hi); for a B block: B transposed for those rows (only
-    when the chunk's CB uses the transposed form)."""
+    chunk rows [lo, hi) (a session's one-token step: only those not yet in
+    its cache); for a B block: B transposed for those rows (only when the
+    chunk's CB uses the transposed form)."""
     var dims = cl.dims
     var wk = cl.wk
     var cd = dims.cd
@@ -266,7 +267,7 @@ def _conv_task(cl: M2Call, gp: M2Group, task: Int):
             for r in range(gn):
                 draw[unsafe_offset=rg.i0 + rg.gs + r] = work[
                     unsafe_offset=wk.o_zx + (bb * gn + r) * dims.npj + di + cd + hh]
-            dt_rows(cl, rg.c, bb, hh, rg.lo, rg.hi)
+            dt_rows(cl, rg.c, bb, hh, rg.lo, rg.hi, cl.dt_cached(rg))
         elif task < nh + 2 and rg.nnew > DIRECT_CB_MAX:
             var n0 = (task - nh) * P
             var bt = work.unsafe_offset(wk.o_bt + bb * N * Q)
@@ -279,13 +280,11 @@ def _conv_task(cl: M2Call, gp: M2Group, task: Int):
 def _load_state(cl: M2Call, bb: Int):
     var cd = cl.dims.cd
     var win = cl.work.unsafe_offset(cl.wk.o_win + bb * KCONV * cd)
-    for ch in range(cd):
-        for k in range(KCONV):
-            var v: Float32 = 0.0
-            if cl.has_state:
-                v = cl.cw[unsafe_offset=(bb * cd + ch) * KCONV + k]
-            win[unsafe_offset=k * cd + ch] = v
-    if not cl.has_state:
+    if cl.has_state:
+        _window_in(cl.cw.unsafe_offset(bb * cd * KCONV), win, cd)
+    else:
+        for k in range(KCONV * cd):
+            win[unsafe_offset=k] = 0.0
         var hw = cl.work.unsafe_offset(cl.wk.o_h + bb * cl.dims.nh * P * N)
         for k in range(cl.dims.nh * P * N):
             hw[unsafe_offset=k] = 0.0
@@ -298,10 +297,8 @@ def _save_state(cl: M2Call, bb: Int):
     var wk = cl.row_work(bb)
     var cd = dims.cd
     var nh = dims.nh
-    var win = cl.work.unsafe_offset(wk.o_win + bb * KCONV * cd)
-    for ch in range(cd):
-        for k in range(KCONV):
-            cl.cw[unsafe_offset=(bb * cd + ch) * KCONV + k] = win[unsafe_offset=k * cd + ch]
+    _window_out(cl.work.unsafe_offset(wk.o_win + bb * KCONV * cd),
+                cl.cw.unsafe_offset(bb * cd * KCONV), cd)
     var cl_last = wk.nch - 1
     var n_last = wk.rows(cl_last)
     var i0 = wk.i0(cl_last)
@@ -310,9 +307,7 @@ def _save_state(cl: M2Call, bb: Int):
         open_end = n_last
         for i in range(i0, n_last):
             var src = cl.xbc_row(bb, cl_last, i)
-            var dst = cl.bufx.unsafe_offset((bb * Q + i) * cd)
-            for ch in range(cd):
-                dst[unsafe_offset=ch] = src[unsafe_offset=ch]
+            copy_floats(src, cl.bufx.unsafe_offset((bb * Q + i) * cd), cd)
             for hh in range(nh):
                 cl.bufd[unsafe_offset=(bb * Q + i) * nh + hh] = cl.dtraw(bb, cl_last, i, hh)
     if wk.s + wk.l >= Q:
@@ -322,3 +317,39 @@ def _save_state(cl: M2Call, bb: Int):
                 dst[unsafe_offset=ch] = 0.0
             for hh in range(nh):
                 cl.bufd[unsafe_offset=(bb * Q + i) * nh + hh] = 0.0
+
+
+# The conv window: the state's (cd, 4) channel-major rows <-> the
+# workspace's (4, cd) tap-major rows, 8 channels (32 floats) per step (cd =
+# 2 d + 256 with d % 32 == 0 is a multiple of 8; a scalar tail otherwise).
+comptime WCH = 8
+
+
+def _window_in(cw: F32Ptr, win: F32Ptr, cd: Int):
+    var ch = 0
+    while ch + WCH <= cd:
+        var v = cw.unsafe_load[width=KCONV * WCH](ch * KCONV).deinterleave()
+        var k02 = v[0].deinterleave()  # taps 0 and 2 of the 8 channels
+        var k13 = v[1].deinterleave()
+        win.unsafe_store(ch, k02[0])
+        win.unsafe_store(cd + ch, k13[0])
+        win.unsafe_store(2 * cd + ch, k02[1])
+        win.unsafe_store(3 * cd + ch, k13[1])
+        ch += WCH
+    for c in range(ch, cd):
+        for k in range(KCONV):
+            win[unsafe_offset=k * cd + c] = cw[unsafe_offset=c * KCONV + k]
+
+
+def _window_out(win: F32Ptr, cw: F32Ptr, cd: Int):
+    var ch = 0
+    while ch + WCH <= cd:
+        var k0 = win.unsafe_load[width=WCH](ch)
+        var k1 = win.unsafe_load[width=WCH](cd + ch)
+        var k2 = win.unsafe_load[width=WCH](2 * cd + ch)
+        var k3 = win.unsafe_load[width=WCH](3 * cd + ch)
+        cw.unsafe_store(ch * KCONV, k0.interleave(k2).interleave(k1.interleave(k3)))
+        ch += WCH
+    for c in range(ch, cd):
+        for k in range(KCONV):
+            cw[unsafe_offset=c * KCONV + k] = win[unsafe_offset=k * cd + c]

@@ -74,18 +74,31 @@ comptime CB_ROWS_PER_TASK = 16
 # Up to this many new rows per chunk (decode), CB is computed from the
 # row-major B rows (8 interleaved scalar chains) instead of a transposed B.
 comptime DIRECT_CB_MAX = 8
-comptime SCR = 2 * Q + N * P  # per SSD task: seg row, w row, h transposed
+# Rows per register tile of the prefill SSD (mamba2/ssd_tiles.mojo) and its
+# scratch: TR decay-sum rows, TR weight rows (Q each), TR Ydiag and TR Yoff
+# rows (P each).
+comptime TR = 4
+comptime TILE_SCR = TR * (2 * Q + 2 * P)
+# Per SSD task (one row and head; kept across the groups of a chunk): seg
+# row, w row, h transposed (valid from the chunk's first group to its fold),
+# the tile scratch.
+comptime SCR = 2 * Q + N * P + TILE_SCR
 # Decode session cache, per batch row: for each head a marker float and h
 # transposed (N, P); then a count float and the open chunk's B rows
-# transposed (N, Q). Copies of state values only, laid out so one-token steps
-# run the same fma chains vectorized instead of gathering lanes; a marker is
-# 0 when the copy must be rebuilt (new session, reload, fold).
+# transposed (N, Q); then for each head a count float and the dt and dA rows
+# of the open chunk (Q each). Copies of state values only (or of values
+# computed from them by the same functions), laid out so one-token steps run
+# the same fma chains vectorized instead of gathering lanes, and compute the
+# dt of a buffered row once per chunk instead of at every step; a marker or
+# count is 0 when the copy must be rebuilt (new session, reload, fold) and
+# counts past the current row mean a new chunk began.
 comptime CACHE_HDR = 16
 comptime CACHE_HEAD = CACHE_HDR + N * P
+comptime CACHE_DT = CACHE_HDR + 2 * Q
 
 
 def cache_floats_per_row(nh: Int) -> Int:
-    return nh * CACHE_HEAD + CACHE_HDR + N * Q
+    return nh * CACHE_HEAD + CACHE_HDR + N * Q + nh * CACHE_DT
 
 
 struct M2Dims(ImplicitlyCopyable):
@@ -160,7 +173,7 @@ struct M2Work(ImplicitlyCopyable):
     var o_zx: Int  # (B g, npj) in_proj output
     var o_cx: Int  # (B nn, cd) post-conv post-SiLU xBC of the chunk's new rows
     var o_draw: Int  # (B, H, Q) raw dt of the chunk's new rows
-    var o_dt: Int  # (B, H, Q) dt of every chunk row
+    var o_dt: Int  # (B, H, Q) dt of every chunk row (M2Call.dt_row)
     var o_da: Int  # (B, H, Q) dA = dt * A of every chunk row
     var o_bt: Int  # (B, N, Q) B transposed
     var o_cb: Int  # (B g, Q) C_i . B_j of the group's rows i
@@ -296,6 +309,14 @@ struct XRows(ImplicitlyCopyable):
             return self.buf.unsafe_offset(i * self.cd)
         return self.new.unsafe_offset((i - self.i0) * self.cd)
 
+    @always_inline
+    def run_end(self, i: Int, end: Int) -> Int:
+        """End (<= end) of the rows from i that lie in the same memory as
+        row i, cd floats apart (so a loop can step a pointer)."""
+        if i < self.nbuf:
+            return min(end, self.nbuf)
+        return end
+
 
 struct M2Call(ImplicitlyCopyable):
     """The arguments of one forward call, decoded once per task."""
@@ -405,3 +426,25 @@ struct M2Call(ImplicitlyCopyable):
         """Row bb's open-chunk B^T in the decode cache: count, then (N, Q)."""
         var nh = self.dims.nh
         return self.cache.unsafe_offset(bb * cache_floats_per_row(nh) + nh * CACHE_HEAD)
+
+    def dtcache(self, bb: Int, hh: Int) -> F32Ptr:
+        """Head hh of row bb's open-chunk dt rows in the decode cache: count,
+        then dt (Q), then dA (Q)."""
+        return self.bcache(bb).unsafe_offset(CACHE_HDR + N * Q + hh * CACHE_DT)
+
+    def dt_cached(self, gp: M2Group) -> Bool:
+        """Whether a group's dt and dA rows live in the decode cache (one-token
+        steps of a session; gp as the row sees it) or in the workspace."""
+        return self.has_cache and gp.nnew <= DIRECT_CB_MAX
+
+    def dt_row(self, bb: Int, hh: Int, cached: Bool) -> F32Ptr:
+        """dt of head hh of row bb, chunk rows 0..Q-1 (see dt_cached)."""
+        if cached:
+            return self.dtcache(bb, hh).unsafe_offset(CACHE_HDR)
+        return self.work.unsafe_offset(self.wk.o_dt + (bb * self.dims.nh + hh) * Q)
+
+    def da_row(self, bb: Int, hh: Int, cached: Bool) -> F32Ptr:
+        """dA = dt * A of head hh of row bb (as dt_row)."""
+        if cached:
+            return self.dtcache(bb, hh).unsafe_offset(CACHE_HDR + Q)
+        return self.work.unsafe_offset(self.wk.o_da + (bb * self.dims.nh + hh) * Q)

@@ -2,13 +2,16 @@
 3-11): dt and dA rows, CB, the per-head outputs of the new rows, the fold and
 the h_last report. Every path (prefill, decode, report) calls these, and so
 does the backward's recompute (mamba2/backward_recompute.mojo): the row
-functions take pointers and an XRows (where the xBC rows are), not a call."""
+functions take pointers and an XRows (where the xBC rows are), not a call.
+Many-row outputs and the fold run in register tiles (mamba2/ssd_tiles.mojo),
+with the same chain per element as the one-row ssd_row."""
 from std.collections import Array
 from ..abi import F32Ptr, ceil_div
-from ..numerics import exp_f32, softplus_f32, silu_f32
+from ..numerics import exp_f32, softplus_f32
 from .layout import (
     P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, CACHE_HDR, M2Call, M2Group, XRows,
 )
+from .ssd_tiles import finish_rows, ssd_rows, fold_rows
 
 
 @always_inline
@@ -20,27 +23,36 @@ def dt_clamp[W: Int](sp: SIMD[DType.float32, W], lo: SIMD[DType.float32, W],
     return dt.gt(hi).select(hi, dt)
 
 
-def dt_rows(cl: M2Call, c: Int, bb: Int, hh: Int, lo_row: Int, hi_row: Int):
+def dt_rows(cl: M2Call, c: Int, bb: Int, hh: Int, lo_row: Int, hi_row: Int, cached: Bool):
     """Head hh of row bb, chunk rows i in [lo_row, hi_row): dt_i = clamp(softplus(dtraw_i +
     dt_bias)) (t = lo if v < lo else v; dt = hi if t > hi else t) and
     dA_i = dt_i * A; 16 rows per vector (every function works lane by lane,
-    so the bits do not depend on the grouping)."""
+    so the bits do not depend on the grouping). cached (M2Call.dt_cached):
+    into the decode cache, skipping the rows it already holds."""
     var dims = cl.dims
-    var wk = cl.wk
-    var work = cl.work
     var blob = cl.blob
     var a = V(blob[unsafe_offset=dims.o_a + hh])
     var bias = V(blob[unsafe_offset=dims.o_dtb + hh])
     var lo = V(blob[unsafe_offset=dims.o_lim])
     var hi = V(blob[unsafe_offset=dims.o_lim + 1])
-    var da = work.unsafe_offset(wk.o_da + (bb * dims.nh + hh) * Q)
-    var dts = work.unsafe_offset(wk.o_dt + (bb * dims.nh + hh) * Q)
+    var da = cl.da_row(bb, hh, cached)
+    var dts = cl.dt_row(bb, hh, cached)
     var i0 = lo_row
+    if cached:
+        var dc = cl.dtcache(bb, hh)
+        var have = Int(dc[unsafe_offset=0])
+        if have < hi_row:  # (else a new chunk began, or the same row again)
+            i0 = max(lo_row, have)
+        dc[unsafe_offset=0] = Float32(hi_row)
     while i0 < hi_row:
         var raw = V(0.0)
         var m = min(VW, hi_row - i0)
-        for k in range(m):
-            raw[k] = cl.dtraw(bb, c, i0 + k, hh)
+        if m == VW:  # constant lane indices: no store and reload per lane
+            comptime for k in range(VW):
+                raw[k] = cl.dtraw(bb, c, i0 + k, hh)
+        else:
+            for k in range(m):
+                raw[k] = cl.dtraw(bb, c, i0 + k, hh)
         var dt = dt_clamp[VW](softplus_f32[VW](raw + bias), lo, hi)
         var dav = dt * a
         for k in range(m):  # rows past hi_row belong to a later group
@@ -143,8 +155,11 @@ def cb_row_direct(xr: XRows, di: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
 
 def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     """Head hh of row bb, one group of chunk gp.c: outputs of the group's
-    rows; after the chunk's last group, the fold (chunk complete) and/or the
-    h_last report."""
+    rows (many rows: in register tiles, ssd_tiles.ssd_rows; few: ssd_row);
+    after the chunk's last group, the fold (chunk complete) and/or the
+    h_last report. h^T is made by the chunk's first group and kept in the
+    task's scratch (the task index is the same (row, head) in every group,
+    and h changes only at the fold)."""
     var gp = cl.row_group(group, bb)  # (rows with their own positions)
     var dims = cl.dims
     var wk = cl.wk
@@ -159,12 +174,13 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     var vlen = cl.vlen(bb)
     var n_real = max(0, min(n_c, vlen - c * Q))
     var out_end = min(g_hi, max(g_lo, n_real))
-    var da = work.unsafe_offset(wk.o_da + (bb * nh + hh) * Q)
-    var dts = work.unsafe_offset(wk.o_dt + (bb * nh + hh) * Q)
+    var da = cl.da_row(bb, hh, cl.dt_cached(gp))
+    var dts = cl.dt_row(bb, hh, cl.dt_cached(gp))
     var scr = work.unsafe_offset(wk.o_scr + task * SCR)
     var seg = scr
     var wrow = scr.unsafe_offset(Q)
     var ht = scr.unsafe_offset(2 * Q)
+    var tiles = scr.unsafe_offset(2 * Q + N * P)
     var hh_home = cl.hhome(bb, hh)
     var yg = work.unsafe_offset(wk.o_yg)
     var zx = work.unsafe_offset(wk.o_zx)
@@ -176,17 +192,26 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
             _transpose_h(hh_home, ht)
             hc[unsafe_offset=0] = 1.0
         direct = False
-    elif not direct and out_end > g_lo:
+    elif not direct and out_end > g_lo and gp.k == 0:
+        # later groups reuse it: a group with outputs follows a first group
+        # with outputs, and a direct group (ht as scratch) can only be last
         _transpose_h(hh_home, ht)
     if out_end > g_lo:
         var dskip = V(cl.blob[unsafe_offset=dims.o_dskip + hh])
         var xr = cl.xrows(bb, c)
-        for i in range(g_lo, out_end):
-            var r = bb * gn + i - g_lo
-            var dst = yg.unsafe_offset(r * di + hh * P)
-            ssd_row[False](xr, di, hh, i, da, dts, work.unsafe_offset(wk.o_cb + r * Q), seg,
-                           wrow, hh_home, ht, direct, dskip,
-                           zx.unsafe_offset(r * dims.npj + hh * P), dst, dst)
+        var r0 = bb * gn
+        if not direct and gn > DIRECT_CB_MAX:  # (else few rows: decode steps)
+            var dst = yg.unsafe_offset(r0 * di + hh * P)
+            ssd_rows[False](xr, di, hh, g_lo, out_end, da, dts,
+                            work.unsafe_offset(wk.o_cb + r0 * Q), ht, dskip,
+                            zx.unsafe_offset(r0 * dims.npj + hh * P), dims.npj, dst, dst, tiles)
+        else:
+            for i in range(g_lo, out_end):
+                var r = r0 + i - g_lo
+                var dst = yg.unsafe_offset(r * di + hh * P)
+                ssd_row[False](xr, di, hh, i, da, dts, work.unsafe_offset(wk.o_cb + r * Q), seg,
+                               wrow, hh_home, ht, direct, dskip,
+                               zx.unsafe_offset(r * dims.npj + hh * P), dst, dst)
     for i in range(out_end, g_hi):  # padding rows of a ragged batch
         var dst = yg.unsafe_offset((bb * gn + i - g_lo) * di + hh * P)
         for p in range(P):
@@ -197,14 +222,14 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     var want = cl.has_hlast and c == last_c
     var hl = cl.hlast.unsafe_offset((bb * nh + hh) * P * N)
     if n_real == Q:
-        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, Q, hh_home, hh_home, seg, wrow)
+        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, Q, hh_home, hh_home, seg, wrow, tiles)
         if cl.has_cache:
             cl.hcache(bb, hh)[unsafe_offset=0] = 0.0
         if want:
             for k in range(P * N):
                 hl[unsafe_offset=k] = hh_home[unsafe_offset=k]
     elif want:
-        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, n_real, hh_home, hl, seg, wrow)
+        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, n_real, hh_home, hl, seg, wrow, tiles)
 
 
 def _transpose_h(h: F32Ptr, ht: F32Ptr):
@@ -286,18 +311,6 @@ def ssd_row[KEEP_Y: Bool](xr: XRows, di: Int, hh: Int, i: Int, da: F32Ptr, dts: 
 
 
 @always_inline
-def finish_rows[KEEP_Y: Bool](yd: V, yo: V, ec: V, xr: F32Ptr, zr: F32Ptr, dskip: V,
-                              dst: F32Ptr, ydst: F32Ptr, off: Int):
-    """y = fma(x, D, Ydiag + Yoff * exp(S_i(-1))); dst = y * silu(z); y
-    itself into ydst if KEEP_Y."""
-    var y = yd + yo * ec
-    y = xr.unsafe_load[width=VW](off).fma(dskip, y)
-    comptime if KEEP_Y:
-        ydst.unsafe_store(off, y)
-    dst.unsafe_store(off, y * silu_f32[VW](zr.unsafe_load[width=VW](off)))
-
-
-@always_inline
 def seg_row(da: F32Ptr, i: Int, seg: F32Ptr) -> Float32:
     """seg[j] = S_i(j) for j = i, i-1, ..., 0 and returns S_i(-1), where
     S_i(i) = 0 and S_i(j) = S_i(j+1) + dA_{j+1} (descending, one rounding
@@ -313,34 +326,19 @@ def seg_row(da: F32Ptr, i: Int, seg: F32Ptr) -> Float32:
 
 
 def fold_chunk(xr: XRows, di: Int, hh: Int, da: F32Ptr, dts: F32Ptr, nr: Int,
-               src: F32Ptr, dst: F32Ptr, seg: F32Ptr, wrow: F32Ptr):
+               src: F32Ptr, dst: F32Ptr, seg: F32Ptr, wrow: F32Ptr, u: F32Ptr):
     """dst = exp(S_last(-1)) * src, then for i = 0..nr-1 ascending:
     dst[p][n] = fma((exp(S_last(i)) * dt_i) * x_i[p], B_i[n], dst[p][n]),
-    last = nr - 1 (nr = 0: dst = exp(0) * src = src). da, dts: the head's
-    dA and dt rows; seg, wrow: Q floats of scratch each."""
+    last = nr - 1 (nr = 0: dst = exp(0) * src = src), in register tiles
+    (ssd_tiles.fold_rows). da, dts: the head's dA and dt rows; seg, wrow:
+    Q floats of scratch each; u: ssd_tiles.FOLD_IB * P floats."""
     var total: Float32 = 0.0
     if nr > 0:
         total = seg_row(da, nr - 1, seg)
     var el = V(exp_f32[1](total))
-    var k = 0
-    while k < P * N:
-        dst.unsafe_store(k, el * src.unsafe_load[width=VW](k))
-        k += VW
     var jv = 0
     while jv < nr:
         var e = exp_f32[VW](seg.unsafe_load[width=VW](jv))
         wrow.unsafe_store(jv, e * dts.unsafe_load[width=VW](jv))
         jv += VW
-    for i in range(nr):
-        var row = xr.row(i)
-        var br = row.unsafe_offset(di)
-        var bv = Array[V, N // VW](fill=V(0.0))
-        comptime for q in range(N // VW):
-            bv[q] = br.unsafe_load[width=VW](q * VW)
-        var si = wrow[unsafe_offset=i]
-        var xp = row.unsafe_offset(hh * P)
-        for p in range(P):
-            var coef = V(si * xp[unsafe_offset=p])
-            var tp = dst.unsafe_offset(p * N)
-            comptime for q in range(N // VW):
-                tp.unsafe_store(q * VW, coef.fma(bv[q], tp.unsafe_load[width=VW](q * VW)))
+    fold_rows(xr, di, hh, nr, wrow, el, src, dst, u)
