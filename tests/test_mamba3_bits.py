@@ -1,5 +1,5 @@
 """Mamba-3 only bit properties (docs/numerics.md, "The contract of identical
-mode"): long passes (256+ tokens per row) against short ones, and input
+mode"): long passes (64+ tokens per row) against short ones, and input
 states (set_input_states). What every block promises (decode == prefill,
 any split, ragged rows, thread counts, batch composition, sessions, state
 bytes, ...): the block contract, tests/contract/.
@@ -37,14 +37,14 @@ def steps(b, x, state, t0, t1):
 
 
 def test_long_pass_leaves_every_state_byte_of_short_passes():
-    """A pass of 256+ tokens per row (B <= 4 here) scans on a contiguous copy
-    of each head's chunk rows; shorter passes work in the state itself. The
-    outputs and every byte of the state, invalid buffer rows included, are
-    the same either way: rows alone (B = 1, one pass of up to 300 tokens)
-    vs in a batch of 5 (passes of 204 tokens); and a ragged row of 10
-    tokens (no fold) in a 300-token pass vs alone."""
-    x = random_input(5, 300, D, seed=13)
-    s_all = block().allocate_state(5)
+    """A pass of 64+ tokens per row (B <= 16 at 1024 rows) scans on a
+    contiguous copy of each head's chunk rows; shorter passes work in the
+    state itself. The outputs and every byte of the state, invalid buffer
+    rows included, are the same either way: rows alone (B = 1, one pass of
+    up to 300 tokens) vs in a batch of 17 (passes of 60 tokens); and a
+    ragged row of 10 tokens (no fold) in a 300-token pass vs alone."""
+    x = random_input(17, 300, D, seed=13)
+    s_all = block().allocate_state(17)
     y = np.asarray(block().forward(x, s_all))
     for i in range(5):
         s = block().allocate_state(1)
@@ -70,6 +70,32 @@ def test_long_pass_leaves_every_state_byte_of_short_passes():
     assert s_all.buffered_tokens == 44
     assert np.asarray(s_all.buffer_krot)[0, 44:].any()
     assert_bits_differ(np.asarray(block().forward(nudge(x[:1], index=299 * D)))[0], y[0],
+                       "nudged last token")
+
+
+def test_scan_tasks_of_several_heads_equal_rows_alone():
+    """In a long pass one scan task runs several heads of its row in turn on
+    one scratch (at most about 48 tasks: B = 8 with 8 heads gives 2 heads a
+    task); outputs and state bytes equal each row alone (one head a task)
+    and the same rows in a batch of 17 (passes of 60 tokens, in place)."""
+    w = mamba3_weights(256, seed=22)
+    blk = mojolearn.Mamba3Block(w)
+    assert blk.nheads == 8
+    x = random_input(17, 150, 256, seed=14)
+    s8 = blk.allocate_state(8)
+    y8 = np.asarray(blk.forward(np.ascontiguousarray(x[:8]), s8))
+    s17 = blk.allocate_state(17)
+    y17 = np.asarray(blk.forward(x, s17))
+    assert_same_bits(y8, y17[:8], "rows 0..7 of 8 vs of 17")
+    for i in (0, 5, 7):
+        s = blk.allocate_state(1)
+        assert_same_bits(np.asarray(blk.forward(x[i:i + 1], s))[0], y8[i], f"row {i} alone")
+        for name in STATE_NAMES:
+            assert_same_bits(np.asarray(getattr(s, name))[0], np.asarray(getattr(s8, name))[i],
+                             f"row {i} state.{name}")
+            assert_same_bits(np.asarray(getattr(s17, name))[i], np.asarray(getattr(s8, name))[i],
+                             f"row {i} state.{name} in 17")
+    assert_bits_differ(np.asarray(blk.forward(nudge(x[:8], index=149 * 256)))[0], y8[0],
                        "nudged last token")
 
 

@@ -109,7 +109,7 @@ def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
     if stage == ST_INPROJ:
         return matmul_ntasks(rows, dims.np)
     if stage == ST_SCAN:
-        return b * dims.nh
+        return wk.scan_tasks
     return matmul_ntasks(rows, dims.d)
 
 
@@ -149,10 +149,13 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
         for r in range(r0, r1):
             row_gates(proj.unsafe_offset(r * dims.np), dims, blob)
     elif stage == ST_SCAN:
-        var bb = task // dims.nh
-        var hh = task % dims.nh
-        scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * wk.scr),
-                   bb, hh, t0, nc)
+        var per_row = wk.scan_tasks // b
+        var bb = task // per_row
+        var h0 = (task % per_row) * wk.scan_heads
+        var h1 = min(h0 + wk.scan_heads, dims.nh)
+        for hh in range(h0, h1):  # one scratch, in turn
+            scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * wk.scr),
+                      bb, hh, t0, nc, hh + 1 if hh + 1 < h1 else -1)
     else:
         var t = matmul_task_wf(dims.wf, task, o, dims.np, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)

@@ -1,6 +1,7 @@
 """Mamba-3 SISO block: sizes, argument slots, the weight blob's and the
 workspace's layouts (mamba3/forward.mojo runs the block, mamba3/scan.mojo its scan;
 the backward modules share these)."""
+from std.sys import is_defined
 from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
 from ..linear import WF_F32, packed_floats
 
@@ -81,19 +82,29 @@ comptime S_W = S_KU + NST  # (64) chunk weights of one token
 comptime S_SC = S_W + QC  # (64) scale_j = gamma_j + beta_j of the rows j < last
 comptime S_DIAG = S_SC + QC  # (64) (q . k) gamma per token of a segment
 comptime S_HQ = S_DIAG + QC  # (64, 64) q_u . h[p]; the fold's w_j v_j[p]
-comptime S_QK = S_HQ + QC * HP  # (64, 64) q_u . k_j
+# (QC + SEG_G, SEG_G) exp(seg) scale_j of SEG_G tokens side by side
+# (scan._seg_table: their seg sums advance in step, not one chain at a time)
+comptime SEG_G = 8
+comptime S_WT = S_HQ + QC * HP
+comptime S_QK = S_WT + (QC + SEG_G) * SEG_G  # (64, 64) q_u . k_j
 # a scan task's scratch: S_QK plus one q . k row per token of its longest
 # segment (min(tokens per pass, QC)); a decode step needs one row
 comptime FOLD_SCR = S_HQ + QC * HP  # what a fold alone needs (reports)
-# A scan task of a long pass (COPY_TOKENS or more tokens) works on a
-# contiguous copy of its head's working chunk (q, k, v rows, then dt, sg,
-# adt) at S_CHUNK: in the state a head's rows are 12 KB apart, so all of
-# them fall in the same few cache sets, and over many chunks they were
-# evicted again and again (the scan of a 1024-token pass took 17% longer).
-# Short passes keep the smaller scratch and work on the state in place.
-comptime COPY_TOKENS = 4 * QC
+# A scan task of a long pass (COPY_TOKENS or more tokens: B <= 16 at 1024
+# rows) works on a contiguous copy of its head's working-chunk k and v
+# rows, then dt, sg, adt, at S_CHUNK: in the state a head's rows are 12 KB
+# apart, so all of them fall in the same few cache sets, and the fold and
+# the q . k and output loops, which pass over them again and again, kept
+# evicting them (AVX2 scan of a d = 768 pass: 128 tokens 25%, 64 tokens 16%
+# slower). q rows stay in the state: only the current segment's are read,
+# a few at a time. On a CPU such a task runs a few heads of its row in turn
+# on one scratch (M3Work.scan_heads), so a pass has at most about COPY_TASKS
+# of these 87 KB scratches (B = 8: 48 tasks of 4 heads).
+# Short passes (decode) keep the smaller scratch and work in the state.
+comptime COPY_TOKENS = QC
+comptime COPY_TASKS = 48
 comptime S_CHUNK = S_QK + QC * QC
-comptime CHUNK_COPY = QC * (2 * NST + HP + 3)
+comptime CHUNK_COPY = QC * (NST + HP + 3)
 
 comptime V16 = SIMD[DType.float32, 16]
 
@@ -164,8 +175,10 @@ struct M3Work(ImplicitlyCopyable):
     var nchunks: Int
     var o_xn: Int  # (rows, d), reused for the out_proj result
     var o_proj: Int  # (rows, np); the scan's output o replaces its z columns
-    var o_scr: Int  # (B * H, scr)
+    var o_scr: Int  # (scan_tasks, scr)
     var scr: Int  # floats of one scan task's scratch
+    var scan_heads: Int  # heads of one row a scan task runs in turn
+    var scan_tasks: Int  # B * ceil(H / scan_heads)
     var floats: Int
 
     def __init__(out self, dims: M3Dims, b: Int, l: Int):
@@ -181,9 +194,13 @@ struct M3Work(ImplicitlyCopyable):
         o += round_up(rows * dims.np, ALIGN_FLOATS)
         self.o_scr = o
         self.scr = S_QK + min(self.tc, QC) * QC
+        self.scan_heads = 1
         if self.tc >= COPY_TOKENS:
             self.scr = S_CHUNK + CHUNK_COPY
-        o += b * dims.nh * self.scr
+            comptime if not is_defined["GPU_API"]():  # a GPU wants a thread per head
+                self.scan_heads = ceil_div(dims.nh, max(1, min(dims.nh, COPY_TASKS // b)))
+        self.scan_tasks = b * ceil_div(dims.nh, self.scan_heads)
+        o += self.scan_tasks * self.scr
         self.floats = o
 
     def chunk_tokens(self, c: Int) -> Int:

@@ -1,34 +1,42 @@
-"""Mamba-3 SISO scan: one (batch row, head) task over the tokens of a pass
-(the canonical per-token formula of mamba3/forward.mojo's docstring, in segments
-that batch the dot products), the per-row gates every head reads, and the
-lazy reports."""
+"""Mamba-3 SISO scan: one (batch row, head) over the tokens of a pass (the
+canonical per-token formula of mamba3/forward.mojo's docstring, in segments
+that batch the dot products; a task runs one head, or in a long pass a few
+heads of its row in turn), the per-row gates every head reads, and the lazy
+reports."""
 from std.sys.intrinsics import prefetch, PrefetchOptions
 from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32, arg_i64
-from ..linear import WIDE
 from ..dot128 import dots128_grid, GRID_T
 from ..numerics import exp_f32, softplus_f32, sigmoid_f32, tanh_f32
 from .layout import (
-    M3Dims, NST, HP, NANG, QC, PI_F32, V16, FWD_L, FWD_LENGTHS, FWD_N0,
+    M3Dims, NST, HP, NANG, QC, PI_F32, V16, FWD_B, FWD_L, FWD_LENGTHS, FWD_N0,
     FWD_PENDING, FWD_THETA, FWD_H, FWD_BQ, FWD_BK, FWD_BV, FWD_BDT, FWD_BSG, FWD_BADT,
     FWD_PK, FWD_PV, FWD_RH, FWD_RK, FWD_RV, FWD_RTHETA, FWD_WORK,
-    S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_QK, S_CHUNK, COPY_TOKENS, FOLD_SCR, count_after, n0_of,
+    S_QU, S_KU, S_W, S_SC, S_DIAG, S_HQ, S_WT, SEG_G, S_QK, S_CHUNK, COPY_TOKENS, FOLD_SCR,
+    count_after, n0_of,
 )
 from ..lanes import copy_floats
-from .stages import phi_a, rotate_token, fold_into, out_token
+from .stages import phi_a, rotate_token, fold_into, out_token, out_token_wq
+
+comptime ROWS_AHEAD = 4  # rows (tokens, chunk rows) a prefetch runs ahead
+comptime HEAD_STATE = HP * NST + QC * (2 * NST + HP)  # floats of a head's h and rows
+# A decode step prefetches h too when the state is larger than this (8 MB):
+# d = 768 B = 1 (2.8 MB) ran 15% slower with it, B = 8 (22 MB) 10-20% faster
+comptime FETCH_H_FLOATS = 2 * 1024 * 1024
 
 
 struct HeadState(ImplicitlyCopyable):
     """Pointers to one (row, head) slice of a Mamba3State."""
     var theta: F32Ptr  # (32,)
     var h: F32Ptr  # (P, N)
-    var bq: F32Ptr  # row j at j * rs
-    var bk: F32Ptr
+    var bq: F32Ptr  # row j at j * qs
+    var bk: F32Ptr  # row j at j * rs
     var bv: F32Ptr  # row j at j * vs
     var bdt: F32Ptr  # row j at j * ss
     var bsg: F32Ptr
     var badt: F32Ptr
     var pk: F32Ptr
     var pv: F32Ptr
+    var qs: Int
     var rs: Int
     var vs: Int
     var ss: Int
@@ -37,6 +45,7 @@ struct HeadState(ImplicitlyCopyable):
         var nh = dims.nh
         self.theta = arg_f32(args, FWD_THETA).unsafe_offset((bb * nh + hh) * NANG)
         self.h = arg_f32(args, FWD_H).unsafe_offset((bb * nh + hh) * HP * NST)
+        self.qs = nh * NST
         self.rs = nh * NST
         self.vs = nh * HP
         self.ss = nh
@@ -50,12 +59,12 @@ struct HeadState(ImplicitlyCopyable):
         self.pv = arg_f32(args, FWD_PV).unsafe_offset((bb * nh + hh) * HP)
 
     def on_chunk_copy(mut self, c: F32Ptr):
-        """Point the working-chunk rows at a contiguous copy at c
-        (layout.CHUNK_COPY floats)."""
-        self.bq = c
-        self.bk = c.unsafe_offset(QC * NST)
-        self.bv = c.unsafe_offset(2 * QC * NST)
-        self.bdt = c.unsafe_offset(2 * QC * NST + QC * HP)
+        """Point the working-chunk rows but q's at a contiguous copy at c
+        (layout.CHUNK_COPY floats); q rows stay in the state (only the
+        current segment's are read)."""
+        self.bk = c
+        self.bv = c.unsafe_offset(QC * NST)
+        self.bdt = c.unsafe_offset(QC * NST + QC * HP)
         self.bsg = self.bdt.unsafe_offset(QC)
         self.badt = self.bdt.unsafe_offset(2 * QC)
         self.rs = NST
@@ -84,10 +93,26 @@ struct HeadState(ImplicitlyCopyable):
         return gamma + beta
 
 
-def _copy_rows(a: HeadState, b: HeadState, n: Int):
-    """Working-chunk rows 0 .. n - 1 of a into b."""
+@always_inline
+def _fetch[L2: Bool = False](p: F32Ptr):
+    """Prefetch p's line (into L2 only with L2: for data wanted later)."""
+    comptime if L2:
+        prefetch[PrefetchOptions().for_read().medium_locality()](p)
+    else:
+        prefetch[PrefetchOptions().for_read().high_locality()](p)
+
+
+def _copy_rows[FETCH: Bool](a: HeadState, b: HeadState, n: Int):
+    """Working-chunk k, v, dt, sg and adt rows 0 .. n - 1 of a into b (the
+    ones on_chunk_copy moves); FETCH: a is the state (rows 12 KB apart, no
+    hardware prefetcher follows them), ask for its rows ahead."""
     for j in range(n):
-        copy_floats(a.bq.unsafe_offset(j * a.rs), b.bq.unsafe_offset(j * b.rs), NST)
+        if FETCH and j + ROWS_AHEAD < n:
+            var ja = j + ROWS_AHEAD
+            comptime for c in range(0, NST, 16):
+                _fetch(a.bk.unsafe_offset(ja * a.rs + c))
+            comptime for c in range(0, HP, 16):
+                _fetch(a.bv.unsafe_offset(ja * a.vs + c))
         copy_floats(a.bk.unsafe_offset(j * a.rs), b.bk.unsafe_offset(j * b.rs), NST)
         copy_floats(a.bv.unsafe_offset(j * a.vs), b.bv.unsafe_offset(j * b.vs), HP)
         b.bdt[unsafe_offset=j * b.ss] = a.bdt[unsafe_offset=j * a.ss]
@@ -122,6 +147,33 @@ def _weights(hs: HeadState, last: Int, beta_last: Float32, sc: F32Ptr, w: F32Ptr
     return exp_f32[1](s)
 
 
+def _seg_table(hs: HeadState, ib: Int, sc: F32Ptr, wt: F32Ptr) -> SIMD[DType.float32, SEG_G]:
+    """_weights of the SEG_G tokens at rows ib .. ib + SEG_G - 1 side by side
+    (lane g: row ib + g): wt[j SEG_G + g] = exp(seg(ib + g, j)) * sc[j] for
+    j < ib + g; returns the lanes' exp(cum). Every lane runs _weights' own
+    chain (s = 0; s = s + adt_j from its row down), the rows in step: above
+    its row a lane holds +0.0 and adds +0.0 (exactly +0.0). One chain at a
+    time waited on every add; the exps and products are lane-wise."""
+    comptime VG = SIMD[DType.float32, SEG_G]
+    var lane = VG(0.0)
+    comptime for g in range(SEG_G):
+        lane[g] = Float32(g)
+    var s = VG(0.0)
+    var j = ib + SEG_G - 1
+    while j > ib:  # rows above the first token: the lanes at or below them
+        wt.unsafe_store(j * SEG_G, s)
+        s = s + lane.ge(VG(Float32(j - ib))).select(VG(hs.adt(j)), VG(0.0))
+        j -= 1
+    while j >= 0:
+        wt.unsafe_store(j * SEG_G, s)
+        s = s + VG(hs.adt(j))
+        j -= 1
+    for jj in range(ib + SEG_G - 1):  # a lane reads the rows below its own
+        wt.unsafe_store(jj * SEG_G, exp_f32[SEG_G](wt.unsafe_load[width=SEG_G](jj * SEG_G))
+                        * VG(sc[unsafe_offset=jj]))
+    return exp_f32[SEG_G](s)
+
+
 def _init_scales(hs: HeadState, cnt: Int, sc: F32Ptr):
     """sc[j] = gamma_j + beta_j for the buffered rows j < cnt - 1."""
     for j in range(cnt - 1):
@@ -137,6 +189,34 @@ def _fold(hs: HeadState, count: Int, beta_last: Float32, sc: F32Ptr, u: F32Ptr,
     fold_into(hs.bv, hs.vs, hs.bk, hs.rs, w, count, hdec, hs.h, dst, u)
 
 
+def _fetch_rows[L2: Bool = False](hs: HeadState, cnt: Int, with_h: Bool = False):
+    """Ask for the cnt chunk rows of k and v (and h with with_h): a decode
+    step finds them evicted by the weight stream, and rows 12 KB apart are
+    nothing a hardware prefetcher follows; the task's own work overlaps the
+    wait. h is contiguous, streamed by the hardware prefetcher: asking for
+    its 512 lines too paid only where the state does not stay in the last
+    level cache between steps (FETCH_H_FLOATS)."""
+    if with_h:
+        for off in range(0, HP * NST, 16):
+            _fetch[L2](hs.h.unsafe_offset(off))
+    for j in range(cnt):
+        comptime for c in range(0, NST, 16):
+            _fetch[L2](hs.bk.unsafe_offset(j * hs.rs + c))
+        comptime for c in range(0, HP, 16):
+            _fetch[L2](hs.bv.unsafe_offset(j * hs.vs + c))
+
+
+def _fetch_token(pr: F32Ptr, dims: M3Dims, hh: Int):
+    """Ask for a token's own columns of head hh (z, v, dt, sg, adt): its
+    proj row was written a whole pass ago and rows are 13 KB apart."""
+    comptime for c in range(0, HP, 16):
+        _fetch(pr.unsafe_offset(hh * HP + c))
+        _fetch(pr.unsafe_offset(dims.c_v + hh * HP + c))
+    _fetch(pr.unsafe_offset(dims.c_dt + hh))
+    _fetch(pr.unsafe_offset(dims.c_a + hh))
+    _fetch(pr.unsafe_offset(dims.c_tr + hh))
+
+
 def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
                 bbias: F32Ptr, qu: F32Ptr, ku: F32Ptr, i: Int) -> Float32:
     """One token into working-chunk row i: the angles advance, then rotated
@@ -148,7 +228,7 @@ def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
     var qk = rotate_token[False](
         pr.unsafe_offset(dims.c_b), pr.unsafe_offset(dims.c_c), bbias, cbias,
         pr.unsafe_load[width=16](dims.c_ang), pr.unsafe_load[width=16](dims.c_ang + 16), dt,
-        hs.theta, qu, ku, hs.bq.unsafe_offset(i * hs.rs), hs.bk.unsafe_offset(i * hs.rs), qu)
+        hs.theta, qu, ku, hs.bq.unsafe_offset(i * hs.qs), hs.bk.unsafe_offset(i * hs.rs), qu)
     var vsrc = pr.unsafe_offset(dims.c_v + hh * HP)
     var vrow = hs.bv.unsafe_offset(i * hs.vs)
     comptime for c in range(4):
@@ -160,11 +240,13 @@ def _append_row(hs: HeadState, dims: M3Dims, hh: Int, pr: F32Ptr, cbias: F32Ptr,
 
 
 def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
-               scr: F32Ptr, bb: Int, hh: Int, t0: Int, nc: Int):
+               scr: F32Ptr, bb: Int, hh: Int, t0: Int, nc: Int, then_hh: Int = -1):
     """Tokens t0 .. t0 + nc - 1 of row bb, head hh, in segments that lie
     within one working chunk: append every row of the segment, then its
     q . h[p] and q . k_j as dot grids (h only changes at a fold), then each
-    token's output. Every number is the one the token-at-a-time order gives."""
+    token's output (their weights SEG_G tokens at a time). Every number is
+    the one the token-at-a-time order gives. then_hh: the head of row bb
+    this task runs next on scr, or -1."""
     var l = arg_int(args, FWD_L)
     var lens = arg_i64(args, FWD_LENGTHS)
     var len_b = l
@@ -179,29 +261,27 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
     var hs = HeadState(args, dims, bb, hh)
     var st = hs  # the state's own rows
     var copied = nc >= COPY_TOKENS  # M3Work sized the scratch for it
+    for u in range(min(ROWS_AHEAD, t_end - t0)):
+        _fetch_token(proj.unsafe_offset((bb * nc + u) * dims.np), dims, hh)
     var folded = False
     if copied:
         hs.on_chunk_copy(scr.unsafe_offset(S_CHUNK))
-        _copy_rows(st, hs, cnt)
+        _copy_rows[True](st, hs, cnt)
+        if then_hh >= 0:  # the next head's rows into L2 meanwhile, for its copy
+            _fetch_rows[True](HeadState(args, dims, bb, then_hh), cnt)
     var qu = scr.unsafe_offset(S_QU)
     var ku = scr.unsafe_offset(S_KU)
     var w = scr.unsafe_offset(S_W)
     var sc = scr.unsafe_offset(S_SC)
     var diag = scr.unsafe_offset(S_DIAG)
     var hqs = scr.unsafe_offset(S_HQ)
+    var wt = scr.unsafe_offset(S_WT)
     var qks = scr.unsafe_offset(S_QK)
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var bbias = blob.unsafe_offset(dims.o_bb + hh * NST)
     var cbias = blob.unsafe_offset(dims.o_cb + hh * NST)
-    comptime if WIDE:
-        # a decode step finds h and the chunk rows evicted by the weight
-        # stream: ask for them all now, the row's own work overlaps the wait
-        for off in range(0, HP * NST, 16):
-            prefetch[PrefetchOptions().for_read().high_locality()](hs.h.unsafe_offset(off))
-        for j in range(cnt):
-            comptime for c in range(0, NST, 16):
-                prefetch[PrefetchOptions().for_read().high_locality()](
-                    hs.bk.unsafe_offset(j * hs.rs + c))
+    if not copied:
+        _fetch_rows(hs, cnt, arg_int(args, FWD_B) * dims.nh * HEAD_STATE > FETCH_H_FLOATS)
     _init_scales(hs, cnt, sc)
     var t = t0
     while t < t_end:
@@ -226,21 +306,34 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
         var ns = min(t_end - t, QC - i0)
         for u in range(ns):
             var i = i0 + u
+            if t + u + ROWS_AHEAD < t_end:
+                _fetch_token(pr0.unsafe_offset((u + ROWS_AHEAD) * dims.np), dims, hh)
             diag[unsafe_offset=u] = _append_row(hs, dims, hh, pr0.unsafe_offset(u * dims.np),
                                                 cbias, bbias, qu, ku, i)
             if i > 0:
                 sc[unsafe_offset=i - 1] = hs.scale(i - 1, i, Float32(0.0))
-        var q0 = hs.bq.unsafe_offset(i0 * hs.rs)
-        dots128_grid(q0, hs.rs, ns, hs.h, NST, HP, hqs, HP)
+        var q0 = hs.bq.unsafe_offset(i0 * hs.qs)
+        dots128_grid(q0, hs.qs, ns, hs.h, NST, HP, hqs, HP)
         var u = 0
         while u < ns:  # q_u . k_j for j < i0 + u (GRID_T tokens share the loads)
             var nt = min(GRID_T, ns - u)
-            dots128_grid(q0.unsafe_offset(u * hs.rs), hs.rs, nt, hs.bk, hs.rs, i0 + u + nt - 1,
+            dots128_grid(q0.unsafe_offset(u * hs.qs), hs.qs, nt, hs.bk, hs.rs, i0 + u + nt - 1,
                          qks.unsafe_offset(u * QC), QC)
             u += nt
-        for uu in range(ns):
+        var uu = 0
+        while uu < ns:
+            if uu + SEG_G <= ns:  # SEG_G tokens' weights side by side
+                var hdec = _seg_table(hs, i0 + uu, sc, wt)
+                for g in range(SEG_G):
+                    var pr = pr0.unsafe_offset((uu + g) * dims.np)
+                    out_token_wq(wt.unsafe_offset(g), SEG_G, qks.unsafe_offset((uu + g) * QC),
+                                 i0 + uu + g, hdec[g], hqs.unsafe_offset((uu + g) * HP), hs.bv,
+                                 hs.vs, diag[unsafe_offset=uu + g], dsk,
+                                 pr.unsafe_offset(hh * HP),
+                                 o.unsafe_offset((r0 + uu + g) * dims.np + hh * HP))
+                uu += SEG_G
+                continue
             var i = i0 + uu
-            var r = r0 + uu
             var pr = pr0.unsafe_offset(uu * dims.np)
             var hdec = _weights(hs, i, Float32(0.0), sc, w)
             var qk = qks.unsafe_offset(uu * QC)
@@ -250,11 +343,12 @@ def scan_task(args: I64Ptr, dims: M3Dims, blob: F32Ptr, proj: F32Ptr, o: F32Ptr,
                 c += 16
             out_token[False](w, i, hdec, hqs.unsafe_offset(uu * HP), hs.bv, hs.vs,
                              diag[unsafe_offset=uu], dsk, pr.unsafe_offset(hh * HP),
-                             o.unsafe_offset(r * dims.np + hh * HP), w)  # o in place of z
+                             o.unsafe_offset((r0 + uu) * dims.np + hh * HP), w)  # o in place of z
+            uu += 1
         cnt = i0 + ns
         t += ns
     if copied:  # after a fold every row holds what the in-place scan leaves
-        _copy_rows(hs, st, QC if folded else cnt)
+        _copy_rows[False](hs, st, QC if folded else cnt)
 
 
 @always_inline

@@ -128,7 +128,12 @@ def rotate_token[KEEP_CS: Bool](bn: F32Ptr, cn: F32Ptr, bbias: F32Ptr, cbias: F3
     return dot128(qu, ku)
 
 
-comptime FOLD_P = 4 if WIDE else 1  # rows p of h per register block
+# A fold register block: FOLD_P rows p x FOLD_N vectors of FOLD_W lanes of
+# n (AVX-512: 4 x 4 x 16, 16 + 5 of 32 registers; AVX2: 4 x 2 x 8, 8 + 3 of
+# 16, six loads per eight fmas: one row at a time was load-bound)
+comptime FOLD_P = 4
+comptime FOLD_W = 16 if WIDE else 8
+comptime FOLD_N = 4 if WIDE else 2
 
 
 def fold_into(v: F32Ptr, vs: Int, k: F32Ptr, ks: Int, w: F32Ptr, count: Int, hdec: Float32,
@@ -136,32 +141,36 @@ def fold_into(v: F32Ptr, vs: Int, k: F32Ptr, ks: Int, w: F32Ptr, count: Int, hde
     """The fold of a chunk of count rows into h: dst[p, n] = hdec src[p, n],
     then fma((w_j * v_j[p]), k_j[n], .) for j = 0..count-1 ascending.
     v_j at v + j vs (HP floats), rotated k_j at k + j ks (NST floats); dst
-    may be src; u: (64, 64) scratch for the products w_j * v_j[p]
-    (FOLD_P rows of h in flight at once)."""
+    may be src; u: (64, 64) scratch for the products w_j * v_j[p]. Each
+    element is its own chain, so the blocking (FOLD_P x FOLD_N x FOLD_W) is
+    free; the columns n are the outer loop, so one block's k columns stay
+    in L1 while every p passes over them."""
+    comptime VW = SIMD[DType.float32, FOLD_W]
+    comptime NB = FOLD_N * FOLD_W
     for j in range(count):
         var wj = V16(w[unsafe_offset=j])
         var vr = v.unsafe_offset(j * vs)
         comptime for c in range(4):
             u.unsafe_store(j * HP + c * 16, wj * vr.unsafe_load[width=16](c * 16))
-    for p0 in range(0, HP, FOLD_P):
-        comptime for half in range(2):
-            var acc = Array[V16, FOLD_P * 4](fill=V16(0.0))
+    for n0 in range(0, NST, NB):
+        for p0 in range(0, HP, FOLD_P):
+            var acc = Array[VW, FOLD_P * FOLD_N](fill=VW(0.0))
             comptime for pp in range(FOLD_P):
-                comptime for c in range(4):
-                    acc[pp * 4 + c] = V16(hdec) * src.unsafe_load[width=16](
-                        (p0 + pp) * NST + half * 64 + c * 16)
+                comptime for c in range(FOLD_N):
+                    acc[pp * FOLD_N + c] = VW(hdec) * src.unsafe_load[width=FOLD_W](
+                        (p0 + pp) * NST + n0 + c * FOLD_W)
             for j in range(count):
-                var kr = k.unsafe_offset(j * ks + half * 64)
-                var kv = Array[V16, 4](fill=V16(0.0))
-                comptime for c in range(4):
-                    kv[c] = kr.unsafe_load[width=16](c * 16)
+                var kr = k.unsafe_offset(j * ks + n0)
+                var kv = Array[VW, FOLD_N](fill=VW(0.0))
+                comptime for c in range(FOLD_N):
+                    kv[c] = kr.unsafe_load[width=FOLD_W](c * FOLD_W)
                 comptime for pp in range(FOLD_P):
-                    var uv = V16(u[unsafe_offset=j * HP + p0 + pp])
-                    comptime for c in range(4):
-                        acc[pp * 4 + c] = uv.fma(kv[c], acc[pp * 4 + c])
+                    var uv = VW(u[unsafe_offset=j * HP + p0 + pp])
+                    comptime for c in range(FOLD_N):
+                        acc[pp * FOLD_N + c] = uv.fma(kv[c], acc[pp * FOLD_N + c])
             comptime for pp in range(FOLD_P):
-                comptime for c in range(4):
-                    dst.unsafe_store((p0 + pp) * NST + half * 64 + c * 16, acc[pp * 4 + c])
+                comptime for c in range(FOLD_N):
+                    dst.unsafe_store((p0 + pp) * NST + n0 + c * FOLD_W, acc[pp * FOLD_N + c])
 
 
 @always_inline
@@ -188,3 +197,27 @@ def out_token[KEEP_Y: Bool](w: F32Ptr, i: Int, hdec: Float32, hq: F32Ptr, v: F32
         comptime if KEEP_Y:
             y.unsafe_store(cc * 16, yy)
         o.unsafe_store(cc * 16, yy * silu_f32[16](z.unsafe_load[width=16](cc * 16)))
+
+
+@always_inline
+def out_token_wq(wt: F32Ptr, ws: Int, qk: F32Ptr, i: Int, hdec: Float32, hq: F32Ptr, v: F32Ptr,
+                 vs: Int, diag: Float32, dsk: Float32, z: F32Ptr, o: F32Ptr):
+    """out_token[False] with w_j = wt[j ws] * qk[j] formed as it is used
+    (the product out_token's caller forms first, w_j = (exp(seg) scale_j)
+    (q . k_j)): the weights of a token computed side by side with others'
+    (scan._seg_table) sit ws floats apart."""
+    var acc = Array[V16, 4](fill=V16(0.0))
+    comptime for cc in range(4):
+        acc[cc] = V16(hdec) * hq.unsafe_load[width=16](cc * 16)
+    for j in range(i):
+        var wj = V16(wt[unsafe_offset=j * ws] * qk[unsafe_offset=j])
+        var vj = v.unsafe_offset(j * vs)
+        comptime for cc in range(4):
+            acc[cc] = wj.fma(vj.unsafe_load[width=16](cc * 16), acc[cc])
+    var vrow = v.unsafe_offset(i * vs)
+    comptime for cc in range(4):
+        var vi = vrow.unsafe_load[width=16](cc * 16)
+        var yy = V16(diag).fma(vi, acc[cc])
+        yy = V16(dsk).fma(vi, yy)
+        o.unsafe_store(cc * 16, yy * silu_f32[16](z.unsafe_load[width=16](cc * 16)))
+
