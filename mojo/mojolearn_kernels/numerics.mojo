@@ -190,7 +190,8 @@ def _exp_parts[W: Int](x: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W], SIM
     ph is the rounded value and pl (|pl| <= ulp(ph)/2) what rounding dropped.
     """
     comptime V = SIMD[F32, W]
-    var k = x.fma(V(_INVLN2), V(_RND)) - V(_RND)
+    var kt = x.fma(V(_INVLN2), V(_RND))  # k in the low mantissa bits
+    var k = kt - V(_RND)
     var r = (-k).fma(V(_LN2_HI24), x)
     var rl = (-k) * V(_LN2_LO24)
     var z = r * r
@@ -206,7 +207,7 @@ def _exp_parts[W: Int](x: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W], SIM
     var lo = slo + tail
     var ph = s + lo  # = the rounded e^(r + rl)
     var pl = lo - (ph - s)  # Fast2Sum: |pl| <= ulp(ph) / 2
-    return (ph, pl, k.cast[I32]())
+    return (ph, pl, _bits[W](kt) - _bits[W](V(_RND)))  # = k as an integer
 
 
 # ----------------------------------------------------------------------------
@@ -259,7 +260,10 @@ def exp_f32_in_range[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     """exp_f32's bits for x in [EXP_FAST_LO, EXP_FAST_HI] on every lane (the
     caller has checked it; anything else, NaN included, is undefined)."""
     var q = _exp_parts[W](x)
-    return q[0] * _pow2[W](q[2])
+    # ph * 2^k as an exponent add: ph in [0.70, 1.42] and k in [-126, 127]
+    # give a normal result here, where both are exact, so the bits are the
+    # product's (two vector integer ops instead of a convert, two and a mul).
+    return _from_bits[W](_bits[W](q[0]) + (q[2] << 23))
 
 
 def exp_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:

@@ -190,6 +190,24 @@ def _bias_softplus(raw: F32Ptr, dst: F32Ptr, bias: F32Ptr, c0: Int, c1: Int):
 
 
 @always_inline
+def _scan_token[RUN: Int, FAST: Bool](mut h: Array[LV, NSTATE], a: Array[LV, NSTATE], delta: LV,
+                                      uu: LV, bc: F32Ptr, mut y: LV):
+    """One token of the scan: h_n = fma(exp(delta A_n), h_n, (delta B_n) u) and
+    y = fma(C_n, h_n, y) for n ascending (FAST: every delta A_n is in exp's
+    fast range)."""
+    comptime for n in range(NSTATE):
+        var da: LV
+        comptime if FAST:
+            da = exp_f32_in_range[LANES](delta * a[n])
+        else:
+            da = exp_f32[LANES](delta * a[n])
+        var dbu = (delta * LV(bc[unsafe_offset=n])) * uu
+        h[n] = da.fma(h[n], dbu)
+        comptime if RUN != RUN_A:
+            y = LV(bc[unsafe_offset=NSTATE + n]).fma(h[n], y)
+
+
+@always_inline
 def _scan[RUN: Int, MASKED: Bool](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, bb: Int,
                                   q: Int, c0: Int, nv: Int):
     """Selective scan of channels [c0, c0 + nv) of row bb over the chunk's
@@ -237,16 +255,12 @@ def _scan[RUN: Int, MASKED: Bool](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, bb: I
         var y = LV(0.0)
         var fast = a_ok and (delta.ge(LV(0.0)) & (delta * amin).ge(LV(EXP_FAST_LO))
                              & (delta * amax).le(LV(EXP_FAST_HI))).reduce_and()
-        comptime for n in range(NSTATE):
-            var da: LV
-            if fast:
-                da = exp_f32_in_range[LANES](delta * a[n])
-            else:
-                da = exp_f32[LANES](delta * a[n])
-            var dbu = (delta * LV(bc[unsafe_offset=n])) * uu
-            h[n] = da.fma(h[n], dbu)
-            comptime if RUN != RUN_A:
-                y = LV(bc[unsafe_offset=NSTATE + n]).fma(h[n], y)
+        # Two copies of the token's 16 states, so each is one straight block
+        # (a test per state split it into 16 blocks): 1.1x on both binaries.
+        if fast:
+            _scan_token[RUN, True](h, a, delta, uu, bc, y)
+        else:
+            _scan_token[RUN, False](h, a, delta, uu, bc, y)
         comptime if RUN == RUN_B:
             comptime for n in range(NSTATE):
                 hs.unsafe_store((j * NSTATE + n) * LANES, h[n])
