@@ -28,7 +28,7 @@ from ..weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
 )
 from ..numerics import exp_f32
-from ..lanes import copy_floats
+from ..lanes import copy_floats, transpose_in, transpose_out
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_FWD
 
 comptime NSTATE = 16
@@ -346,47 +346,13 @@ def _load_state(args: I64Ptr, dims: M1Dims, wk: M1Work, work: F32Ptr, bb: Int):
         for i in range(NSTATE * di):
             ht[unsafe_offset=i] = 0.0
         return
-    _transpose_in(arg_f32(args, FWD_CONV_WINDOW).unsafe_offset(bb * di * KCONV), KCONV, di, win)
-    _transpose_in(arg_f32(args, FWD_H).unsafe_offset(bb * di * NSTATE), NSTATE, di, ht)
-
-
-def _transpose_in(src: F32Ptr, k: Int, di: Int, dst: F32Ptr):
-    """dst[j * di + c] = src[c * k + j] (c < di, j < k), 16 c per store."""
-    comptime W = 16
-    var c = 0
-    while c + W <= di:
-        for j in range(k):
-            var v = SIMD[DType.float32, W](0.0)
-            comptime for i in range(W):
-                v[i] = src[unsafe_offset=(c + i) * k + j]
-            dst.unsafe_store(j * di + c, v)
-        c += W
-    while c < di:
-        for j in range(k):
-            dst[unsafe_offset=j * di + c] = src[unsafe_offset=c * k + j]
-        c += 1
-
-
-def _transpose_out(src: F32Ptr, k: Int, di: Int, dst: F32Ptr):
-    """dst[c * k + j] = src[j * di + c]: the inverse of _transpose_in, 16 c
-    read per vector load."""
-    comptime W = 16
-    var c = 0
-    while c + W <= di:
-        for j in range(k):
-            var v = src.unsafe_load[width=W](j * di + c)
-            comptime for i in range(W):
-                dst[unsafe_offset=(c + i) * k + j] = v[i]
-        c += W
-    while c < di:
-        for j in range(k):
-            dst[unsafe_offset=c * k + j] = src[unsafe_offset=j * di + c]
-        c += 1
+    transpose_in(arg_f32(args, FWD_CONV_WINDOW).unsafe_offset(bb * di * KCONV), KCONV, di, win)
+    transpose_in(arg_f32(args, FWD_H).unsafe_offset(bb * di * NSTATE), NSTATE, di, ht)
 
 
 def _save_state(args: I64Ptr, dims: M1Dims, wk: M1Work, work: F32Ptr, bb: Int):
     var di = dims.di
     var win = work.unsafe_offset(wk.o_win + bb * KCONV * di)
     var ht = work.unsafe_offset(wk.o_ht + bb * NSTATE * di)
-    _transpose_out(win, KCONV, di, arg_f32(args, FWD_CONV_WINDOW).unsafe_offset(bb * di * KCONV))
-    _transpose_out(ht, NSTATE, di, arg_f32(args, FWD_H).unsafe_offset(bb * di * NSTATE))
+    transpose_out(win, KCONV, di, arg_f32(args, FWD_CONV_WINDOW).unsafe_offset(bb * di * KCONV))
+    transpose_out(ht, NSTATE, di, arg_f32(args, FWD_H).unsafe_offset(bb * di * NSTATE))

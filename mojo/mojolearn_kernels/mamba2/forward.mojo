@@ -42,7 +42,7 @@ from ..weight_panels import (
 from ..norms import rmsnorm_row
 from ..conv import causal_conv_silu
 from ..numerics import exp_f32
-from ..lanes import copy_floats
+from ..lanes import copy_floats, transpose_in, transpose_out
 from .layout import (
     P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
     PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
@@ -281,7 +281,7 @@ def _load_state(cl: M2Call, bb: Int):
     var cd = cl.dims.cd
     var win = cl.work.unsafe_offset(cl.wk.o_win + bb * KCONV * cd)
     if cl.has_state:
-        _window_in(cl.cw.unsafe_offset(bb * cd * KCONV), win, cd)
+        transpose_in(cl.cw.unsafe_offset(bb * cd * KCONV), KCONV, cd, win)
     else:
         for k in range(KCONV * cd):
             win[unsafe_offset=k] = 0.0
@@ -297,8 +297,8 @@ def _save_state(cl: M2Call, bb: Int):
     var wk = cl.row_work(bb)
     var cd = dims.cd
     var nh = dims.nh
-    _window_out(cl.work.unsafe_offset(wk.o_win + bb * KCONV * cd),
-                cl.cw.unsafe_offset(bb * cd * KCONV), cd)
+    transpose_out(cl.work.unsafe_offset(wk.o_win + bb * KCONV * cd), KCONV, cd,
+                  cl.cw.unsafe_offset(bb * cd * KCONV))
     var cl_last = wk.nch - 1
     var n_last = wk.rows(cl_last)
     var i0 = wk.i0(cl_last)
@@ -317,39 +317,3 @@ def _save_state(cl: M2Call, bb: Int):
                 dst[unsafe_offset=ch] = 0.0
             for hh in range(nh):
                 cl.bufd[unsafe_offset=(bb * Q + i) * nh + hh] = 0.0
-
-
-# The conv window: the state's (cd, 4) channel-major rows <-> the
-# workspace's (4, cd) tap-major rows, 8 channels (32 floats) per step (cd =
-# 2 d + 256 with d % 32 == 0 is a multiple of 8; a scalar tail otherwise).
-comptime WCH = 8
-
-
-def _window_in(cw: F32Ptr, win: F32Ptr, cd: Int):
-    var ch = 0
-    while ch + WCH <= cd:
-        var v = cw.unsafe_load[width=KCONV * WCH](ch * KCONV).deinterleave()
-        var k02 = v[0].deinterleave()  # taps 0 and 2 of the 8 channels
-        var k13 = v[1].deinterleave()
-        win.unsafe_store(ch, k02[0])
-        win.unsafe_store(cd + ch, k13[0])
-        win.unsafe_store(2 * cd + ch, k02[1])
-        win.unsafe_store(3 * cd + ch, k13[1])
-        ch += WCH
-    for c in range(ch, cd):
-        for k in range(KCONV):
-            win[unsafe_offset=k * cd + c] = cw[unsafe_offset=c * KCONV + k]
-
-
-def _window_out(win: F32Ptr, cw: F32Ptr, cd: Int):
-    var ch = 0
-    while ch + WCH <= cd:
-        var k0 = win.unsafe_load[width=WCH](ch)
-        var k1 = win.unsafe_load[width=WCH](cd + ch)
-        var k2 = win.unsafe_load[width=WCH](2 * cd + ch)
-        var k3 = win.unsafe_load[width=WCH](3 * cd + ch)
-        cw.unsafe_store(ch * KCONV, k0.interleave(k2).interleave(k1.interleave(k3)))
-        ch += WCH
-    for c in range(ch, cd):
-        for k in range(KCONV):
-            cw[unsafe_offset=c * KCONV + k] = win[unsafe_offset=k * cd + c]
