@@ -299,3 +299,36 @@ def test_widths_other_than_8_16_use_scalar(native_lib):
     x = lin(-5, 5, 1001)
     assert np.array_equal(_bits(run(native_lib, "exp", x, 3)), _bits(run(native_lib, "exp", x, 1)))
     assert np.array_equal(_bits(run(native_lib, "exp", x[:0], 16)), _bits(x[:0]))
+
+
+# The in-range fast paths of numerics.mojo (exp: [-87, 88]; silu, sigmoid,
+# softplus: [-80, 20] after DAZ; sigmoid by |v|) run when all lanes of a
+# vector are inside. A 16-lane vector whose last lane is out of range sends
+# its other 15 lanes down the general path, so the two are compared on the
+# same inputs. Values: a stride over every float32 of [-90, 90] plus both
+# edges of each range and the tiny normals (where the general path flushes).
+FAST_PATHS = {"exp": 1000.0, "silu": 1000.0, "sigmoid": 1000.0, "softplus": 1000.0}
+
+
+def _fast_path_inputs():
+    hi = np.float32(90.0).view(np.uint32)
+    pos = np.arange(0, hi, 997, dtype=np.uint32).view(np.float32)
+    edges = [np.float32(e) for e in (-87.0, 88.0, -80.0, 20.0, 80.0)]
+    near = [np.nextafter(e, np.float32(s * np.inf)) for e in edges for s in (-1, 1)]
+    tiny = np.float32(2.0 ** -126) * np.arange(1, 64, dtype=np.float32)
+    x = np.concatenate([pos, -pos, edges, near, tiny, -tiny, f32([0.0, -0.0])])
+    return x[np.abs(x) <= 90.0]
+
+
+@pytest.mark.parametrize("name", sorted(FAST_PATHS))
+def test_fast_paths_give_the_general_paths_bits(native_lib, name):
+    x = _fast_path_inputs()
+    x = np.concatenate([x, np.zeros((-x.size) % 15, np.float32)]).reshape(-1, 15)
+    grouped = np.concatenate([x, np.zeros((x.shape[0], 1), np.float32)], axis=1)
+    mixed = grouped.copy()
+    mixed[:, 15] = FAST_PATHS[name]  # out of every fast range: the general path
+    fast = _bits(run(native_lib, name, grouped.ravel(), 16)).reshape(-1, 16)[:, :15]
+    general = _bits(run(native_lib, name, mixed.ravel(), 16)).reshape(-1, 16)[:, :15]
+    in_fast = np.abs(x) <= (87.0 if name == "exp" else 20.0)  # some groups are all inside
+    assert in_fast.all(axis=1).sum() > 1000  # the fast path was taken
+    assert np.array_equal(fast, general), (name, x[fast != general][:8])

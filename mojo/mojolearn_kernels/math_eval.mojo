@@ -11,10 +11,9 @@ the bits of sin and cos); any other id writes NaN.
 from std.memory import Pointer
 
 from .numerics import (
-    exp_f32, log_f32, log1p_f32, softplus_f32, sigmoid_f32, silu_f32,
-    sqrt_f32, rsqrt_f32, tanh_f32, sin_f32, cos_f32, floor_f32, mod2pi_f32,
-    sincos_f32,
+    exp_f32, log_f32, log1p_f32, softplus_f32, sigmoid_f32, silu_f32, sqrt_f32, rsqrt_f32, tanh_f32,
 )
+from .trig import sin_f32, cos_f32, floor_f32, mod2pi_f32, sincos_f32
 
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime MATH_EVAL_COUNT = 15

@@ -9,7 +9,9 @@ and every GPU build compute the same bits. Rules followed by every function:
   `--fp-mode contract=off` so the compiler fuses nothing by itself.
 * Every function is elementwise and generic over the SIMD width W; no
   table, reduction or branch depends on W, so W = 1, 8 and 16 give the same
-  bits. Branches are computed on all lanes and chosen with `select`.
+  bits. Branches are computed on all lanes and chosen with `select`; the
+  only real branches are the in-range paths (exp, silu, sigmoid, softplus),
+  taken when every lane is in range and giving the general path's bits.
 * Subnormal policy (software DAZ + FTZ, the same on every device): an input
   with |x| < 2^-126 is treated as a zero of the same sign; a result with
   |r| < 2^-126 (and not an exact signed zero of an odd function at 0) is
@@ -21,9 +23,9 @@ and every GPU build compute the same bits. Rules followed by every function:
 
 Accuracy (measured exhaustively, see docs/numerics.md; checked by
 tests/test_numerics_ulp.py): max 0.61-0.69 ulp for exp, log, log1p, sigmoid,
-silu, softplus, tanh; 0.78 ulp for sin, cos (|x| < 2^21); sqrt and floor are
-exact; rsqrt = 1/sqrt is within 1.5 ulp; mod2pi is the correctly rounded
-remainder. Each of them evaluates the main terms as unevaluated float pairs
+silu, softplus, tanh; sqrt is exact; rsqrt = 1/sqrt is within 1.5 ulp. The
+trigonometric functions (sin, cos, floor, mod2pi) are in trig.mojo under the
+same rules. Each of them evaluates the main terms as unevaluated float pairs
 (Fast2Sum/TwoSum, exact fma products and remainders) so only the final
 rounding is significant.
 Polynomial coefficients are weighted minimax fits (relative error of the
@@ -85,26 +87,6 @@ comptime _T3 = 0.020277271047234535
 # tanh(a) rounds to 1 for a >= 9.0109134 (atanh(1 - 2^-25)); saturate a bit above.
 comptime _TANH_SAT = 9.5
 
-# sin(r) = r + r^3 (S0 + S1 z + S2 z^2 + S3 z^3), cos(r) = 1 - z/2 + z^2 (C0 + C1 z + C2 z^2),
-# z = r^2, |r| <= pi/4 (+0.1%) (2^-32.5 and 2^-33).
-comptime _S0 = -0.1666666716337204
-comptime _S1 = 0.008333379402756691
-comptime _S2 = -0.00019853064441122115
-comptime _S3 = 2.8325100629444933e-06
-comptime _C0 = 0.04166664555668831
-comptime _C1 = -0.0013887309469282627
-comptime _C2 = 2.4432327336398885e-05
-
-# pi/2 = P1 + P2 + P3 (+1.1e-23); P1 = float32(pi/2).
-comptime _TWO_OVER_PI = 0.6366197466850281
-comptime _PIO2_1 = 1.5707963705062866
-comptime _PIO2_2 = -4.371138828673793e-08
-comptime _PIO2_3 = -1.7151245100058819e-15
-
-# mod2pi works modulo C = float32(2 pi) = 6.2831854820... (slightly above 2 pi).
-comptime _TWO_PI = 6.2831854820251465
-comptime _INV_TWO_PI = 0.15915493667125702
-
 
 # ----------------------------------------------------------------------------
 # Bit helpers
@@ -163,6 +145,25 @@ def _ftz[W: Int](y: SIMD[F32, W]) -> SIMD[F32, W]:
 def _pow2[W: Int](k: SIMD[I32, W]) -> SIMD[F32, W]:
     """2^k for integer k in [-126, 127], built from bits (exact)."""
     return _from_bits[W]((k + 127) << 23)
+
+
+# silu / sigmoid / softplus: inputs in [FAST_LO, 20] (the common case) skip
+# the clamp and apply 2^k (k >= -116) in one step; same bits (below).
+comptime FAST_LO = -80.0
+
+
+@always_inline
+def _scale_split[W: Int, FAST: Bool](k: SIMD[I32, W]) -> SIMD[I32, W]:
+    """k1 of the two-step scaling x * 2^k = (x * 2^k1) * 2^(k - k1) that
+    keeps 2^k normal down to k = -252. FAST (k >= -116): k1 = k, so the
+    second factor is 1 and the compiler drops it. Where x * 2^k is normal
+    both forms are one exact product; for the low parts (pl, at least
+    2^-60 or zero for k != 0) x * 2^k1 is normal, so both round once at the
+    same place. Same bits on every float32 in [-104, 104] (widths 16, 8, 1;
+    tests/test_numerics_ulp.py compares the paths)."""
+    comptime if FAST:
+        return k
+    return k >> 1
 
 
 @always_inline
@@ -332,10 +333,21 @@ def sigmoid_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     """
     comptime V = SIMD[F32, W]
     var vd = _daz[W](v)
+    var a = _abs[W](vd)
+    if a.le(V(-FAST_LO)).reduce_and():
+        return _sigmoid_core[W, True](vd, a)
+    var res = _sigmoid_core[W, False](vd, _clamp[W](a, 0.0, 104.0))
+    return _is_nan[W](v).select(v, res)
+
+
+@always_inline
+def _sigmoid_core[W: Int, FAST: Bool](vd: SIMD[F32, W], a: SIMD[F32, W]) -> SIMD[F32, W]:
+    """sigmoid of vd with a = |vd| in [0, 104] (FAST: a <= -FAST_LO, 2^k in
+    one step)."""
+    comptime V = SIMD[F32, W]
     var neg = vd.lt(V(0.0))
-    var a = _clamp[W](_abs[W](vd), 0.0, 104.0)
     var p = _exp_parts[W](-a)
-    var k1 = p[2] >> 1
+    var k1 = _scale_split[W, FAST](p[2])
     var s1 = _pow2[W](k1)
     var s2 = _pow2[W](p[2] - k1)
     var e = (p[0] * s1) * s2
@@ -348,8 +360,7 @@ def sigmoid_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     var rem = (-q).fma(d, nh)
     q = q + ((rem + nl) - q * dl) / d
     var res = neg.select((q * s1) * s2, q)
-    res = _ftz[W](res)
-    return _is_nan[W](v).select(v, res)
+    return _ftz[W](res)
 
 
 def silu_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
@@ -361,11 +372,22 @@ def silu_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     """
     comptime V = SIMD[F32, W]
     var vd = _daz[W](v)
-    var vc = _clamp[W](vd, -104.0, 20.0)
+    if (vd.ge(V(FAST_LO)) & vd.le(V(20.0))).reduce_and():
+        return _silu_core[W, True](vd, vd)
+    var res = _silu_core[W, False](vd, _clamp[W](vd, -104.0, 20.0))
+    res = vd.gt(V(20.0)).select(vd, res)
+    return _is_nan[W](v).select(v, res)
+
+
+@always_inline
+def _silu_core[W: Int, FAST: Bool](vd: SIMD[F32, W], vc: SIMD[F32, W]) -> SIMD[F32, W]:
+    """silu of vc (vd: the input after DAZ, for the sign of zero). FAST:
+    vc = vd in [FAST_LO, 20], so 2^k applies in one step (_scale_split)."""
+    comptime V = SIMD[F32, W]
     var neg = vc.lt(V(0.0))
     var a = _abs[W](vc)
     var p = _exp_parts[W](-a)
-    var k1 = p[2] >> 1
+    var k1 = _scale_split[W, FAST](p[2])
     var s1 = _pow2[W](k1)
     var s2 = _pow2[W](p[2] - k1)
     var e = (p[0] * s1) * s2
@@ -381,9 +403,7 @@ def silu_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     q = q + ((rem + nl) - q * dl) / d
     var res = neg.select((q * s1) * s2, q)
     res = _ftz[W](res)
-    res = vd.gt(V(20.0)).select(vd, res)
-    res = _is_zero[W](vd).select(vd, res)
-    return _is_nan[W](v).select(v, res)
+    return _is_zero[W](vd).select(vd, res)
 
 
 def softplus_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
@@ -396,10 +416,20 @@ def softplus_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     """
     comptime V = SIMD[F32, W]
     var vd = _daz[W](v)
-    var vc = _clamp[W](vd, -104.0, 20.0)
+    if (vd.ge(V(FAST_LO)) & vd.le(V(20.0))).reduce_and():
+        return _softplus_core[W, True](vd)
+    var res = _softplus_core[W, False](_clamp[W](vd, -104.0, 20.0))
+    res = vd.gt(V(20.0)).select(vd, res)
+    return _is_nan[W](v).select(v, res)
+
+
+@always_inline
+def _softplus_core[W: Int, FAST: Bool](vc: SIMD[F32, W]) -> SIMD[F32, W]:
+    """softplus of vc in [-104, 20] (FAST: in [FAST_LO, 20], 2^k in one step)."""
+    comptime V = SIMD[F32, W]
     var a = _abs[W](vc)
     var p = _exp_parts[W](-a)
-    var k1 = p[2] >> 1
+    var k1 = _scale_split[W, FAST](p[2])
     var s1 = _pow2[W](k1)
     var s2 = _pow2[W](p[2] - k1)
     var e = (p[0] * s1) * s2
@@ -418,9 +448,7 @@ def softplus_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     var small = ((p[0] + series) * s1) * s2
     var negr = e.lt(V(0.0009765625)).select(small, lg[0] + lg[1])
     var res = vc.gt(V(0.0)).select(pos, negr)
-    res = _ftz[W](res)
-    res = vd.gt(V(20.0)).select(vd, res)
-    return _is_nan[W](v).select(v, res)
+    return _ftz[W](res)
 
 
 def sqrt_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
@@ -504,133 +532,6 @@ def tanh_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     res = _from_bits[W](_bits[W](res) | sign)
     res = _is_zero[W](xd).select(xd, res)
     return _is_nan[W](x).select(x, res)
-
-
-@always_inline
-def _reduce_pio2[W: Int](x: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W], SIMD[I32, W]]:
-    """x = k pi/2 + (rh + rl), |rh| <= pi/4 (+tiny), quadrant q = k mod 4.
-
-    k = rint(x 2/pi) (1.5*2^23 trick); r1 = x - k*P1 (one fma, exact);
-    k*P2 = th + tl exactly (fma); rh + e = r1 - th exactly (TwoSum);
-    rl = (e - tl) - k*P3 (one fma). k needs |x 2/pi| < 2^22: callers clamp
-    |x| to 2^22.
-    """
-    comptime V = SIMD[F32, W]
-    var k = x.fma(V(_TWO_OVER_PI), V(_RND)) - V(_RND)
-    var r1 = (-k).fma(V(_PIO2_1), x)
-    var th = k * V(_PIO2_2)
-    var tl = k.fma(V(_PIO2_2), -th)
-    var rh = r1 - th
-    var bb = rh - r1
-    var e = (r1 - (rh - bb)) + ((-th) - bb)
-    var rl = (-k).fma(V(_PIO2_3), e - tl)
-    return (rh, rl, k.cast[I32]() & 3)
-
-
-@always_inline
-def _sin_poly[W: Int](rh: SIMD[F32, W], rl: SIMD[F32, W]) -> SIMD[F32, W]:
-    """sin(rh + rl) ~ rh + (rh z S(z) + rl (1 - z/2)), z = rh^2."""
-    comptime V = SIMD[F32, W]
-    var z = rh * rh
-    var p = V(_S3).fma(z, V(_S2))
-    p = p.fma(z, V(_S1))
-    p = p.fma(z, V(_S0))
-    var lo = (V(-0.5) * rl).fma(z, rl)
-    return rh + (rh * z).fma(p, lo)
-
-
-@always_inline
-def _cos_poly[W: Int](rh: SIMD[F32, W], rl: SIMD[F32, W]) -> SIMD[F32, W]:
-    """cos(rh + rl) ~ w + (((1 - w) - z/2) + (z^2 C(z) - zl/2 - rh rl)), w = 1 - z/2."""
-    comptime V = SIMD[F32, W]
-    var z = rh * rh
-    var zl = rh.fma(rh, -z)  # exact: rh^2 = z + zl
-    var hz = V(0.5) * z
-    var w = V(1.0) - hz
-    var c = V(_C2).fma(z, V(_C1))
-    c = c.fma(z, V(_C0))
-    var lo = (z * z).fma(c, (-rh).fma(rl, V(-0.5) * zl))
-    return w + (((V(1.0) - w) - hz) + lo)
-
-
-def sincos_f32[W: Int](x: SIMD[F32, W]) -> Tuple[SIMD[F32, W], SIMD[F32, W]]:
-    """(sin(x), cos(x)) from one range reduction (both polynomials are needed
-    for either: the quadrant picks which one is the sine)."""
-    comptime I = SIMD[I32, W]
-    var xd = _daz[W](x)
-    var xs = _clamp[W](xd, -4194304.0, 4194304.0)
-    var red = _reduce_pio2[W](xs)
-    var sv = _sin_poly[W](red[0], red[1])
-    var cv = _cos_poly[W](red[0], red[1])
-    var q = red[2]
-    var odd = (q & 1).eq(I(0))
-    var rs = odd.select(sv, cv)
-    rs = (q & 2).eq(I(0)).select(rs, -rs)
-    var rc = odd.select(cv, sv)
-    rc = ((q + 1) & 2).eq(I(0)).select(rc, -rc)
-    var inf = (_bits[W](xd) & _ABS).eq(I(_PINF))
-    rs = inf.select(_qnan[W](), rs)
-    rc = inf.select(_qnan[W](), rc)
-    rs = _is_zero[W](xd).select(xd, rs)
-    var nan = _is_nan[W](x)
-    return (nan.select(x, rs), nan.select(x, rc))
-
-
-def sin_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
-    """sin(x): max 0.78 ulp for |x| < 2^21, 1.02 ulp for |x| < 2^22; inputs beyond
-    +-2^22 are clamped to +-2^22 (meaningless there). sin(+-inf) = NaN."""
-    return sincos_f32[W](x)[0]
-
-
-def cos_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
-    """cos(x): max 0.78 ulp for |x| < 2^21, 1.02 ulp for |x| < 2^22; inputs beyond
-    +-2^22 are clamped to +-2^22 (meaningless there). cos(+-inf) = NaN."""
-    return sincos_f32[W](x)[1]
-
-
-def floor_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
-    """Exact floor on the bits (no float arithmetic). floor(-0) = -0,
-    floor(x) = -1 for -1 < x < 0; inf and NaN are returned unchanged."""
-    comptime I = SIMD[I32, W]
-    var xd = _daz[W](x)
-    var b = _bits[W](xd)
-    var neg = b.lt(I(0))
-    var e = ((b >> 23) & 0xFF) - 127
-    # |x| < 1: +0, -0 (for -0) or -1
-    var below_one = neg.select(
-        _is_zero[W](xd).select(xd, SIMD[F32, W](-1.0)), SIMD[F32, W](0.0)
-    )
-    var sh = e.lt(I(0)).select(I(0), e)
-    sh = sh.gt(I(23)).select(I(23), sh)
-    var mask = I(0x7FFFFF) >> sh  # fraction bits (0 once |x| >= 2^23)
-    var has_frac = (b & mask).ne(I(0))
-    var down = (neg & has_frac).select(b + mask, b) & ~mask
-    return e.lt(I(0)).select(below_one, _from_bits[W](down))
-
-
-def mod2pi_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
-    """v - C floor(v / C) in [0, C), C = float32(2 pi) = 6.2831855.
-
-    Fixed order: k = floor_f32(v * (1/C)); the sign of r = fma(-k, C, v) is
-    exact, so k is corrected by -1 if r < 0 and by +1 if fma(-(k+1), C, v)
-    >= 0 (then k = floor(v / C) exactly); the result is fma(-k, C, v), the
-    remainder rounded once. A remainder just below C that rounds up to C
-    is returned as 0. Exact in this sense for |v| <= 2^24 (inputs beyond
-    are clamped to +-2^24 first, where float32 spacing is already 2);
-    +-inf -> NaN.
-    """
-    comptime V = SIMD[F32, W]
-    var vd = _daz[W](v)
-    var vs = _clamp[W](vd, -16777216.0, 16777216.0)
-    var k = floor_f32[W](vs * V(_INV_TWO_PI))
-    var r = (-k).fma(V(_TWO_PI), vs)
-    k = r.lt(V(0.0)).select(k - V(1.0), k)
-    var r2 = (-(k + V(1.0))).fma(V(_TWO_PI), vs)
-    k = r2.ge(V(0.0)).select(k + V(1.0), k)
-    r = (-k).fma(V(_TWO_PI), vs)
-    r = r.ge(V(_TWO_PI)).select(V(0.0), r)
-    r = (_bits[W](vd) & _ABS).eq(SIMD[I32, W](_PINF)).select(_qnan[W](), r)
-    return _is_nan[W](v).select(v, r)
 
 
 # ---------------------------------------------------------------- derivatives

@@ -11,9 +11,9 @@ from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale
 from ..numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32, sin_f32, cos_f32,
-    mod2pi_f32,
+    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32,
 )
+from ..trig import sin_f32, cos_f32, mod2pi_f32
 from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
 
 # OP_M3_BACKWARD argument slots.

@@ -9,7 +9,8 @@ from ..abi import F32Ptr, I64Ptr
 from ..linear import WIDE
 from ..norms import rms_scales_of, scale_row
 from ..dot128 import dot128
-from ..numerics import sincos_f32, mod2pi_f32, silu_f32
+from ..numerics import silu_f32
+from ..trig import sincos_f32, mod2pi_f32
 from .layout import NST, HP, NANG, NG, BC_ROWS_PER_TASK, A_FLOOR, V16
 
 
@@ -181,11 +182,33 @@ def out_token[KEEP_Y: Bool](w: F32Ptr, i: Int, hdec: Float32, hq: F32Ptr, v: F32
     fma(diag, v_i, y) and fma(D, v_i, y); o = y * silu(z), and y itself
     into y if KEEP_Y. w_j = exp(seg(i, j)) scale_j (q . k_j); hq = q . h;
     v_j at v + j vs."""
+    _out_token[KEEP_Y, False](w, 1, w, i, hdec, hq, v, vs, diag, dsk, z, o, y)
+
+
+@always_inline
+def out_token_wq(wt: F32Ptr, ws: Int, qk: F32Ptr, i: Int, hdec: Float32, hq: F32Ptr, v: F32Ptr,
+                 vs: Int, diag: Float32, dsk: Float32, z: F32Ptr, o: F32Ptr):
+    """out_token[False] with w_j = wt[j ws] * qk[j] formed as it is used
+    (the product out_token's caller forms first, w_j = (exp(seg) scale_j)
+    (q . k_j)): the weights of a token computed side by side with others'
+    (scan._seg_table) sit ws floats apart."""
+    _out_token[False, True](wt, ws, qk, i, hdec, hq, v, vs, diag, dsk, z, o, o)
+
+
+@always_inline
+def _out_token[KEEP_Y: Bool, WQ: Bool](w: F32Ptr, ws: Int, qk: F32Ptr, i: Int, hdec: Float32,
+                                       hq: F32Ptr, v: F32Ptr, vs: Int, diag: Float32,
+                                       dsk: Float32, z: F32Ptr, o: F32Ptr, y: F32Ptr):
+    """out_token's body; WQ: w_j = w[j ws] * qk[j] (else w[j])."""
     var acc = Array[V16, 4](fill=V16(0.0))
     comptime for cc in range(4):
         acc[cc] = V16(hdec) * hq.unsafe_load[width=16](cc * 16)
     for j in range(i):
-        var wj = V16(w[unsafe_offset=j])
+        var wj: V16
+        comptime if WQ:
+            wj = V16(w[unsafe_offset=j * ws] * qk[unsafe_offset=j])
+        else:
+            wj = V16(w[unsafe_offset=j])
         var vj = v.unsafe_offset(j * vs)
         comptime for cc in range(4):
             acc[cc] = wj.fma(vj.unsafe_load[width=16](cc * 16), acc[cc])
@@ -196,28 +219,5 @@ def out_token[KEEP_Y: Bool](w: F32Ptr, i: Int, hdec: Float32, hq: F32Ptr, v: F32
         yy = V16(dsk).fma(vi, yy)
         comptime if KEEP_Y:
             y.unsafe_store(cc * 16, yy)
-        o.unsafe_store(cc * 16, yy * silu_f32[16](z.unsafe_load[width=16](cc * 16)))
-
-
-@always_inline
-def out_token_wq(wt: F32Ptr, ws: Int, qk: F32Ptr, i: Int, hdec: Float32, hq: F32Ptr, v: F32Ptr,
-                 vs: Int, diag: Float32, dsk: Float32, z: F32Ptr, o: F32Ptr):
-    """out_token[False] with w_j = wt[j ws] * qk[j] formed as it is used
-    (the product out_token's caller forms first, w_j = (exp(seg) scale_j)
-    (q . k_j)): the weights of a token computed side by side with others'
-    (scan._seg_table) sit ws floats apart."""
-    var acc = Array[V16, 4](fill=V16(0.0))
-    comptime for cc in range(4):
-        acc[cc] = V16(hdec) * hq.unsafe_load[width=16](cc * 16)
-    for j in range(i):
-        var wj = V16(wt[unsafe_offset=j * ws] * qk[unsafe_offset=j])
-        var vj = v.unsafe_offset(j * vs)
-        comptime for cc in range(4):
-            acc[cc] = wj.fma(vj.unsafe_load[width=16](cc * 16), acc[cc])
-    var vrow = v.unsafe_offset(i * vs)
-    comptime for cc in range(4):
-        var vi = vrow.unsafe_load[width=16](cc * 16)
-        var yy = V16(diag).fma(vi, acc[cc])
-        yy = V16(dsk).fma(vi, yy)
         o.unsafe_store(cc * 16, yy * silu_f32[16](z.unsafe_load[width=16](cc * 16)))
 
