@@ -266,6 +266,50 @@ def weight_read_seconds(nbytes: int, threads: int, reps: int = 30) -> dict:
             "sync_s": sync * repeat}
 
 
+# The library's elementwise functions a Mamba-1 prefill must evaluate: per
+# token di*N exps (the scan's decays), di softplus (dt), di SiLU after the
+# conv and di for the gate. Their bits are fixed (numerics.mojo), so this
+# much work is in any identical-mode prefill whatever the kernels around it.
+_MATH_FN = {"exp": 0, "softplus": 3, "silu": 5}
+
+
+def transcendental_counts(kind: str, d: int, T: int) -> dict:
+    """Evaluations per prefill of T tokens (Mamba-1 only; the others' are a
+    few per head and token, small next to their scans)."""
+    if kind != "mamba1":
+        return {}
+    di = 2 * d
+    return {"exp": T * di * 16, "softplus": T * di, "silu": 2 * T * di}
+
+
+def transcendental_seconds(counts: dict, threads: int, reps: int = 15) -> dict:
+    """Seconds `threads` threads need for `counts` evaluations at the rate the
+    library's own functions reach on one thread (ml_math_eval, width 16, an
+    L2-resident array of in-range inputs like dt and gates, best of reps),
+    assuming perfect scaling over threads. Returns {'seconds', 'ns': {fn:
+    ns per evaluation}}."""
+    import ctypes
+    import numpy as np
+    from mojolearn import _loader
+    lib = ctypes.CDLL(str(_loader.library_path("cpu")))
+    lib.ml_math_eval.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_int64]
+    lib.ml_math_eval.restype = ctypes.c_int64
+    x = np.random.default_rng(0).uniform(-7.0, 3.0, 1 << 15).astype(np.float32)
+    out = np.empty_like(x)
+    ns, total = {}, 0.0
+    for fn, count in counts.items():
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(8):
+                lib.ml_math_eval(_MATH_FN[fn], x.ctypes.data, out.ctypes.data, x.size, 16)
+            best = min(best, (time.perf_counter() - t0) / (8 * x.size))
+        ns[fn] = best * 1e9
+        total += count * best / threads
+    return {"seconds": total, "ns": ns}
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--sgemm-child":
         _sgemm_child(sys.argv[2])

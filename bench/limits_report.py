@@ -53,11 +53,19 @@ DECODE_SLACK = {"mamba1": 1.3, "mamba2": 1.6, "mamba3": 1.3}
 B8_SLACK = 1.3
 
 
+def _ceiling_text(r) -> str:
+    c = r.get("prefill_frac_ceiling")
+    return "n/a" if c is None else f"{c:.2f}"
+
+
 def targets_table(blocks) -> str:
     """Met / not met per target; a B=8 target below the step's compute floor
-    (its projection FLOPs at the sgemm rate) is marked out of reach."""
-    out = ["| block | prefill frac (>= 0.75) | decode B=1 ms (target) | decode B=8 ms (target) "
-           "| B=8 compute floor ms |", "|---|---|---|---|---|"]
+    (its projection FLOPs at the sgemm rate) is marked out of reach. The
+    prefill ceiling: the fraction a prefill would reach with its projections
+    at the sgemm rate and its transcendentals at their one-thread rate
+    (Mamba-1 only: the others' are a few per head and token; n/a)."""
+    out = ["| block | prefill frac (>= 0.75) | prefill ceiling | decode B=1 ms (target) "
+           "| decode B=8 ms (target) | B=8 compute floor ms |", "|---|---|---|---|---|---|"]
     for r in blocks:
         t1 = DECODE_SLACK[r["kind"]] * r["weight_read_s"] * 1e3
         t8 = B8_SLACK * r["weight_state_read_s"] * 1e3
@@ -67,6 +75,7 @@ def targets_table(blocks) -> str:
         out.append(
             f"| {r['kind']} | {r['frac_prefill']:.2f} "
             f"{'met' if r['frac_prefill'] >= PREFILL_TARGET else 'not met'} "
+            f"| {_ceiling_text(r)} "
             f"| {r['decode_ms_B1']:.4f} ({t1:.4f}) {'met' if r['decode_ms_B1'] <= t1 else 'not met'} "
             f"| {r['decode_ms_B8']:.4f} ({t8:.4f}) {v8} | {floor:.4f} |")
     return "\n".join(out)
@@ -179,6 +188,13 @@ def main(argv=None):
              "frac_decode_B8": rd_ws["seconds"] * 1e3 / ms8}
         # a B = 8 step cannot beat its projections at the sgemm rate either
         r["compute_floor_ms_B8"] = 8 * fm["proj"] / T / (sg["gflops"] * 1e9) * 1e3
+        # nor a prefill its projections at that rate plus its transcendentals
+        # at theirs: the highest prefill fraction this machine allows
+        tr = limits.transcendental_seconds(limits.transcendental_counts(kind, d, T), n)
+        floor_s = fm["proj"] / (sg["gflops"] * 1e9) + tr["seconds"]
+        r["transcendentals"] = tr
+        r["prefill_frac_ceiling"] = (fm["total"] / floor_s / 1e9 / sg["gflops"]
+                                     if tr["ns"] else None)
         res["blocks"].append(r)
         print(f"{kind}: sgemm {sg['gflops']:.1f} GFLOP/s, read {wb / 1e6:.2f} MB in "
               f"{rd_w['seconds'] * 1e3:.3f} ms ({rd_w['gbps']:.1f} GB/s), prefill "
@@ -199,6 +215,13 @@ def main(argv=None):
     print(f"\nFLOP model (bench/MODEL.md), B={B} L={L}: " + "; ".join(
         f"{r['kind']} proj {r['flops']['proj'] / 1e9:.2f} + scan {r['flops']['scan'] / 1e9:.2f}"
         f" + other {r['flops']['other'] / 1e9:.2f} GFLOP" for r in res["blocks"]))
+    for r in res["blocks"]:
+        if r["transcendentals"]["ns"]:
+            tr = r["transcendentals"]
+            print(f"{r['kind']} prefill ceiling {r['prefill_frac_ceiling']:.2f} of sgemm: projections "
+                  f"at the sgemm rate + {tr['seconds'] * 1e3:.1f} ms of transcendentals over {n} "
+                  "threads (one thread, ns each: " + ", ".join(
+                      f"{k} {v:.3f}" for k, v in tr["ns"].items()) + ")")
     print()
     print(targets_table(res["blocks"]))
     print("read probe: " + "; ".join(
