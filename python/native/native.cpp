@@ -10,6 +10,9 @@
 // * set_record_dir(): test-only records of every op run (record.h), which
 //   tools/abi_replay/replay.c replays without Python (the arm64 check).
 //
+// The pool is in pool.h, Storage and the known caller regions in memory.h,
+// device staging in device.h, the op records in record.h.
+//
 // Thread safety: run() may be called from several Python threads; only one
 // uses the pool at a time, the others run their tasks on their own thread
 // (same bits, since tasks are independent).
@@ -19,27 +22,19 @@
 #include <nanobind/stl/vector.h>
 
 #include <dlfcn.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include "device.h"
+#include "memory.h"
+#include "pool.h"
 #include "record.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>  // malloc_trim
 #endif
-#if defined(__unix__) || defined(__APPLE__)
-#include <sys/mman.h>
-#include <unistd.h>
-#define ML_HAVE_MMAP 1
-#endif
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <deque>
-#include <iterator>
 #include <map>
 #include <cstdint>
 #include <cstdio>
@@ -57,7 +52,6 @@ namespace nb = nanobind;
 namespace {
 
 using PlanFn = int64_t (*)(int64_t, int64_t *, int64_t);
-using TaskFn = int64_t (*)(int64_t, int64_t *, int64_t, int64_t);
 using IntFn = int64_t (*)();
 using DescribeFn = int64_t (*)(uint8_t *, int64_t);
 using NonFiniteFn = int64_t (*)(float *, int64_t);
@@ -65,172 +59,9 @@ using IntArgFn = int64_t (*)(int64_t);
 
 constexpr int64_t kPhaseEnd = -1;
 constexpr int64_t kPlanWorkspace = -1;
-// More threads than this is a mistake (a pool that size cannot be started
-// reliably, and no machine this runs on has that many cores).
-constexpr int64_t kMaxThreads = 1024;
 
-// One spin-wait pause, on any architecture.
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__) || defined(__arm__)
-  asm volatile("yield" ::: "memory");
-#else
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-#endif
-}
-
-// Test hook (MOJOLEARN_TEST_POOL_DELAY_US, read when a pool starts): the
-// caller pauses between publishing a job's fields and opening its tickets,
-// and each worker pauses after every task it runs. This widens the windows
-// in which a worker that is late for one job meets the next job's fields,
-// so tests/test_pool_stress.py can show the ticket protocol holding.
-int pool_test_delay_us() {
-  const char *s = std::getenv("MOJOLEARN_TEST_POOL_DELAY_US");
-  return s ? std::max(0, std::atoi(s)) : 0;
-}
-
-// ------------------------------------------------------------------ pool
-
-struct Job {
-  TaskFn task;
-  int64_t op;
-  int64_t *args;
-  int64_t phase;
-  int64_t ntasks;
-};
-
-// Persistent workers. A job's tasks are split into one contiguous range per
-// thread; each range is claimed through its own 64-bit ticket, (epoch << 32)
-// | next task, so a worker that wakes late can never claim a task of a newer
-// job with an older job's fields. A thread takes its own range first, then
-// helps with the others: repeated calls (decode steps) give each thread the
-// same tasks, so each core keeps the same weight panels in its own cache.
-// The caller waits for the tasks to be done, not for the workers to wake: on
-// a loaded machine a descheduled worker just does nothing while the others
-// run its range. Which thread runs a task never changes a bit.
-class Pool {
- public:
-  explicit Pool(int nthreads)
-      : nthreads_(nthreads < 1 ? 1 : nthreads), tickets_(new Ticket[nthreads_]),
-        delay_us_(pool_test_delay_us()) {
-    try {
-      for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this, i] { loop(i); });
-    } catch (...) {  // the system refused a thread: stop the ones started
-      shutdown();
-      throw std::runtime_error("cannot start " + std::to_string(nthreads_) +
-                               " kernel threads; use fewer (mojolearn.set_num_threads)");
-    }
-  }
-  ~Pool() { shutdown(); }
-  int threads() const { return nthreads_; }
-
-  // Runs job.ntasks tasks; returns the first nonzero task status (or 0).
-  int64_t run(const Job &job) {
-    if (job.ntasks <= 0) return 0;
-    if (workers_.empty() || job.ntasks == 1) return run_inline(job);
-    job_ = job;
-    status_.store(0, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
-    // (3x a worker's pause: a worker late for the last job wakes inside it)
-    if (delay_us_) std::this_thread::sleep_for(std::chrono::microseconds(3 * delay_us_));
-    uint64_t e = epoch_.load(std::memory_order_relaxed) + 1;
-    for (int r = 0; r < nthreads_; ++r)
-      tickets_[r].v.store((e << 32) | static_cast<uint64_t>(lo(r, job.ntasks)),
-                          std::memory_order_release);
-    epoch_.store(e, std::memory_order_release);
-    epoch_.notify_all();
-    work(e, 0);
-    while (done_.load(std::memory_order_acquire) != job.ntasks) cpu_relax();
-    // Close the tickets before the next job's fields are written: a worker
-    // still holding this job's last ticket value would otherwise compare it
-    // with the next job's ranges and claim one of its tasks.
-    for (int r = 0; r < nthreads_; ++r)
-      tickets_[r].v.store(((e & 0xffffffffu) << 32) | kClosed, std::memory_order_release);
-    return status_.load(std::memory_order_relaxed);
-  }
-
-  static int64_t run_inline(const Job &job) {
-    for (int64_t t = 0; t < job.ntasks; ++t) {
-      int64_t s = job.task(job.op, job.args, job.phase, t);
-      if (s != 0) return s;
-    }
-    return 0;
-  }
-
- private:
-  struct alignas(64) Ticket {  // one cache line each: no false sharing
-    std::atomic<uint64_t> v{0};
-  };
-
-  int64_t lo(int r, int64_t n) const { return n * r / nthreads_; }
-
-  void work(uint64_t e, int self) {
-    for (int k = 0; k < nthreads_; ++k) {
-      int r = (self + k) % nthreads_;
-      std::atomic<uint64_t> &ticket = tickets_[r].v;
-      for (;;) {
-        uint64_t t = ticket.load(std::memory_order_acquire);
-        bool claimed = false;
-        for (;;) {
-          if ((t >> 32) != (e & 0xffffffffu)) return;  // that job is over
-          if ((t & 0xffffffffu) == kClosed) return;     // all done, tickets closed
-          if (static_cast<int64_t>(t & 0xffffffffu) >= lo(r + 1, job_.ntasks)) break;
-          if (ticket.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
-            claimed = true;
-            break;
-          }
-        }
-        if (!claimed) break;  // this range is taken: help with the next one
-        // The claimed task keeps its job alive: the caller cannot start the
-        // next job before this task is counted done.
-        int64_t s = job_.task(job_.op, job_.args, job_.phase, static_cast<int64_t>(t & 0xffffffffu));
-        if (s != 0) status_.store(s, std::memory_order_relaxed);
-        done_.fetch_add(1, std::memory_order_acq_rel);
-        if (delay_us_ && self != 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
-      }
-    }
-  }
-  void loop(int self) {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t e;
-      auto spin_start = std::chrono::steady_clock::now();
-      int spins = 0;
-      // Spin briefly (decode issues phases microseconds apart), then sleep.
-      while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
-        cpu_relax();
-        if ((++spins & 63) == 0 &&
-            std::chrono::steady_clock::now() - spin_start > std::chrono::microseconds(kSpinMicros)) {
-          epoch_.wait(seen, std::memory_order_acquire);
-        }
-      }
-      seen = e;
-      if (stop_.load()) return;
-      work(e, self);
-    }
-  }
-
-  void shutdown() {
-    stop_.store(true);
-    epoch_.fetch_add(1, std::memory_order_release);
-    epoch_.notify_all();
-    for (auto &t : workers_) t.join();
-    workers_.clear();
-  }
-
-  static constexpr int kSpinMicros = 50;
-  static constexpr uint64_t kClosed = 0xffffffffu;  // task index of a closed ticket
-  int nthreads_;
-  std::unique_ptr<Ticket[]> tickets_;
-  std::vector<std::thread> workers_;
-  Job job_{};
-  std::atomic<uint64_t> epoch_{0};
-  std::atomic<int64_t> done_{0};
-  std::atomic<int64_t> status_{0};
-  std::atomic<bool> stop_{false};
-  int delay_us_;
-};
+using namespace mlpool;
+using namespace mlmem;
 
 std::mutex g_pool_mutex;  // guards g_pool replacement and use
 std::unique_ptr<Pool> g_pool;
@@ -254,59 +85,6 @@ int default_threads() {
   }
   unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : static_cast<int>(std::min<unsigned>(n, kMaxThreads));
-}
-
-// ------------------------------------------------------------------ regions
-
-// Caller memory the emulation knows of: every live Storage (Arrays, states,
-// workspaces, weight blobs) and the buffers whose address was taken lately
-// (address(), the decode fast path). Under emulate_device an op argument that
-// points into one of them but is not in the op's buffer table is refused: a
-// device binary would hand the kernel a host pointer there.
-std::mutex g_regions_mutex;
-std::map<uintptr_t, size_t> g_storage_regions;        // start -> bytes
-std::deque<std::pair<uintptr_t, size_t>> g_recent_regions;  // bounded
-std::atomic<int> g_emulating{0};  // Libraries with emulate_device set
-std::atomic<bool> g_recording{false};  // set_record_dir (op records, record.h)
-constexpr size_t kRecentRegions = 256;
-
-void note_recent_region(const void *p, size_t n) {
-  if ((g_emulating.load(std::memory_order_relaxed) == 0 && !g_recording.load()) || n == 0) return;
-  std::lock_guard<std::mutex> lock(g_regions_mutex);
-  g_recent_regions.emplace_back(reinterpret_cast<uintptr_t>(p), n);
-  if (g_recent_regions.size() > kRecentRegions) g_recent_regions.pop_front();
-}
-
-// Whether address a lies inside a known caller buffer of at least one byte.
-bool in_known_region(uintptr_t a) {
-  std::lock_guard<std::mutex> lock(g_regions_mutex);
-  auto it = g_storage_regions.upper_bound(a);
-  if (it != g_storage_regions.begin()) {
-    --it;
-    if (a < it->first + it->second) return true;
-  }
-  for (const auto &r : g_recent_regions)
-    if (a >= r.first && a < r.first + r.second) return true;
-  return false;
-}
-
-// The known caller buffer holding address a (a live Storage first, else the
-// latest buffer whose address was taken); false if none does.
-bool find_region(uintptr_t a, uintptr_t &lo, size_t &n) {
-  std::lock_guard<std::mutex> lock(g_regions_mutex);
-  auto it = g_storage_regions.upper_bound(a);
-  if (it != g_storage_regions.begin() && a < std::prev(it)->first + std::prev(it)->second) {
-    lo = std::prev(it)->first;
-    n = std::prev(it)->second;
-    return true;
-  }
-  for (auto r = g_recent_regions.rbegin(); r != g_recent_regions.rend(); ++r)
-    if (a >= r->first && a < r->first + r->second) {
-      lo = r->first;
-      n = r->second;
-      return true;
-    }
-  return false;
 }
 
 // Op records (test only; record.h, tools/abi_replay): while a directory is
@@ -617,147 +395,6 @@ struct Library {
                                std::to_string(status) + " (internal error)");
   }
 };
-
-// ------------------------------------------------------------------ storage
-
-// Aligned memory with a shape and a format, exporting the buffer protocol.
-// A view shares the memory of its base and keeps it alive.
-// Arrays of at least this many bytes get their own anonymous mapping: it
-// comes zeroed (no memset for zero=True) and goes back to the system when
-// the array is freed. From malloc, a big freed block can stay in the
-// process (glibc raises its mmap threshold after such a free), so a model
-// loaded piece by piece would keep its transient pieces' pages.
-constexpr size_t kMapBytes = size_t(1) << 20;
-
-struct Storage {
-  void *data = nullptr;
-  size_t nbytes = 0;
-  size_t mapped = 0;  // bytes of data's own mapping (0: from aligned_alloc)
-  bool owns = false;
-  std::string format;
-  Py_ssize_t itemsize = 4;
-  std::vector<Py_ssize_t> shape, strides;
-  nb::object base;  // for views
-
-  void set_shape(const std::vector<int64_t> &s) {
-    shape.assign(s.begin(), s.end());
-    strides.assign(s.size(), 0);
-    Py_ssize_t st = itemsize;
-    for (size_t i = s.size(); i-- > 0;) {
-      strides[i] = st;
-      st *= static_cast<Py_ssize_t>(s[i]);
-    }
-  }
-  ~Storage() {
-    if (owns) {
-      {
-        std::lock_guard<std::mutex> lock(g_regions_mutex);
-        g_storage_regions.erase(reinterpret_cast<uintptr_t>(data));
-      }
-#ifdef ML_HAVE_MMAP
-      if (mapped) {
-        munmap(data, mapped);
-        return;
-      }
-#endif
-      std::free(data);
-    }
-  }
-};
-
-// Items in shape; refuses a shape whose byte count (at itemsize) does not
-// fit in a signed 64-bit size, so no size can wrap around to a small one.
-size_t count_of(const std::vector<int64_t> &shape, size_t itemsize = 1) {
-  size_t n = 1;
-  for (int64_t s : shape) {
-    if (s < 0) throw std::invalid_argument("negative dimension in shape");
-    if (__builtin_mul_overflow(n, static_cast<size_t>(s), &n))
-      throw std::overflow_error("shape has too many items to address");
-  }
-  size_t bytes = 0;
-  if (__builtin_mul_overflow(n, itemsize, &bytes) || bytes > static_cast<size_t>(PTRDIFF_MAX) - 64)
-    throw std::overflow_error("shape needs more bytes than can be addressed");
-  return n;
-}
-
-// Storage(shape, format, itemsize, zero, base): new aligned memory, or, with
-// base, a view sharing base's memory under another shape (same size).
-void storage_init(Storage *self, const std::vector<int64_t> &shape, const std::string &format,
-                  int64_t itemsize, bool zero, nb::handle base_obj) {
-  new (self) Storage();
-  if (base_obj.is_valid() && !base_obj.is_none()) {
-    Storage &base = nb::cast<Storage &>(base_obj);
-    self->itemsize = base.itemsize;
-    self->format = base.format;
-    self->set_shape(shape);
-    if (count_of(shape, static_cast<size_t>(base.itemsize)) * static_cast<size_t>(base.itemsize) != base.nbytes)
-      throw std::invalid_argument("cannot view " + std::to_string(base.nbytes) + " bytes as shape of " +
-                                  std::to_string(count_of(shape)) + " items");
-    self->data = base.data;
-    self->nbytes = base.nbytes;
-    self->base = nb::borrow(base_obj);
-    return;
-  }
-  if (itemsize < 1 || itemsize > 64) throw std::invalid_argument("itemsize must be 1 to 64");
-  self->format = format;
-  self->itemsize = static_cast<Py_ssize_t>(itemsize);
-  self->nbytes = count_of(shape, static_cast<size_t>(itemsize)) * static_cast<size_t>(itemsize);
-  self->set_shape(shape);
-  size_t alloc = (self->nbytes + 63) / 64 * 64;
-  if (alloc == 0) alloc = 64;
-#ifdef ML_HAVE_MMAP
-  if (alloc >= kMapBytes) {
-    static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    size_t len = (alloc + page - 1) / page * page;
-    void *p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    self->data = p;  // page aligned, zero filled
-    self->mapped = len;
-    zero = false;
-  }
-#endif
-  if (!self->data) {
-    self->data = std::aligned_alloc(64, alloc);
-    if (!self->data) throw std::bad_alloc();
-  }
-  self->owns = true;
-  if (zero) std::memset(self->data, 0, alloc);
-  std::lock_guard<std::mutex> lock(g_regions_mutex);
-  g_storage_regions[reinterpret_cast<uintptr_t>(self->data)] = self->nbytes;
-}
-
-int storage_getbuffer(PyObject *exporter, Py_buffer *view, int flags) {
-  Storage *s = nb::inst_ptr<Storage>(exporter);
-  view->obj = exporter;
-  Py_INCREF(exporter);
-  view->buf = s->data;
-  view->len = static_cast<Py_ssize_t>(s->nbytes);
-  view->readonly = 0;
-  view->itemsize = s->itemsize;
-  view->format = (flags & PyBUF_FORMAT) ? const_cast<char *>(s->format.c_str()) : nullptr;
-  view->ndim = static_cast<int>(s->shape.size());
-  view->shape = (flags & PyBUF_ND) ? s->shape.data() : nullptr;
-  view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? s->strides.data() : nullptr;
-  view->suboffsets = nullptr;
-  view->internal = nullptr;
-  return 0;
-}
-
-void storage_releasebuffer(PyObject *, Py_buffer *) {}
-
-PyType_Slot storage_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void *>(storage_getbuffer)},
-                               {Py_bf_releasebuffer, reinterpret_cast<void *>(storage_releasebuffer)},
-                               {0, nullptr}};
-
-uintptr_t address_of(nb::handle obj, bool writable) {
-  Py_buffer view;
-  int flags = PyBUF_ANY_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-  if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw nb::python_error();
-  uintptr_t a = reinterpret_cast<uintptr_t>(view.buf);
-  note_recent_region(view.buf, static_cast<size_t>(view.len));
-  PyBuffer_Release(&view);
-  return a;
-}
 
 }  // namespace
 
