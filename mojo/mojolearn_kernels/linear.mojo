@@ -161,14 +161,16 @@ def _tile[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
 
 
 @always_inline
-def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG](
+def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG, RS: Int = R](
     x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int
 ):
     """R rows x NP consecutive full panels (order SEG). With few rows, one
     panel has too few independent fma chains to hide the fma latency;
     several panels do. PF > 0: ask for each panel's step kk + PF while at
     kk (the weights of a few-row product are used once; float32 panels
-    only)."""
+    only). RS < R: the rows in groups of RS (a divisor of R), one group
+    after the other within each segment, so the later groups find the
+    segment's weights in L1 and the stream from memory never pauses."""
     var pstride = panel_floats[WF](k)
     var scale = Array[VN, NP](fill=VN(1.0))
     comptime for q in range(NP):
@@ -176,25 +178,28 @@ def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG
     var k0 = 0
     while True:  # one segment per pass; k = 0 stores +0.0
         var k1 = _seg_end[SEG](k0, k)
-        var acc = Array[VN, R * NP](fill=VN(0.0))
-        for kk in range(k0, k1):
-            comptime if PF > 0 and WF == WF_F32:
+        comptime for g in range(R // RS):
+            var xg = x.unsafe_offset(g * RS * ldx)
+            var yg = y.unsafe_offset(g * RS * ldy)
+            var acc = Array[VN, RS * NP](fill=VN(0.0))
+            for kk in range(k0, k1):
+                comptime if PF > 0 and WF == WF_F32 and g == 0:
+                    comptime for q in range(NP):
+                        prefetch[PrefetchOptions().for_read().high_locality()](
+                            panel.unsafe_offset(q * pstride + (kk + PF) * NR))
                 comptime for q in range(NP):
-                    prefetch[PrefetchOptions().for_read().high_locality()](
-                        panel.unsafe_offset(q * pstride + (kk + PF) * NR))
-            comptime for q in range(NP):
-                var wv = _wload[WF](panel.unsafe_offset(q * pstride), kk, scale[q])
-                comptime for i in range(R):
-                    acc[i * NP + q] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
-        if k0 == 0:
-            comptime for i in range(R):
-                comptime for q in range(NP):
-                    y.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
-        else:
-            comptime for i in range(R):
-                comptime for q in range(NP):
-                    var o = i * ldy + q * NR
-                    y.unsafe_store(o, y.unsafe_load[width=NR](o) + acc[i * NP + q])
+                    var wv = _wload[WF](panel.unsafe_offset(q * pstride), kk, scale[q])
+                    comptime for i in range(RS):
+                        acc[i * NP + q] = VN(xg[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
+            if k0 == 0:
+                comptime for i in range(RS):
+                    comptime for q in range(NP):
+                        yg.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
+            else:
+                comptime for i in range(RS):
+                    comptime for q in range(NP):
+                        var o = i * ldy + q * NR
+                        yg.unsafe_store(o, yg.unsafe_load[width=NR](o) + acc[i * NP + q])
         k0 = k1
         if k0 >= k:
             break
@@ -207,7 +212,8 @@ def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG
 comptime FEW_PF = 64
 
 
-def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG, PF: Int = FEW_PF if R >= MR else 0](
+def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG, PF: Int = FEW_PF if R >= MR else 0,
+              RS: Int = R](
     x: F32Ptr, ldx: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
     y: F32Ptr, ldy: Int,
 ):
@@ -216,17 +222,19 @@ def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG, PF: Int = FEW_PF if R >
     the registers: 32 on AVX-512; AVX2's 16 hold at most 12 accumulators,
     and 2-5 rows of four panels spilled them to the stack, 1.2-1.7x slower),
     or R = 8 on AVX-512 (a batch-8 step in one pass over the weights: 8 x 2
-    panels, measured faster than 8 x 3)."""
-    comptime NP = (min(4, max(1, 24 // R)) if R < MR else 2) if WIDE else min(4, max(1, 6 // R))
+    panels, measured faster than 8 x 3). RS: rows per register group
+    (_tile_panels; AVX2 batch-8 steps: two groups of 4)."""
+    comptime NP = (min(4, max(1, 24 // R)) if R < MR else 2) if WIDE else min(4, max(1, 6 // RS))
     var ps = panel_floats[WF](k)
     var p = p0
     while p + NP <= p1 and (p + NP) * NR <= m:
-        _tile_panels[R, NP, WF, PF, SEG](
+        _tile_panels[R, NP, WF, PF, SEG, RS](
             x, ldx, wp.unsafe_offset(p * ps), k, y.unsafe_offset(p * NR), ldy)
         p += NP
     while p < p1:
-        _tile[R, WF, SEG](x, ldx, wp.unsafe_offset(p * ps), k,
-                     y.unsafe_offset(p * NR), ldy, min(NR, m - p * NR))
+        comptime for g in range(R // RS):  # RS rows at a time, as above
+            _tile[RS, WF, SEG](x.unsafe_offset(g * RS * ldx), ldx, wp.unsafe_offset(p * ps), k,
+                               y.unsafe_offset(g * RS * ldy + p * NR), ldy, min(NR, m - p * NR))
         p += 1
 
 
@@ -249,11 +257,12 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
         comptime if WIDE:  # one pass over the weights, not a 6-row and a 2-row one
             _rows_few[8, WF, SEG](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
                              y.unsafe_offset(r0 * ldy), ldy)
-        else:  # 4 rows, prefetching; 4 more on the panels the first left in L2
-            _rows_few[4, WF, SEG, FEW_PF](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
-                                     y.unsafe_offset(r0 * ldy), ldy)
-            _rows_few[4, WF, SEG, 0](x.unsafe_offset((r0 + 4) * ldx), ldx, wp, k, m, p0, p1,
-                                y.unsafe_offset((r0 + 4) * ldy), ldy)
+        else:  # per segment 4 rows, prefetching, then 4 more on its weights in L1
+            # (was 4 rows over all the panels, then 4 more from L2: the
+            # weights streamed only during the first pass; in_proj and
+            # out_proj of a d = 768 step 0.88-0.93x the time)
+            _rows_few[8, WF, SEG, FEW_PF, 4](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
+                                        y.unsafe_offset(r0 * ldy), ldy)
         return
     var full = r0 + (r1 - r0) // MR * MR
     var p = p0
