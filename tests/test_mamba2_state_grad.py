@@ -395,16 +395,10 @@ def test_ragged_rows_match_each_row_alone():
         assert np.array_equal(gx[i, :n], np.asarray(alone["x"])[0]), i
         tail = gx[i, n:]
         assert not tail.any() and not np.signbit(tail).any()
-    ref = {k: 0.0 for k in GRAD_NAMES[1:]}
-    scale = {k: 0.0 for k in GRAD_NAMES[1:]}
     zeros = [np.zeros(s, np.float32) for s in block._state_shapes(1).values()]
-    for i, n in enumerate(lens):
-        r, s = tolerance.sensitivity(
-            lambda ww, xx, gg: state_grads(ww, xx, gg, *zeros, *zeros, s=0), w,
-            (x[i:i + 1, :n], g[i:i + 1, :n]))
-        for k in ref:
-            ref[k] = ref[k] + r[k]
-            scale[k] = scale[k] + s[k]
+    ref, scale = tolerance.sensitivity_of_rows(
+        lambda ww, xx, gg: state_grads(ww, xx, gg, *zeros, *zeros, s=0), w, x, g, lens,
+        GRAD_NAMES[1:])
     for k in ref:
         tolerance.assert_within(got[k], ref[k], scale[k], f"ragged {k}")
     full = block.backward(x, g)  # control: without lengths the padding counts

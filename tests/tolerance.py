@@ -112,6 +112,20 @@ def sensitivity(reference, weights, arrays, *, keep=(), cancels=False, copies=CO
     return ref, scale
 
 
+def sensitivity_of_rows(reference, weights, x, g, lengths, names):
+    """(ref, scale) of the weight gradients `names` of a ragged batch: each
+    row alone at its length (x[i, :n], g[i, :n]) through `sensitivity`, the
+    rows' refs and scales summed (a weight gradient is the rows' sum)."""
+    ref = {k: 0.0 for k in names}
+    scale = {k: 0.0 for k in names}
+    for i, n in enumerate(lengths):
+        r, s = sensitivity(reference, weights, (x[i:i + 1, :n], g[i:i + 1, :n]))
+        for k in names:
+            ref[k] = ref[k] + r[k]
+            scale[k] = scale[k] + s[k]
+    return ref, scale
+
+
 def ratios(got, ref, scale):
     """|got - ref| / scale per element (0 where equal, inf where the scale
     is 0 and they differ)."""
