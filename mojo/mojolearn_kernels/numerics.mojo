@@ -263,7 +263,8 @@ def exp_f32_in_range[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     var q = _exp_parts[W](x)
     # ph * 2^k as an exponent add: ph in [0.70, 1.42] and k in [-126, 127]
     # give a normal result here, where both are exact, so the bits are the
-    # product's (two vector integer ops instead of a convert, two and a mul).
+    # product's (two vector integer ops instead of a convert, two integer
+    # ops and a multiply).
     return _from_bits[W](_bits[W](q[0]) + (q[2] << 23))
 
 
