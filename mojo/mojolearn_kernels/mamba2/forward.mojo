@@ -34,7 +34,7 @@ recurrence); tests compare against transformers' Mamba2Block run in float64
 (tests/reference/hf_mamba.py), itself checked equal to it to 1e-10.
 """
 from std.memory import bitcast
-from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
+from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, valid_format,

@@ -11,7 +11,7 @@ from ..numerics import exp_f32, softplus_f32
 from .layout import (
     P, N, Q, VW, V, CB_ROWS_PER_TASK, DIRECT_CB_MAX, SCR, CACHE_HDR, M2Call, M2Group, XRows,
 )
-from .ssd_tiles import finish_rows, ssd_rows, fold_rows
+from .ssd_tiles import finish_rows, ssd_rows, fold_rows, weight_row
 
 
 @always_inline
@@ -174,8 +174,9 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     var vlen = cl.vlen(bb)
     var n_real = max(0, min(n_c, vlen - c * Q))
     var out_end = min(g_hi, max(g_lo, n_real))
-    var da = cl.da_row(bb, hh, cl.dt_cached(gp))
-    var dts = cl.dt_row(bb, hh, cl.dt_cached(gp))
+    var cached = cl.dt_cached(gp)
+    var da = cl.da_row(bb, hh, cached)
+    var dts = cl.dt_row(bb, hh, cached)
     var scr = work.unsafe_offset(wk.o_scr + task * SCR)
     var seg = scr
     var wrow = scr.unsafe_offset(Q)
@@ -264,12 +265,7 @@ def ssd_row[KEEP_Y: Bool](xr: XRows, di: Int, hh: Int, i: Int, da: F32Ptr, dts: 
     seg, wrow: Q floats of scratch each; da, dts, cbrow: the head's dA and
     dt rows and CB row i."""
     var ci = seg_row(da, i, seg)
-    var jv = 0
-    while jv <= i:
-        var e = exp_f32[VW](seg.unsafe_load[width=VW](jv))
-        var w = cbrow.unsafe_load[width=VW](jv) * e
-        wrow.unsafe_store(jv, w * dts.unsafe_load[width=VW](jv))
-        jv += VW
+    weight_row(seg, cbrow, dts, i, wrow)
     var d0 = V(0.0)
     var d1 = V(0.0)
     var d2 = V(0.0)

@@ -32,6 +32,18 @@ comptime SW = 4 if TR <= 4 else 8  # lanes of _seg_rows' chains (a power of two)
 
 
 @always_inline
+def weight_row(seg: F32Ptr, cbrow: F32Ptr, dts: F32Ptr, i: Int, w: F32Ptr):
+    """w_j = (CB_ij exp(S_i(j))) dt_j for j <= i (whole vectors: lanes past
+    i are never read), from row i's decay sums seg and CB row cbrow."""
+    var jv = 0
+    while jv <= i:
+        var e = exp_f32[VW](seg.unsafe_load[width=VW](jv))
+        var u = cbrow.unsafe_load[width=VW](jv) * e
+        w.unsafe_store(jv, u * dts.unsafe_load[width=VW](jv))
+        jv += VW
+
+
+@always_inline
 def finish_rows[KEEP_Y: Bool](yd: V, yo: V, ec: V, xr: F32Ptr, zr: F32Ptr, dskip: V,
                               dst: F32Ptr, ydst: F32Ptr, off: Int):
     """y = fma(x, D, Ydiag + Yoff * exp(S_i(-1))); dst = y * silu(z); y
@@ -76,16 +88,9 @@ def _rows_tile[R: Int, KEEP_Y: Bool](xr: XRows, di: Int, hh: Int, i0: Int, da: F
     var yd = scr.unsafe_offset(2 * TR * Q)
     var yo = yd.unsafe_offset(TR * P)
     var ci = _seg_rows[R](da, i0, seg)
-    comptime for r in range(R):  # u_ij = (CB_ij exp(S_i(j))) dt_j
-        var sr = seg.unsafe_offset(r * Q)
-        var wr = w.unsafe_offset(r * Q)
-        var cr = cb.unsafe_offset(r * Q)
-        var jv = 0
-        while jv <= i0 + r:  # lanes past i are never read
-            var e = exp_f32[VW](sr.unsafe_load[width=VW](jv))
-            var u = cr.unsafe_load[width=VW](jv) * e
-            wr.unsafe_store(jv, u * dts.unsafe_load[width=VW](jv))
-            jv += VW
+    comptime for r in range(R):
+        weight_row(seg.unsafe_offset(r * Q), cb.unsafe_offset(r * Q), dts, i0 + r,
+                   w.unsafe_offset(r * Q))
     var j0 = 0
     while j0 <= i0:  # Ydiag: every row takes j <= i0, then its last terms
         var j1 = min(i0 + 1, j0 + KB)

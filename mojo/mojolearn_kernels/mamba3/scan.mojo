@@ -108,11 +108,7 @@ def _copy_rows[FETCH: Bool](a: HeadState, b: HeadState, n: Int):
     hardware prefetcher follows them), ask for its rows ahead."""
     for j in range(n):
         if FETCH and j + ROWS_AHEAD < n:
-            var ja = j + ROWS_AHEAD
-            comptime for c in range(0, NST, 16):
-                _fetch(a.bk.unsafe_offset(ja * a.rs + c))
-            comptime for c in range(0, HP, 16):
-                _fetch(a.bv.unsafe_offset(ja * a.vs + c))
+            _fetch_row(a, j + ROWS_AHEAD)
         copy_floats(a.bk.unsafe_offset(j * a.rs), b.bk.unsafe_offset(j * b.rs), NST)
         copy_floats(a.bv.unsafe_offset(j * a.vs), b.bv.unsafe_offset(j * b.vs), HP)
         b.bdt[unsafe_offset=j * b.ss] = a.bdt[unsafe_offset=j * a.ss]
@@ -200,10 +196,16 @@ def _fetch_rows[L2: Bool = False](hs: HeadState, cnt: Int, with_h: Bool = False)
         for off in range(0, HP * NST, 16):
             _fetch[L2](hs.h.unsafe_offset(off))
     for j in range(cnt):
-        comptime for c in range(0, NST, 16):
-            _fetch[L2](hs.bk.unsafe_offset(j * hs.rs + c))
-        comptime for c in range(0, HP, 16):
-            _fetch[L2](hs.bv.unsafe_offset(j * hs.vs + c))
+        _fetch_row[L2](hs, j)
+
+
+@always_inline
+def _fetch_row[L2: Bool = False](hs: HeadState, j: Int):
+    """Ask for chunk row j's k and v lines."""
+    comptime for c in range(0, NST, 16):
+        _fetch[L2](hs.bk.unsafe_offset(j * hs.rs + c))
+    comptime for c in range(0, HP, 16):
+        _fetch[L2](hs.bv.unsafe_offset(j * hs.vs + c))
 
 
 def _fetch_token(pr: F32Ptr, dims: M3Dims, hh: Int):
