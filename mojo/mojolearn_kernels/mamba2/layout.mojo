@@ -86,19 +86,24 @@ comptime SCR = 2 * Q + N * P + TILE_SCR
 # Decode session cache, per batch row: for each head a marker float and h
 # transposed (N, P); then a count float and the open chunk's B rows
 # transposed (N, Q); then for each head a count float and the dt and dA rows
-# of the open chunk (Q each). Copies of state values only (or of values
+# of the open chunk (Q each); then for each head a count float and the open
+# chunk's x rows of that head (Q rows of P). Copies of state values only (or of values
 # computed from them by the same functions), laid out so one-token steps run
 # the same fma chains vectorized instead of gathering lanes, and compute the
 # dt of a buffered row once per chunk instead of at every step; a marker or
 # count is 0 when the copy must be rebuilt (new session, reload, fold) and
-# counts past the current row mean a new chunk began.
+# counts past the current row mean a new chunk began. The x rows are a
+# head-major copy because a step reads one head's rows as one contiguous
+# run: from the state's rows (256 bytes every cd floats) a batch-8 step's
+# reads stayed out of the last-level cache.
 comptime CACHE_HDR = 16
 comptime CACHE_HEAD = CACHE_HDR + N * P
 comptime CACHE_DT = CACHE_HDR + 2 * Q
+comptime CACHE_X = CACHE_HDR + Q * P
 
 
 def cache_floats_per_row(nh: Int) -> Int:
-    return nh * CACHE_HEAD + CACHE_HDR + N * Q + nh * CACHE_DT
+    return nh * CACHE_HEAD + CACHE_HDR + N * Q + nh * CACHE_DT + nh * CACHE_X
 
 
 struct M2Dims(ImplicitlyCopyable):
@@ -431,6 +436,11 @@ struct M2Call(ImplicitlyCopyable):
         """Head hh of row bb's open-chunk dt rows in the decode cache: count,
         then dt (Q), then dA (Q)."""
         return self.bcache(bb).unsafe_offset(CACHE_HDR + N * Q + hh * CACHE_DT)
+
+    def xcache(self, bb: Int, hh: Int) -> F32Ptr:
+        """Head hh of row bb's open-chunk x rows in the decode cache: count,
+        then (Q, P)."""
+        return self.dtcache(bb, self.dims.nh).unsafe_offset(hh * CACHE_X)
 
     def dt_cached(self, gp: M2Group) -> Bool:
         """Whether a group's dt and dA rows live in the decode cache (one-token

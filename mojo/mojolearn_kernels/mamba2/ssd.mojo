@@ -186,6 +186,7 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     var yg = work.unsafe_offset(wk.o_yg)
     var zx = work.unsafe_offset(wk.o_zx)
     var direct = gn <= DIRECT_CB_MAX  # few rows (decode): no transpose of h
+    var in_cache = False  # a session's step: h^T and the x rows from its cache
     if direct and cl.has_cache:  # a session keeps h^T until the next fold
         var hc = cl.hcache(bb, hh)
         ht = hc.unsafe_offset(CACHE_HDR)
@@ -193,6 +194,7 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
             _transpose_h(hh_home, ht)
             hc[unsafe_offset=0] = 1.0
         direct = False
+        in_cache = True
     elif not direct and out_end > g_lo and gp.k == 0:
         # later groups reuse it: a group with outputs follows a first group
         # with outputs, and a direct group (ht as scratch) can only be last
@@ -207,12 +209,19 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
                             work.unsafe_offset(wk.o_cb + r0 * Q), ht, dskip,
                             zx.unsafe_offset(r0 * dims.npj + hh * P), dims.npj, dst, dst, tiles)
         else:
+            var xc = cl.xcache(bb, hh)
             for i in range(g_lo, out_end):
                 var r = r0 + i - g_lo
                 var dst = yg.unsafe_offset(r * di + hh * P)
-                ssd_row[False](xr, di, hh, i, da, dts, work.unsafe_offset(wk.o_cb + r * Q), seg,
-                               wrow, hh_home, ht, direct, dskip,
-                               zx.unsafe_offset(r * dims.npj + hh * P), dst, dst)
+                var cbrow = work.unsafe_offset(wk.o_cb + r * Q)
+                var zr = zx.unsafe_offset(r * dims.npj + hh * P)
+                if in_cache:
+                    _extend_xcache(xr, hh, i, xc)
+                    ssd_row[False, True](xr, di, hh, i, da, dts, cbrow, seg, wrow, hh_home, ht,
+                                         direct, dskip, zr, dst, dst, xc.unsafe_offset(CACHE_HDR))
+                else:
+                    ssd_row[False](xr, di, hh, i, da, dts, cbrow, seg, wrow, hh_home, ht,
+                                   direct, dskip, zr, dst, dst, xc)
     for i in range(out_end, g_hi):  # padding rows of a ragged batch
         var dst = yg.unsafe_offset((bb * gn + i - g_lo) * di + hh * P)
         for p in range(P):
@@ -231,6 +240,22 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
                 hl[unsafe_offset=k] = hh_home[unsafe_offset=k]
     elif want:
         fold_chunk(cl.xrows(bb, c), di, hh, da, dts, n_real, hh_home, hl, seg, wrow, tiles)
+
+
+def _extend_xcache(xr: XRows, hh: Int, i: Int, xc: F32Ptr):
+    """Head hh's x rows up to chunk row i into the session's copy (count at
+    xc[0], then Q rows of P): the rows it lacks, or all of them when its
+    count is past i (a new chunk began, or row i is computed again)."""
+    var have = Int(xc[unsafe_offset=0])
+    if have > i:
+        have = 0
+    var rows = xc.unsafe_offset(CACHE_HDR)
+    for j in range(have, i + 1):
+        var src = xr.row(j).unsafe_offset(hh * P)
+        var dst = rows.unsafe_offset(j * P)
+        comptime for q in range(0, P, VW):
+            dst.unsafe_store(q, src.unsafe_load[width=VW](q))
+    xc[unsafe_offset=0] = Float32(i + 1)
 
 
 def _transpose_h(h: F32Ptr, ht: F32Ptr):
@@ -254,16 +279,20 @@ def yoff_direct(crow: F32Ptr, h: F32Ptr, dst: F32Ptr):
 
 
 @always_inline
-def ssd_row[KEEP_Y: Bool](xr: XRows, di: Int, hh: Int, i: Int, da: F32Ptr, dts: F32Ptr,
-                          cbrow: F32Ptr, seg: F32Ptr, wrow: F32Ptr, h: F32Ptr, ht: F32Ptr,
-                          direct: Bool, dskip: V, zr: F32Ptr, dst: F32Ptr, ydst: F32Ptr):
+def ssd_row[KEEP_Y: Bool, XC: Bool = False](
+    xr: XRows, di: Int, hh: Int, i: Int, da: F32Ptr, dts: F32Ptr, cbrow: F32Ptr, seg: F32Ptr,
+    wrow: F32Ptr, h: F32Ptr, ht: F32Ptr, direct: Bool, dskip: V, zr: F32Ptr, dst: F32Ptr,
+    ydst: F32Ptr, xc: F32Ptr,
+):
     """Head hh's output of chunk row i (docs/mamba2.md steps 4-9): w_j =
     (CB_ij exp(S_i(j))) dt_j; Ydiag = fma chain over j <= i of w_j x_j;
     Yoff = fma chain over n of C_i[n] h[., n] (from h^T at ht, or direct:
     from the row-major h, ht then only 64 floats of scratch); then
     finish_rows into dst (and y before the gate into ydst if KEEP_Y).
     seg, wrow: Q floats of scratch each; da, dts, cbrow: the head's dA and
-    dt rows and CB row i."""
+    dt rows and CB row i. XC: the x rows of the fma chain from xc (head
+    hh's rows 0..i, P floats apart: a session's copy) instead of xr (xc
+    is not read otherwise)."""
     var ci = seg_row(da, i, seg)
     weight_row(seg, cbrow, dts, i, wrow)
     var d0 = V(0.0)
@@ -272,7 +301,11 @@ def ssd_row[KEEP_Y: Bool](xr: XRows, di: Int, hh: Int, i: Int, da: F32Ptr, dts: 
     var d3 = V(0.0)
     for j in range(i + 1):
         var wj = V(wrow[unsafe_offset=j])
-        var xp = xr.row(j).unsafe_offset(hh * P)
+        var xp: F32Ptr
+        comptime if XC:
+            xp = xc.unsafe_offset(j * P)
+        else:
+            xp = xr.row(j).unsafe_offset(hh * P)
         d0 = wj.fma(xp.unsafe_load[width=VW](0), d0)
         d1 = wj.fma(xp.unsafe_load[width=VW](VW), d1)
         d2 = wj.fma(xp.unsafe_load[width=VW](2 * VW), d2)

@@ -324,8 +324,9 @@ class Mamba2DecodeSession(DecodeSessionBase):
             self._s = self._args[self._s_slot] = 0
             self._use_row_tokens(_row_tokens)
         self._use_thread_workspace()
-        # transposed copies of h and of the open chunk's B rows, rebuilt by
-        # the kernel whenever a marker is 0: same chains, vectorized
+        # transposed copies of h and of the open chunk's B rows, its dt rows
+        # and head-major x rows, rebuilt by the kernel whenever a marker or
+        # count says so: same chains, vectorized or read contiguously
         # (mamba2/layout.mojo, cache_floats_per_row; its size read from the
         # op's buffer table)
         nbytes = _abi.slot_bytes(self._lib, self._op, self._args, "cache")
