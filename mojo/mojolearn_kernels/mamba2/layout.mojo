@@ -87,15 +87,16 @@ comptime SCR = 2 * Q + N * P + TILE_SCR
 # transposed (N, P); then a count float and the open chunk's B rows
 # transposed (N, Q); then for each head a count float and the dt and dA rows
 # of the open chunk (Q each); then for each head a count float and the open
-# chunk's x rows of that head (Q rows of P). Copies of state values only (or of values
-# computed from them by the same functions), laid out so one-token steps run
-# the same fma chains vectorized instead of gathering lanes, and compute the
-# dt of a buffered row once per chunk instead of at every step; a marker or
-# count is 0 when the copy must be rebuilt (new session, reload, fold) and
-# counts past the current row mean a new chunk began. The x rows are a
-# head-major copy because a step reads one head's rows as one contiguous
-# run: from the state's rows (256 bytes every cd floats) a batch-8 step's
-# reads stayed out of the last-level cache.
+# chunk's x rows of that head (Q rows of P). Copies of state values only (or
+# of values computed from them by the same functions), laid out so one-token
+# steps run the same fma chains vectorized instead of gathering lanes, and
+# compute the dt of a buffered row once per chunk instead of at every step; a
+# marker or count is 0 when the copy must be rebuilt (new session, reload,
+# fold) and counts past the current row mean a new chunk began (ssd.held_rows
+# for the B and x rows). The x rows are a head-major copy because a step
+# reads one head's rows as one contiguous run: from the state's rows (256
+# bytes every cd floats) a batch-8 step's reads stayed out of the last-level
+# cache.
 comptime CACHE_HDR = 16
 comptime CACHE_HEAD = CACHE_HDR + N * P
 comptime CACHE_DT = CACHE_HDR + 2 * Q

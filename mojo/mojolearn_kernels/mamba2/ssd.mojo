@@ -110,16 +110,22 @@ def cb_task(cl: M2Call, gp: M2Group, task: Int):
             jv += VW
 
 
+@always_inline
+def held_rows(cache: F32Ptr, i: Int) -> Int:
+    """Open-chunk rows 0.. a session's row copy (its count at cache[0]) still
+    holds for a step at chunk row i: the count, or 0 when it is past i (a
+    new chunk began, or row i is computed again)."""
+    var have = Int(cache[unsafe_offset=0])
+    return 0 if have > i else have
+
+
 def cb_row_cached(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
     """CB_ij for j = 0..i from the session's transposed copy of the open
     chunk's B rows (rows not yet copied are added first): the same fma chain
     over n per element, 16 j per vector."""
     var bc = cl.bcache(bb)
     var bt = bc.unsafe_offset(CACHE_HDR)
-    var have = Int(bc[unsafe_offset=0])
-    if have > i:  # a new chunk began
-        have = 0
-    for j in range(have, i + 1):
+    for j in range(held_rows(bc, i), i + 1):
         var br = cl.xbc_row(bb, c, j).unsafe_offset(cl.dims.di)
         for n in range(N):
             bt[unsafe_offset=n * Q + j] = br[unsafe_offset=n]
@@ -246,11 +252,8 @@ def _extend_xcache(xr: XRows, hh: Int, i: Int, xc: F32Ptr):
     """Head hh's x rows up to chunk row i into the session's copy (count at
     xc[0], then Q rows of P): the rows it lacks, or all of them when its
     count is past i (a new chunk began, or row i is computed again)."""
-    var have = Int(xc[unsafe_offset=0])
-    if have > i:
-        have = 0
     var rows = xc.unsafe_offset(CACHE_HDR)
-    for j in range(have, i + 1):
+    for j in range(held_rows(xc, i), i + 1):
         var src = xr.row(j).unsafe_offset(hh * P)
         var dst = rows.unsafe_offset(j * P)
         comptime for q in range(0, P, VW):
