@@ -36,12 +36,12 @@ TOKENS = 1024  # distinct inputs a worker cycles through
 def _worker(block: int, batch: int, ctx: int, d: int) -> None:
     """Serve bursts: read a step count per line, run that many steps, print
     the mean seconds per step."""
-    import mojolearn
-    from mojolearn.reference.weights import (mamba1_weights, mamba2_weights,
-                                             mamba3_weights, random_input)
-    make, cls = {1: (mamba1_weights, "Mamba1Block"), 2: (mamba2_weights, "Mamba2Block"),
-                 3: (mamba3_weights, "Mamba3Block")}[block]
     import numpy as np
+    import mojolearn
+    from mojolearn.reference.weights import random_input
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from phases import BLOCKS  # (bench/: the block number -> weights, class table)
+    make, cls = BLOCKS[block]
     blk = getattr(mojolearn, cls)(make(d, seed=1))
     state = blk.allocate_state(batch)
     if ctx:
