@@ -1,0 +1,260 @@
+"""The model-family registry: one entry per family (Mamba-1, Mamba-2, Mamba-3).
+
+Everything that differs between the families outside the kernels is read
+from here: the kind name and its aliases, the block, state and decode
+session classes, the weight shapes, the checkpoint name maps of each file
+format, the fixed configuration values, the initializer, the config a
+saved folder gets, the torch module and the float64 reference.
+``checkpoints``, ``init``, ``save``, ``mojolearn.torch`` and
+``mojolearn.reference`` take them from here; a new family (or a block
+option) is one more :class:`Family` in ``FAMILIES``.
+
+Importing this module imports no block module, no binary and no PyTorch:
+classes and functions are named by dotted path and imported when asked.
+
+Kind names: the canonical names are the ones the library reports
+(``Checkpoint.kind``, ``MambaLM.kind``): 'mamba' (transformers'
+``model_type`` for Mamba-1), 'mamba2' and 'mamba3'. 'mamba1' is accepted
+everywhere as an alias of 'mamba' (it is ``init_weights``' spelling and
+the block's name).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import import_module
+
+__all__ = ["Family", "FAMILIES", "family", "kinds"]
+
+# checkpoint file formats a family's weights are named in (docs/checkpoints.md)
+FORMATS = ("transformers", "mamba_ssm")
+
+
+def _resolve(path: str):
+    """The object at 'package.module.Name' (imported now)."""
+    module, _, name = path.rpartition(".")
+    return getattr(import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes
+    ----------
+    kind : str
+        Canonical kind name (``Checkpoint.kind``).
+    aliases : tuple of str
+        Other accepted spellings of kind.
+    title : str
+        Name used in messages ('Mamba-2').
+    block, state, session : str
+        Dotted paths of the block, state and decode session classes
+        (resolved by ``block_class``, ``state_class``, ``session_class``).
+    shapes : str
+        Dotted path of ``weight_shapes(d_model) -> {name: shape}``.
+    input_norm : str
+        Block weight name of the layer's input RMSNorm (checkpoints call it
+        ``layers.{i}.norm.weight``).
+    row_positions : bool
+        Whether the decode session keeps per-row chunk positions (Mamba-2/3:
+        ``_row_tokens``); Mamba-1 rows need none (an engine steps them with
+        ``block.step``).
+    block_options : tuple of str
+        Checkpoint summary entries passed to the block constructor (Mamba-2:
+        ``dt_limit``).
+    model_type : str
+        transformers' ``config.model_type`` (mojolearn's for Mamba-3).
+    ssm_layer : str
+        mamba_ssm's ``ssm_cfg['layer']``.
+    min_multiple : int
+        d_model must be a positive multiple of this.
+    file_shapes : dict
+        {format: {block weight name: shape function name}}: weights stored
+        in another layout in that format (the same values in C order, so a
+        reshape): e.g. mamba_ssm's Mamba-3 ``B_bias`` is (H, 1, N).
+    initializer, torch_module, reference, reference_weights : str
+        Dotted paths (mojolearn.init's drawing function, the torch.nn.Module
+        class, the float64 reference forward and its weight maker).
+    """
+
+    kind: str
+    aliases: tuple
+    title: str
+    block: str
+    state: str
+    session: str
+    shapes: str
+    input_norm: str
+    row_positions: bool
+    block_options: tuple
+    model_type: str
+    ssm_layer: str
+    min_multiple: int
+    initializer: str
+    torch_module: str
+    reference: str
+    reference_weights: str
+    file_shapes: dict = field(default_factory=dict)
+
+    # -- classes and functions (imported when asked) ------------------------
+    @property
+    def block_class(self):
+        """The block class (imports the block module, not a binary)."""
+        return _resolve(self.block)
+
+    @property
+    def state_class(self):
+        return _resolve(self.state)
+
+    @property
+    def session_class(self):
+        """The decode session class (``Mamba2DecodeSession`` ...)."""
+        return _resolve(self.session)
+
+    @property
+    def torch_class(self):
+        """The torch.nn.Module class (imports PyTorch)."""
+        return _resolve(self.torch_module)
+
+    @property
+    def reference_forward(self):
+        """The float64 NumPy reference forward (imports NumPy)."""
+        return _resolve(self.reference)
+
+    def weight_shapes(self, d_model: int) -> dict:
+        """{block weight name: shape} for d_model (conv1d: two accepted shapes)."""
+        return _resolve(self.shapes)(d_model)
+
+    def initial_weights(self, d_model: int, draw, out_scale: float, dt_min: float,
+                        dt_max: float) -> dict:
+        """{name: (shape, values)} drawn by mojolearn.init's function."""
+        return _resolve(self.initializer)(d_model, draw, out_scale, dt_min, dt_max)
+
+    def check_d_model(self, d: int, field_name: str = "d_model") -> None:
+        """ValueError naming field_name unless d fits the block."""
+        if d < 1 or d % self.min_multiple:
+            want = ">= 1" if self.min_multiple == 1 else \
+                f"a positive multiple of {self.min_multiple}"
+            raise ValueError(f"{field_name} must be {want} for {self.title}, got {d}")
+
+    # -- checkpoint names -------------------------------------------------
+    def checkpoint_name(self, name: str) -> str:
+        """The layer-relative checkpoint key of a block weight (both formats
+        name them alike): the input norm is ``norm.weight``, every other
+        weight ``mixer.<name>``."""
+        return "norm.weight" if name == self.input_norm else f"mixer.{name}"
+
+    def block_name(self, key: str):
+        """The block weight name of a layer-relative checkpoint key, or None."""
+        if key == "norm.weight":
+            return self.input_norm
+        if key.startswith("mixer."):
+            return key[len("mixer."):]
+        return None
+
+    def stored_shape(self, fmt: str, name: str, shape: tuple) -> tuple:
+        """The shape a weight of block shape ``shape`` has in format fmt."""
+        rule = self.file_shapes.get(fmt, {}).get(name)
+        return _LAYOUTS[rule](shape) if rule else shape
+
+    # -- configs ----------------------------------------------------------
+    def fixed_config(self, d: int) -> dict:
+        """The transformers config values the block fixes (refused when a
+        config says otherwise)."""
+        common = {"conv_kernel": 4, "expand": 2, "use_bias": False, "use_conv_bias": True,
+                  "layer_norm_epsilon": 1e-5}
+        return dict(common, **_FIXED[self.kind](d))
+
+    def saved_config(self, d: int) -> dict:
+        """The config.json fields save_checkpoint writes for d_model d."""
+        return dict(_SAVED[self.kind](d))
+
+
+def _insert_axis1(shape):
+    return (shape[0], 1) + tuple(shape[1:])
+
+
+_LAYOUTS = {"insert_axis1": _insert_axis1}
+
+_FIXED = {
+    "mamba": lambda d: {"state_size": 16},
+    "mamba2": lambda d: {"state_size": 128, "head_dim": 64, "n_groups": 1, "chunk_size": 256,
+                         "num_heads": 2 * d // 64},
+    "mamba3": lambda d: {"state_size": 128, "head_dim": 64, "num_heads": 2 * d // 64,
+                         "chunk_size": 64},
+}
+
+_SAVED = {
+    "mamba": lambda d: {},
+    "mamba2": lambda d: {"state_size": 128, "head_dim": 64, "num_heads": d * 2 // 64,
+                         "n_groups": 1, "expand": 2, "chunk_size": 256},
+    "mamba3": lambda d: {"state_size": 128, "head_dim": 64, "num_heads": d * 2 // 64,
+                         "expand": 2, "chunk_size": 64},
+}
+
+_M = "mojolearn.mamba."
+
+FAMILIES = (
+    Family(kind="mamba", aliases=("mamba1",), title="Mamba-1",
+           block=_M + "mamba1.Mamba1Block", state=_M + "mamba1.Mamba1State",
+           session=_M + "sessions.Mamba1DecodeSession",
+           shapes=_M + "mamba1.mamba1_weight_shapes", input_norm="norm.weight",
+           row_positions=False, block_options=(), model_type="mamba", ssm_layer="Mamba1",
+           min_multiple=1, initializer="mojolearn.init._mamba1",
+           torch_module="mojolearn.torch.Mamba1",
+           reference="mojolearn.reference.mamba1.mamba1_numpy",
+           reference_weights="mojolearn.reference.weights.mamba1_weights"),
+    Family(kind="mamba2", aliases=(), title="Mamba-2",
+           block=_M + "mamba2.Mamba2Block", state=_M + "mamba2.Mamba2State",
+           session=_M + "sessions.Mamba2DecodeSession",
+           shapes=_M + "mamba2.mamba2_weight_shapes", input_norm="block_norm.weight",
+           row_positions=True, block_options=("dt_limit",), model_type="mamba2",
+           ssm_layer="Mamba2", min_multiple=32, initializer="mojolearn.init._mamba2",
+           torch_module="mojolearn.torch.Mamba2",
+           reference="mojolearn.reference.mamba2.mamba2_numpy",
+           reference_weights="mojolearn.reference.weights.mamba2_weights"),
+    Family(kind="mamba3", aliases=(), title="Mamba-3",
+           block=_M + "mamba3.Mamba3Block", state=_M + "mamba3.Mamba3State",
+           session=_M + "sessions.Mamba3DecodeSession",
+           shapes=_M + "mamba3.mamba3_weight_shapes", input_norm="block_norm.weight",
+           row_positions=True, block_options=(), model_type="mamba3", ssm_layer="Mamba3",
+           min_multiple=32, initializer="mojolearn.init._mamba3",
+           torch_module="mojolearn.torch.Mamba3",
+           reference="mojolearn.reference.mamba3.mamba3_numpy",
+           reference_weights="mojolearn.reference.weights.mamba3_weights",
+           # mamba_ssm keeps a MIMO rank axis (1 for SISO) in the q/k biases
+           file_shapes={"mamba_ssm": {"B_bias": "insert_axis1", "C_bias": "insert_axis1"}}),
+)
+
+_BY_NAME = {name: f for f in FAMILIES for name in (f.kind,) + f.aliases}
+
+
+def kinds() -> list:
+    """Every accepted kind spelling, canonical names first."""
+    return [f.kind for f in FAMILIES] + [a for f in FAMILIES for a in f.aliases]
+
+
+def family(kind, argument: str = "kind") -> Family:
+    """The Family of a kind name or alias; ValueError naming ``argument``
+    and the accepted spellings otherwise.
+
+    Examples
+    --------
+    >>> from mojolearn.families import family
+    >>> family("mamba1").kind, family("mamba2").title
+    ('mamba', 'Mamba-2')
+    """
+    f = _BY_NAME.get(kind) if isinstance(kind, str) else None
+    if f is None:
+        raise ValueError(f"{argument} must be one of {kinds()}, got {kind!r}")
+    return f
+
+
+def by_model_type(model_type):
+    """The Family whose transformers model_type this is, or None."""
+    return next((f for f in FAMILIES if f.model_type == model_type), None)
+
+
+def by_ssm_layer(layer):
+    """The Family of a mamba_ssm ``ssm_cfg['layer']`` value, or None."""
+    return next((f for f in FAMILIES if f.ssm_layer == layer), None)
