@@ -28,17 +28,23 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 from .safetensors import LazyTensor
 
-__all__ = ["read_pytorch_bin"]
+__all__ = ["read_pytorch_bin", "PickleRefused"]
 
 _STORAGES = {"FloatStorage": ("F32", 4), "BFloat16Storage": ("BF16", 2),
              "HalfStorage": ("F16", 2)}
 _ALLOWED = ("collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
             "torch._utils._rebuild_parameter") + tuple(f"torch.{s}" for s in _STORAGES)
 _MAX_PICKLE = 64 << 20  # data.pkl of a state_dict is a few hundred bytes per tensor
+
+
+class PickleRefused(ValueError):
+    """A pickle named something a state_dict does not hold (or malformed
+    records): raised before anything it names is called."""
 
 
 class _Storage:
@@ -93,7 +99,7 @@ class _Unpickler(pickle.Unpickler):
             return _STANDINS[full]
         if module == "torch" and name in _STORAGES:
             return _Storage(name)
-        raise ValueError(f"{self.where}: the pickle names {full}, which is not part of a "
+        raise PickleRefused(f"{self.where}: the pickle names {full}, which is not part of a "
                          f"state_dict of float32/bfloat16/float16 tensors: refused "
                          f"(accepted: {', '.join(_ALLOWED)})")
 
@@ -101,7 +107,7 @@ class _Unpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _Storage) and isinstance(pid[2], str)
                 and isinstance(pid[4], int) and not isinstance(pid[4], bool)):
-            raise ValueError(f"{self.where}: a persistent id is not a storage record: "
+            raise PickleRefused(f"{self.where}: a persistent id is not a storage record: "
                              f"{pid!r:.200}")
         return self.storages.setdefault(pid[2], (pid[1], pid[2], pid[4]))
 
@@ -130,7 +136,7 @@ def read_pytorch_bin(path) -> dict:
     where = f"{path}"
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
+    except _ZIP_ERRORS as e:
         with open(path, "rb") as f:
             magic = f.read(2)
         if magic == b"\x80\x02":
@@ -138,32 +144,44 @@ def read_pytorch_bin(path) -> dict:
                              "not read: save it again with a current torch.save, or as "
                              "safetensors") from None
         raise ValueError(f"{where} is not a torch.save zip archive ({e})") from None
-    with zf:
-        infos = {i.filename: i for i in zf.infolist()}
-        pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pkl) != 1:
-            raise ValueError(f"{where}: no <name>/data.pkl in the archive")
-        prefix = pkl[0][: -len("data.pkl")]
-        order = infos.get(prefix + "byteorder")
-        if order is not None and zf.read(order).strip() != b"little":
-            raise ValueError(f"{where}: a big-endian archive is not read")
-        if infos[pkl[0]].file_size > _MAX_PICKLE:
-            raise ValueError(f"{where}: data.pkl is larger than {_MAX_PICKLE} bytes")
-        unpickler = _Unpickler(zf.read(pkl[0]), where)
-        try:
-            obj = unpickler.load()
-        except ValueError:
-            raise
-        except Exception as e:  # malformed pickle bytes: any of pickle's error kinds
-            raise ValueError(f"{where}: data.pkl is not a readable pickle "
-                             f"({type(e).__name__}: {e})") from None
-        if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
-            raise ValueError(f"{where}: the pickle is not a state_dict (a dict of names "
-                             f"to tensors), got {type(obj).__name__}")
-        out = {}
-        with open(path, "rb") as f:
-            for name, rec in obj.items():
-                out[name] = _lazy(f, infos, prefix, name, rec, path, where)
+    try:
+        with zf:
+            return _read_archive(zf, path, where)
+    except _ZIP_ERRORS as e:
+        raise ValueError(f"{where}: a damaged zip archive ({type(e).__name__}: {e})") from None
+
+
+# what zipfile raises on damaged archives (a bad CRC, a short member, bad sizes)
+_ZIP_ERRORS = (zipfile.BadZipFile, EOFError, OSError, NotImplementedError, OverflowError,
+               zlib.error, UnicodeDecodeError)
+
+
+def _read_archive(zf, path, where) -> dict:
+    infos = {i.filename: i for i in zf.infolist()}
+    pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkl) != 1:
+        raise ValueError(f"{where}: no <name>/data.pkl in the archive")
+    prefix = pkl[0][: -len("data.pkl")]
+    order = infos.get(prefix + "byteorder")
+    if order is not None and zf.read(order).strip() != b"little":
+        raise ValueError(f"{where}: a big-endian archive is not read")
+    if infos[pkl[0]].file_size > _MAX_PICKLE:
+        raise ValueError(f"{where}: data.pkl is larger than {_MAX_PICKLE} bytes")
+    unpickler = _Unpickler(zf.read(pkl[0]), where)
+    try:
+        obj = unpickler.load()
+    except PickleRefused:
+        raise
+    except Exception as e:  # malformed pickle bytes: any of pickle's error kinds
+        raise ValueError(f"{where}: data.pkl is not a readable pickle "
+                         f"({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        raise ValueError(f"{where}: the pickle is not a state_dict (a dict of names "
+                         f"to tensors), got {type(obj).__name__}")
+    out = {}
+    with open(path, "rb") as f:
+        for name, rec in obj.items():
+            out[name] = _lazy(f, infos, prefix, name, rec, path, where)
     return out
 
 

@@ -190,9 +190,12 @@ def _check_tiling(entries: dict, data_size: int, path) -> None:
                              "the format needs the tensors to tile the data without "
                              "overlaps or gaps")
         at, prev = end, name
-    if at != data_size:
-        raise ValueError(f"{path}: the tensors' data ends at byte {at} but the file holds "
-                         f"{data_size} data bytes (the format allows no tail)")
+    if at > data_size:
+        raise ValueError(f"{path}: truncated: the tensors' data ends at byte {at} but the "
+                         f"file holds {data_size} data bytes")
+    if at < data_size:
+        raise ValueError(f"{path}: {data_size - at} bytes after the last tensor's data (the "
+                         "format allows no tail)")
 
 
 def _checked_entry(info, name, path, base, size):
