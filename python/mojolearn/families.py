@@ -121,6 +121,11 @@ class Family:
         """The float64 NumPy reference forward (imports NumPy)."""
         return _resolve(self.reference)
 
+    @property
+    def reference_weight_maker(self):
+        """mojolearn.reference.weights' maker of this family's weights (NumPy)."""
+        return _resolve(self.reference_weights)
+
     def weight_shapes(self, d_model: int) -> dict:
         """{block weight name: shape} for d_model (conv1d: two accepted shapes)."""
         return _resolve(self.shapes)(d_model)
