@@ -37,44 +37,32 @@ def _resolve(path: str):
 
 @dataclass(frozen=True)
 class Family:
-    """One model family.
+    """One model family. Its fields:
 
-    Attributes
-    ----------
-    kind : str
-        Canonical kind name (``Checkpoint.kind``).
-    aliases : tuple of str
-        Other accepted spellings of kind.
-    title : str
-        Name used in messages ('Mamba-2').
-    block, state, session : str
-        Dotted paths of the block, state and decode session classes
-        (resolved by ``block_class``, ``state_class``, ``session_class``).
-    shapes : str
-        Dotted path of ``weight_shapes(d_model) -> {name: shape}``.
-    input_norm : str
-        Block weight name of the layer's input RMSNorm (checkpoints call it
-        ``layers.{i}.norm.weight``).
-    row_positions : bool
-        Whether the decode session keeps per-row chunk positions (Mamba-2/3:
-        ``_row_tokens``); Mamba-1 rows need none (an engine steps them with
-        ``block.step``).
-    block_options : tuple of str
-        Checkpoint summary entries passed to the block constructor (Mamba-2:
-        ``dt_limit``).
-    model_type : str
-        transformers' ``config.model_type`` (mojolearn's for Mamba-3).
-    ssm_layer : str
-        mamba_ssm's ``ssm_cfg['layer']``.
-    min_multiple : int
-        d_model must be a positive multiple of this.
-    file_shapes : dict
-        {format: {block weight name: shape function name}}: weights stored
-        in another layout in that format (the same values in C order, so a
-        reshape): e.g. mamba_ssm's Mamba-3 ``B_bias`` is (H, 1, N).
-    initializer, torch_module, reference, reference_weights : str
-        Dotted paths (mojolearn.init's drawing function, the torch.nn.Module
-        class, the float64 reference forward and its weight maker).
+    - ``kind``: the canonical kind name (``Checkpoint.kind``); ``aliases``:
+      other accepted spellings; ``title``: the name used in messages
+      ('Mamba-2').
+    - ``block``, ``state``, ``session``: dotted paths of the block, state
+      and decode session classes (``block_class``, ``state_class``,
+      ``session_class`` import them).
+    - ``shapes``: dotted path of ``weight_shapes(d_model) -> {name: shape}``.
+    - ``input_norm``: the block weight name of the layer's input RMSNorm
+      (checkpoints call it ``layers.{i}.norm.weight``).
+    - ``row_positions``: whether the decode session keeps per-row chunk
+      positions (Mamba-2/3); Mamba-1 rows need none (an engine steps them
+      with ``block.step``).
+    - ``block_options``: checkpoint summary entries passed to the block
+      constructor (Mamba-2: ``dt_limit``).
+    - ``model_type``: transformers' ``config.model_type`` (mojolearn's for
+      Mamba-3); ``ssm_layer``: mamba_ssm's ``ssm_cfg['layer']``.
+    - ``min_multiple``: d_model must be a positive multiple of it.
+    - ``initializer``, ``torch_module``, ``reference``,
+      ``reference_weights``: dotted paths of mojolearn.init's drawing
+      function, the torch.nn.Module class, the float64 reference forward
+      and its weight maker.
+    - ``file_shapes``: {format: {block weight name: layout rule}} for
+      weights a file format stores in another layout (the same values in C
+      order, so a reshape): mamba_ssm's Mamba-3 ``B_bias`` is (H, 1, N).
     """
 
     kind: str
