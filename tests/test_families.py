@@ -1,9 +1,6 @@
 """mojolearn.families: one registry entry per family, read by checkpoints,
 init, save and mojolearn.torch; kind aliases; importing it loads nothing."""
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -11,9 +8,9 @@ import mojolearn
 from mojolearn import families
 from mojolearn.families import FAMILIES, family
 
+from .child import ROOT, run_python
 from .errors import raises_naming
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_importing_the_registry_loads_no_block_binary_or_torch():
@@ -22,11 +19,7 @@ def test_importing_the_registry_loads_no_block_binary_or_torch():
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('mojolearn.mamba')\n"
             "       or m.startswith('mojolearn._native') or m == 'mojolearn._loader']\n"
             "print(bad)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env={"PYTHONPATH": str(ROOT / "python"),
-                                           "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert run_python(code, timeout=120).strip() == "[]"
 
 
 def test_kind_names_and_aliases():

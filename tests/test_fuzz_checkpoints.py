@@ -8,16 +8,14 @@ and JSON-level edits of config.json and the safetensors header.
 """
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import mojolearn
 from mojolearn.save import save_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+from .child import run_python
+
 CASES = 400
 
 CHILD = r"""
@@ -97,11 +95,8 @@ def pristine(tmp_path_factory):
 
 
 def test_corrupted_checkpoints_fail_cleanly_in_a_child(pristine, tmp_path):
-    run = subprocess.run([sys.executable, "-c", CHILD, str(pristine), str(tmp_path / "w"),
-                          str(CASES)], capture_output=True, text=True, timeout=600,
-                         env={"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"})
-    assert run.returncode == 0, f"the child died ({run.returncode}): {run.stderr[-3000:]}"
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_python(CHILD, pristine, tmp_path / "w", CASES, timeout=600)
+    results = json.loads(out.strip().splitlines()[-1])
     assert len(results) == CASES
     bad = [r for r in results if r[2].startswith("BAD")]
     assert not bad, "\n".join(f"case {c} {w}: {k}\n{m}" for c, w, k, m in bad[:5])

@@ -2,8 +2,6 @@
 huggingface_hub cache folder laid out as the hub lays it out (no network:
 a download is replaced by a stand-in that records it)."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,11 +9,11 @@ import pytest
 import mojolearn
 from mojolearn.save import save_checkpoint
 
+from .child import run_python
 from .errors import raises_naming
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
-ROOT = Path(__file__).resolve().parents[1]
 REPO, COMMIT = "tiny-org/tiny-mamba", "0123456789abcdef0123456789abcdef01234567"
 IDS = [[1, 2, 3, 4]]
 
@@ -111,11 +109,8 @@ def test_without_huggingface_hub(tmp_path):
             f"    mojolearn.load_checkpoint({REPO!r})\n"
             "except ValueError as e:\n"
             "    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path,
-                         env={"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr
-    assert "huggingface_hub" in out.stdout and REPO in out.stdout
+    out = run_python(code, timeout=120, cwd=tmp_path)
+    assert "huggingface_hub" in out and REPO in out
 
 
 def test_a_local_folder_wins_over_a_hub_id(tmp_path, cache, monkeypatch):

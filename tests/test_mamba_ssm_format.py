@@ -14,8 +14,6 @@ import hashlib
 import io
 import json
 import pickle
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -25,11 +23,11 @@ import pytest
 import mojolearn
 from mojolearn.save import save_checkpoint
 
+from .child import run_python
 from .errors import raises_naming
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[1]
 IDS = [[1, 5, 9, 3, 0, 47, 2], [4, 4, 8, 63, 1, 2, 7]]
 VOCAB, PAD = 50, 16  # the padded vocabulary: 64 rows
 
@@ -147,11 +145,7 @@ def test_bin_read_with_torch_blocked(tmp_path):
             f"b = bytes(memoryview(lm.logits({IDS!r})).cast('B'))\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
             "print(hashlib.sha256(b).hexdigest())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == want
+    assert run_python(code).strip() == want
 
 
 def test_bfloat16_bin_widened_exactly(tmp_path):

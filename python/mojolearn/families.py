@@ -35,6 +35,17 @@ def _resolve(path: str):
     return getattr(import_module(module), name)
 
 
+class _Resolved:
+    """A read-only attribute: the object a dotted-path field names, imported
+    when read."""
+
+    def __init__(self, field_name: str, doc: str):
+        self.field_name, self.__doc__ = field_name, doc
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else _resolve(getattr(obj, self.field_name))
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family. Its fields:
@@ -85,34 +96,16 @@ class Family:
     file_shapes: dict = field(default_factory=dict)
 
     # -- classes and functions (imported when asked) ------------------------
-    @property
-    def block_class(self):
-        """The block class (imports the block module, not a binary)."""
-        return _resolve(self.block)
-
-    @property
-    def state_class(self):
-        return _resolve(self.state)
-
-    @property
-    def session_class(self):
-        """The decode session class (``Mamba2DecodeSession`` ...)."""
-        return _resolve(self.session)
-
-    @property
-    def torch_class(self):
-        """The torch.nn.Module class (imports PyTorch)."""
-        return _resolve(self.torch_module)
-
-    @property
-    def reference_forward(self):
-        """The float64 NumPy reference forward (imports NumPy)."""
-        return _resolve(self.reference)
-
-    @property
-    def reference_weight_maker(self):
-        """mojolearn.reference.weights' maker of this family's weights (NumPy)."""
-        return _resolve(self.reference_weights)
+    block_class = _Resolved("block", "The block class (imports the block module, not a "
+                                     "binary).")
+    state_class = _Resolved("state", "The state class.")
+    session_class = _Resolved("session", "The decode session class (``Mamba2DecodeSession``"
+                                         " ...).")
+    torch_class = _Resolved("torch_module", "The torch.nn.Module class (imports PyTorch).")
+    reference_forward = _Resolved("reference", "The float64 NumPy reference forward "
+                                               "(imports NumPy).")
+    reference_weight_maker = _Resolved("reference_weights", "mojolearn.reference.weights' "
+                                       "maker of this family's weights (imports NumPy).")
 
     def weight_shapes(self, d_model: int) -> dict:
         """{block weight name: shape} for d_model (conv1d: two accepted shapes)."""
@@ -185,38 +178,32 @@ _SAVED = {
                          "expand": 2, "chunk_size": 64},
 }
 
-_M = "mojolearn.mamba."
+def _numbered(n: int, **fields) -> Family:
+    """A family whose modules follow the Mamba-<n> naming (mamba<n>.py,
+    Mamba<n>Block, Mamba<n>State, Mamba<n>DecodeSession, mamba<n>_*)."""
+    m = f"mojolearn.mamba.mamba{n}."
+    names = dict(title=f"Mamba-{n}", block=f"{m}Mamba{n}Block", state=f"{m}Mamba{n}State",
+                 session=f"mojolearn.mamba.sessions.Mamba{n}DecodeSession",
+                 shapes=f"{m}mamba{n}_weight_shapes", ssm_layer=f"Mamba{n}",
+                 initializer=f"mojolearn.init._mamba{n}", torch_module=f"mojolearn.torch.Mamba{n}",
+                 reference=f"mojolearn.reference.mamba{n}.mamba{n}_numpy",
+                 reference_weights=f"mojolearn.reference.weights.mamba{n}_weights")
+    return Family(**dict(names, **fields))
+
 
 FAMILIES = (
-    Family(kind="mamba", aliases=("mamba1",), title="Mamba-1",
-           block=_M + "mamba1.Mamba1Block", state=_M + "mamba1.Mamba1State",
-           session=_M + "sessions.Mamba1DecodeSession",
-           shapes=_M + "mamba1.mamba1_weight_shapes", input_norm="norm.weight",
-           row_positions=False, block_options=(), model_type="mamba", ssm_layer="Mamba1",
-           min_multiple=1, initializer="mojolearn.init._mamba1",
-           torch_module="mojolearn.torch.Mamba1",
-           reference="mojolearn.reference.mamba1.mamba1_numpy",
-           reference_weights="mojolearn.reference.weights.mamba1_weights"),
-    Family(kind="mamba2", aliases=(), title="Mamba-2",
-           block=_M + "mamba2.Mamba2Block", state=_M + "mamba2.Mamba2State",
-           session=_M + "sessions.Mamba2DecodeSession",
-           shapes=_M + "mamba2.mamba2_weight_shapes", input_norm="block_norm.weight",
-           row_positions=True, block_options=("dt_limit",), model_type="mamba2",
-           ssm_layer="Mamba2", min_multiple=32, initializer="mojolearn.init._mamba2",
-           torch_module="mojolearn.torch.Mamba2",
-           reference="mojolearn.reference.mamba2.mamba2_numpy",
-           reference_weights="mojolearn.reference.weights.mamba2_weights"),
-    Family(kind="mamba3", aliases=(), title="Mamba-3",
-           block=_M + "mamba3.Mamba3Block", state=_M + "mamba3.Mamba3State",
-           session=_M + "sessions.Mamba3DecodeSession",
-           shapes=_M + "mamba3.mamba3_weight_shapes", input_norm="block_norm.weight",
-           row_positions=True, block_options=(), model_type="mamba3", ssm_layer="Mamba3",
-           min_multiple=32, initializer="mojolearn.init._mamba3",
-           torch_module="mojolearn.torch.Mamba3",
-           reference="mojolearn.reference.mamba3.mamba3_numpy",
-           reference_weights="mojolearn.reference.weights.mamba3_weights",
-           # mamba_ssm keeps a MIMO rank axis (1 for SISO) in the q/k biases
-           file_shapes={"mamba_ssm": {"B_bias": "insert_axis1", "C_bias": "insert_axis1"}}),
+    _numbered(1, kind="mamba", aliases=("mamba1",), model_type="mamba",
+              input_norm="norm.weight", row_positions=False, block_options=(),
+              min_multiple=1),
+    _numbered(2, kind="mamba2", aliases=(), model_type="mamba2",
+              input_norm="block_norm.weight", row_positions=True,
+              block_options=("dt_limit",), min_multiple=32),
+    _numbered(3, kind="mamba3", aliases=(), model_type="mamba3",
+              input_norm="block_norm.weight", row_positions=True, block_options=(),
+              min_multiple=32,
+              # mamba_ssm keeps a MIMO rank axis (1 for SISO) in the q/k biases
+              file_shapes={"mamba_ssm": {"B_bias": "insert_axis1",
+                                         "C_bias": "insert_axis1"}}),
 )
 
 _BY_NAME = {name: f for f in FAMILIES for name in (f.kind,) + f.aliases}
