@@ -202,6 +202,19 @@ def test_accepted_options_that_do_not_change_the_function(tmp_path):
     assert ck.dt_limit == (0.0, 0.5)
 
 
+def test_dt_limit_reaches_the_blocks(tmp_path):
+    weights = model_weights("Mamba2", 32)
+    limited = write_mamba_ssm_folder(tmp_path / "ssm", "Mamba2", weights,
+                                     ssm_cfg={"dt_limit": [0.0, 0.002]})
+    layers, emb, norm, head = weights
+    ref = save_checkpoint(tmp_path / "ref", "mamba2", layers, emb, norm, head,
+                          config={"time_step_limit": [0.0, 0.002]})
+    assert logits_bytes(limited) == logits_bytes(ref)
+    # control: the limit changes the logits
+    assert logits_bytes(limited) != logits_bytes(write_reference_folder(tmp_path / "free",
+                                                                        "Mamba2", weights))
+
+
 def test_padded_vocab_must_match_the_embedding(tmp_path):
     folder = write_mamba_ssm_folder(tmp_path, "Mamba1", model_weights("Mamba1", 32, 1),
                                     pad_vocab_size_multiple=8)  # 56 rows, the file has 64
