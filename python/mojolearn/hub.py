@@ -73,11 +73,13 @@ def resolve(repo_id: str, *, download: bool = False) -> Path:
         pass
     where = cache or "huggingface_hub's default cache"
     if _offline():
-        raise ValueError(f"{repo_id!r} is not in the Hub cache ({where}) and HF_HUB_OFFLINE=1 "
+        raise ValueError(f"{repo_id!r} is not a local folder, nor in the Hub cache ({where}), "
+                         "and HF_HUB_OFFLINE=1 "
                          "forbids downloading it: unset HF_HUB_OFFLINE and pass "
                          "download=True, or pass a local folder") from None
     if not download:
-        raise ValueError(f"{repo_id!r} is not in the Hub cache ({where}); pass download=True "
+        raise ValueError(f"{repo_id!r} is not a local folder, nor in the Hub cache ({where}): "
+                         "pass download=True "
                          "to fetch it, or pass a local folder") from None
     try:
         return Path(huggingface_hub.snapshot_download(
