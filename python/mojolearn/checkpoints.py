@@ -98,7 +98,7 @@ def _infer_config(tensors: dict) -> dict:
         cfg["intermediate_size"] = out[1]
         cfg["expand"] = out[1] / d if out[1] % d else out[1] // d
     alog = shapes.get(layer0.get("mixer.A_log"))
-    if kind == "mamba":
+    if family(kind).dt_rank:
         if alog and len(alog) == 2:
             cfg["state_size"] = alog[1]
         dtw = shapes.get(layer0.get("mixer.dt_proj.weight"))

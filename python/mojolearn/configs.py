@@ -141,7 +141,7 @@ def check_config(config) -> dict:
     if inter is not None and inter != 2 * d:
         _fail("intermediate_size", inter, 2 * d)
     dt_limit = None
-    if fam.kind == "mamba":
+    if fam.dt_rank:
         r = cfg.get("time_step_rank", "auto")
         if r != "auto" and (isinstance(r, bool) or r != math.ceil(d / 16)):
             _fail("time_step_rank", r, f"ceil(hidden_size / 16) = {math.ceil(d / 16)}")
@@ -154,7 +154,7 @@ def check_config(config) -> dict:
                                   "time_step_limit")
     return {"kind": fam.kind, "format": "transformers", "d_model": d, "n_layers": n_layers,
             "vocab_size": check_vocab(cfg.get("vocab_size"), "vocab_size"),
-            "tie": bool(cfg.get("tie_word_embeddings", fam.kind != "mamba2")),
+            "tie": bool(cfg.get("tie_word_embeddings", fam.tied_by_default)),
             "dt_limit": dt_limit}
 
 

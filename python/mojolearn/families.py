@@ -71,6 +71,11 @@ class Family:
       ``reference_weights``: dotted paths of mojolearn.init's drawing
       function, the torch.nn.Module class, the float64 reference forward
       and its weight maker.
+    - ``dt_rank``: the block projects dt through a low rank (Mamba-1's
+      ``dt_proj``; its config's ``time_step_rank`` is checked).
+    - ``tied_by_default``: a transformers config without
+      ``tie_word_embeddings`` ties the head (False for Mamba-2, as
+      transformers' Mamba2Config).
     - ``file_shapes``: {format: {block weight name: layout rule}} for
       weights a file format stores in another layout (the same values in C
       order, so a reshape): mamba_ssm's Mamba-3 ``B_bias`` is (H, 1, N).
@@ -93,6 +98,8 @@ class Family:
     torch_module: str
     reference: str
     reference_weights: str
+    dt_rank: bool = False
+    tied_by_default: bool = True
     file_shapes: dict = field(default_factory=dict)
 
     # -- classes and functions (imported when asked) ------------------------
@@ -194,10 +201,10 @@ def _numbered(n: int, **fields) -> Family:
 FAMILIES = (
     _numbered(1, kind="mamba", aliases=("mamba1",), model_type="mamba",
               input_norm="norm.weight", row_positions=False, block_options=(),
-              min_multiple=1),
+              min_multiple=1, dt_rank=True),
     _numbered(2, kind="mamba2", aliases=(), model_type="mamba2",
               input_norm="block_norm.weight", row_positions=True,
-              block_options=("dt_limit",), min_multiple=32),
+              block_options=("dt_limit",), min_multiple=32, tied_by_default=False),
     _numbered(3, kind="mamba3", aliases=(), model_type="mamba3",
               input_norm="block_norm.weight", row_positions=True, block_options=(),
               min_multiple=32,
