@@ -152,6 +152,19 @@ def test_safetensors_offsets_must_tile_the_data(tmp_path, offsets, word):
             read_safetensors(tmp_path / "x.safetensors")
 
 
+def test_size_bounds(tmp_path, monkeypatch):
+    from mojolearn import configs, safetensors
+    folder = folder_of(tmp_path)
+    monkeypatch.setattr(safetensors, "MAX_HEADER_BYTES", 64)
+    with raises_naming(ValueError, "model.safetensors", "limit"):
+        mojolearn.load_checkpoint(folder)
+    monkeypatch.setattr(configs, "MAX_JSON_BYTES", 64)
+    with raises_naming(ValueError, "config.json", "larger"):
+        mojolearn.load_checkpoint(folder)
+    monkeypatch.undo()  # control
+    assert mojolearn.load_checkpoint(folder).n_layers == 2
+
+
 def test_safetensors_trailing_bytes_refused(tmp_path):
     from mojolearn.safetensors import read_safetensors
     header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}

@@ -49,10 +49,16 @@ def _equal(got, want) -> bool:
     return not isinstance(got, bool) and isinstance(got, (int, float)) and got == want
 
 
+MAX_JSON_BYTES = 64 << 20  # config files and shard indexes are kilobytes
+
+
 def read_json(path: Path, what: str) -> dict:
     """A JSON object read from path; ValueError naming the file otherwise."""
     with open(path, "rb") as f:
-        value = _json.loads(f.read(), f"{path}: {what}")
+        raw = f.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {what} is larger than {MAX_JSON_BYTES} bytes")
+    value = _json.loads(raw, f"{path}: {what}")
     if not isinstance(value, dict):
         raise ValueError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")
     return value

@@ -19,6 +19,8 @@ from . import _intake, _json
 
 __all__ = ["read_safetensors", "lazy_safetensors", "LazyTensor", "write_safetensors"]
 
+# the format's own bound on the JSON header (a reader must not allocate more)
+MAX_HEADER_BYTES = 100_000_000
 # safetensors dtype -> bytes per element
 _ST_DTYPES = {"F32": 4, "BF16": 2, "F16": 2}
 
@@ -69,6 +71,9 @@ def _safetensors_header(f, path):
     size = os.fstat(f.fileno()).st_size
     if n > size - 8:
         raise ValueError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"{path}: the header length {n} exceeds the format's limit of "
+                         f"{MAX_HEADER_BYTES} bytes")
     try:
         header = _json.loads(f.read(n), "header")
     except ValueError as e:
