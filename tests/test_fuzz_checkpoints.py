@@ -25,21 +25,29 @@ import mojolearn
 from mojolearn.checkpoints import _loaded
 
 pristine, work, n_cases = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-FILES = ["model.safetensors", "config.json", "pytorch_model.bin"]
+# (folder, file): transformers layout + safetensors; mamba_ssm layout + pytorch_model.bin
+CASE_FILES = [("st", "model.safetensors"), ("st", "config.json"),
+              ("ssm", "pytorch_model.bin"), ("ssm", "config.json")]
+SSM_OPTIONS = ["layer", "d_state", "d_conv", "expand", "dt_rank", "headdim", "ngroups",
+               "is_mimo", "rope_fraction", "dt_limit", "chunk_size", "bias"]
 
 def corrupt(rng, case):
     if work.exists():
         shutil.rmtree(work)
-    shutil.copytree(pristine / ("bin" if case % 3 == 2 else "st"), work)
-    name = FILES[case % 3]
+    where, name = CASE_FILES[case % 4]
+    shutil.copytree(pristine / where, work)
     path = work / name
     data = bytearray(path.read_bytes())
     how = rng.choice(["flip", "flip_head", "truncate", "json", "zero_run"])
     if how == "json" and name != "pytorch_model.bin":
         if name == "config.json":
             cfg = json.loads(data)
-            key = rng.choice(sorted(cfg))
-            cfg[key] = rng.choice([None, -1, 0, 2 ** 40, "x", [1, 2], {"a": 1}, 1.5, True])
+            value = rng.choice([None, -1, 0, 2 ** 40, "x", [1, 2], {"a": 1}, 1.5, True,
+                                "Mamba2", "Mamba3", [0, "inf"]])
+            if where == "ssm" and rng.random() < 0.5:
+                cfg["ssm_cfg"][rng.choice(SSM_OPTIONS)] = value
+            else:
+                cfg[rng.choice(sorted(cfg))] = value
             data = bytearray(json.dumps(cfg).encode())
         else:
             n = struct.unpack("<Q", data[:8])[0]
@@ -87,10 +95,17 @@ def pristine(tmp_path_factory):
     emb = mojolearn.init_weights("mamba", 32, seed=2)["in_proj.weight"]  # (128, 32)
     norm = ws[0]["norm.weight"]
     st = save_checkpoint(root / "st", "mamba", ws, emb, norm)
-    shutil.copytree(st, root / "bin")
+    # the same model in mamba_ssm's layout, weights in a torch.save zip
     from safetensors.torch import load_file
-    torch.save(load_file(str(st / "model.safetensors")), root / "bin" / "pytorch_model.bin")
-    (root / "bin" / "model.safetensors").unlink()
+    sd = {k.replace("embeddings", "embedding"): v
+          for k, v in load_file(str(st / "model.safetensors")).items()}
+    (root / "ssm").mkdir()
+    torch.save(sd, root / "ssm" / "pytorch_model.bin")
+    (root / "ssm" / "config.json").write_text(json.dumps({
+        "d_model": 32, "n_layer": 1, "vocab_size": 128, "ssm_cfg": {}, "rms_norm": True,
+        "residual_in_fp32": True, "pad_vocab_size_multiple": 8, "tie_embeddings": True}))
+    mojolearn.load_checkpoint(root / "ssm")  # both pristine folders load
+    mojolearn.load_checkpoint(st)
     return root
 
 

@@ -39,12 +39,16 @@ _TOP = ("d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_l
         "attn_cfg", "rms_norm", "pad_vocab_size_multiple", "tie_embeddings", "norm_epsilon")
 
 
+def _unknown(field, value, what, known):
+    raise ValueError(f"config field {field} = {value!r} is not {what} mojolearn knows, so "
+                     f"its effect cannot be checked (known: {', '.join(known)})")
+
+
 def check_mamba_ssm_config(cfg: dict) -> dict:
     """The summary (as configs.check_config) of a mamba_ssm config."""
     unknown = sorted(k for k in cfg if k not in _TOP and k not in _TOP_IGNORED)
     if unknown:
-        _fail(unknown[0], cfg[unknown[0]], "a MambaConfig field mojolearn knows "
-              f"({', '.join(_TOP)})")
+        _unknown(unknown[0], cfg[unknown[0]], "a MambaConfig field", _TOP)
     ssm = cfg.get("ssm_cfg") or {}
     if not isinstance(ssm, dict):
         _fail("ssm_cfg", ssm, "a JSON object")
@@ -93,8 +97,7 @@ def check_mamba_ssm_config(cfg: dict) -> dict:
             if not _equal(value, fixed[name]):
                 _fail(field, value, fixed[name])
         else:
-            _fail(field, value, f"one of the {layer} options mojolearn knows "
-                  f"({', '.join(sorted(set(fixed) | set(ignored)))})")
+            _unknown(field, value, f"a {layer} option", sorted(set(fixed) | set(ignored)))
     if "dt_limit" in fam.block_options and dt_limit is None:
         dt_limit = (0.0, math.inf)
     return {"kind": fam.kind, "format": "mamba_ssm", "d_model": d, "n_layers": n_layers,
