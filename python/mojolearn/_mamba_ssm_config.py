@@ -17,20 +17,6 @@ import math
 from .configs import _equal, _fail, _is_int, check_dt_limit, check_layers
 from .families import FAMILIES, by_ssm_layer
 
-# (fixed values: field -> value or a function of d_model, ignored fields)
-_INIT = ("dt_min", "dt_max", "dt_init_floor", "layer_idx", "device", "dtype")
-_OPTIONS = {
-    "Mamba1": ({"d_state": 16, "d_conv": 4, "expand": 2, "conv_bias": True, "bias": False},
-               _INIT + ("dt_init", "dt_scale", "use_fast_path")),
-    "Mamba2": ({"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "ngroups": 1,
-                "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False,
-                "bias": False, "conv_bias": True, "chunk_size": 256, "process_group": None},
-               _INIT + ("conv_init", "A_init_range", "use_mem_eff_path", "sequence_parallel")),
-    "Mamba3": ({"d_state": 128, "expand": 2, "headdim": 64, "ngroups": 1, "rope_fraction": 0.5,
-                "A_floor": 1e-4, "is_outproj_norm": False, "is_mimo": False, "chunk_size": 64},
-               # mimo_rank and the fused pre-gate norm only act with is_mimo
-               _INIT + ("mimo_rank", "fuse_pregate_headwise_norm", "dropout", "n_layer")),
-}
 # top-level MambaConfig fields that do not change the float32 function
 _TOP_IGNORED = ("residual_in_fp32", "fused_add_norm", "initializer_cfg", "architectures",
                 "transformers_version", "torch_dtype", "dtype", "bos_token_id",
@@ -54,7 +40,7 @@ def check_mamba_ssm_config(cfg: dict) -> dict:
         _fail("ssm_cfg", ssm, "a JSON object")
     layer = ssm.get("layer", "Mamba1")
     fam = by_ssm_layer(layer)
-    if fam is None or layer not in _OPTIONS:
+    if fam is None:
         _fail("ssm_cfg.layer", layer, "one of " + ", ".join(repr(f.ssm_layer) for f in FAMILIES))
     d = cfg.get("d_model")
     if not _is_int(d) or d < 1:
@@ -79,19 +65,19 @@ def check_mamba_ssm_config(cfg: dict) -> dict:
     mult = cfg.get("pad_vocab_size_multiple", 8)
     if not _is_int(mult) or mult < 1:
         _fail("pad_vocab_size_multiple", mult, "a positive int")
-    fixed, ignored = _OPTIONS[layer]
+    fixed, ignored = fam.ssm_options()
     dt_limit = None
     for name, value in ssm.items():
         field = f"ssm_cfg.{name}"
         if name == "layer" or name in ignored:
             continue
-        if name == "dt_rank" and layer == "Mamba1":
+        if name == "dt_rank" and fam.dt_rank:
             if value != "auto" and not _equal(value, math.ceil(d / 16)):
                 _fail(field, value, f"'auto' or ceil(d_model / 16) = {math.ceil(d / 16)}")
         elif name == "d_ssm" and layer == "Mamba2":
             if value is not None and not _equal(value, 2 * d):
                 _fail(field, value, f"None or 2 * d_model = {2 * d} (no gated-MLP part)")
-        elif name == "dt_limit" and layer == "Mamba2":
+        elif name == "dt_limit" and "dt_limit" in fam.block_options:
             dt_limit = check_dt_limit(value, field)
         elif name in fixed:
             if not _equal(value, fixed[name]):

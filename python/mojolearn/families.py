@@ -158,6 +158,12 @@ class Family:
                   "layer_norm_epsilon": 1e-5}
         return dict(common, **_FIXED[self.kind](d))
 
+    def ssm_options(self) -> tuple:
+        """(fixed {option: value}, ignored option names) of mamba_ssm's
+        ``ssm_cfg`` for this family's mixer module."""
+        fixed, ignored = _SSM_OPTIONS[self.kind]
+        return dict(fixed), tuple(ignored)
+
     def saved_config(self, d: int) -> dict:
         """The config.json fields save_checkpoint writes for d_model d."""
         return dict(_SAVED[self.kind](d))
@@ -184,6 +190,25 @@ _SAVED = {
     "mamba3": lambda d: {"state_size": 128, "head_dim": 64, "num_heads": d * 2 // 64,
                          "expand": 2, "chunk_size": 64},
 }
+
+# mamba_ssm's ssm_cfg options per family: (the block's fixed values, options
+# that only choose an initialisation or a kernel and are ignored); any other
+# option is refused by name (mojolearn._mamba_ssm_config)
+_SSM_INIT = ("dt_min", "dt_max", "dt_init_floor", "layer_idx", "device", "dtype")
+_SSM_OPTIONS = {
+    "mamba": ({"d_state": 16, "d_conv": 4, "expand": 2, "conv_bias": True, "bias": False},
+              _SSM_INIT + ("dt_init", "dt_scale", "use_fast_path")),
+    "mamba2": ({"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "ngroups": 1,
+                "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False,
+                "bias": False, "conv_bias": True, "chunk_size": 256, "process_group": None},
+               _SSM_INIT + ("conv_init", "A_init_range", "use_mem_eff_path",
+                            "sequence_parallel")),
+    "mamba3": ({"d_state": 128, "expand": 2, "headdim": 64, "ngroups": 1, "rope_fraction": 0.5,
+                "A_floor": 1e-4, "is_outproj_norm": False, "is_mimo": False, "chunk_size": 64},
+               # mimo_rank and the fused pre-gate norm only act with is_mimo
+               _SSM_INIT + ("mimo_rank", "fuse_pregate_headwise_norm", "dropout", "n_layer")),
+}
+
 
 def _numbered(n: int, **fields) -> Family:
     """A family whose modules follow the Mamba-<n> naming (mamba<n>.py,
