@@ -6,8 +6,16 @@ session classes, the weight shapes, the checkpoint name maps of each file
 format, the fixed configuration values, the initializer, the config a
 saved folder gets, the torch module and the float64 reference.
 ``checkpoints``, ``init``, ``save``, ``mojolearn.torch`` and
-``mojolearn.reference`` take them from here; a new family (or a block
-option) is one more :class:`Family` in ``FAMILIES``.
+``mojolearn.reference`` take them from here.
+
+Adding a family here (its block, state, session, init function, torch
+module and reference exist): one ``Family`` in ``FAMILIES`` (``_numbered``
+fills the Mamba-<n> paths), its transformers fixed values in ``_FIXED``,
+the config ``save_checkpoint`` writes in ``_SAVED``, mamba_ssm's options in
+``_SSM_OPTIONS``, and ``file_shapes`` where a format stores a weight in
+another layout. A family that reuses a block with an option (say a
+Mamba-1 variant) points at that block and names the option in
+``block_options`` (the config checks put it in the checkpoint summary).
 
 Importing this module imports no block module, no binary and no PyTorch:
 classes and functions are named by dotted path and imported when asked.
