@@ -15,7 +15,8 @@ the config ``save_checkpoint`` writes in ``_SAVED``, mamba_ssm's options in
 ``_SSM_OPTIONS``, and ``file_shapes`` where a format stores a weight in
 another layout. A family that reuses a block with an option (say a
 Mamba-1 variant) points at that block and names the option in
-``block_options`` (the config checks put it in the checkpoint summary).
+``block_options`` (configs.check_config must then put its value in the
+summary, as it does for Mamba-2's ``dt_limit``).
 
 Importing this module imports no block module, no binary and no PyTorch:
 classes and functions are named by dotted path and imported when asked.
