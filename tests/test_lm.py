@@ -336,7 +336,10 @@ def test_bad_parameters_are_refused_by_name_and_change_nothing(models, kw, names
     ok = b.submit([1, 2, 3], max_new_tokens=2)
     with raises_naming(ValueError, *names):
         b.submit([1, 2, 3], **kw)
-    assert list(b.run()) and [r.id for r in [ok]] == [0] and b._next_id == 1
+    # the refused submission left nothing behind: only ok runs, and ids go on from 1
+    done = list(b.run())
+    assert [r for r, _ in done] == [ok, ok] and ok.tokens == [t for _, t in done]
+    assert b._next_id == 1 and b.submit([4], max_new_tokens=1).id == 1
 
 
 def test_stop_tokens_end_a_request(models):
