@@ -20,27 +20,10 @@ transformers = pytest.importorskip("transformers")
 import mojolearn  # noqa: E402
 from mojolearn.checkpoints import load_checkpoint  # noqa: E402
 from mojolearn.reference.weights import mamba1_weights, random_input  # noqa: E402
-from tests.reference.hf_build import build  # noqa: E402
+from tests.test_checkpoints import make_model  # noqa: E402
 from tests.reference.hf_mamba import mamba1_reference  # noqa: E402
 
 TOKENS = [[1, 5, 9, 3, 7, 0, 63], [2, 2, 8, 61, 0, 4, 4]]
-
-
-def _model(d, seed, layers=2):
-    """A random MambaForCausalLM whose every parameter matters (norms and D
-    away from one, a mixer term as large as the residual)."""
-    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=d, num_hidden_layers=layers,
-                                   use_mambapy=False, use_associative_scan=False)
-    model = build(transformers.MambaForCausalLM, cfg, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("norm_f.weight") or \
-                    name.endswith(".D"):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-            if name.endswith("out_proj.weight"):
-                p.mul_(16.0)
-    return model.eval()
 
 
 def _hf_logits(model, tokens):
@@ -68,8 +51,7 @@ def test_a_mamba1_block_at_d40_has_dt_rank_3_and_matches_the_reference():
 
 
 def test_a_d40_transformers_checkpoint_with_time_step_rank_3_loads(tmp_path):
-    model = _model(40, seed=7)
-    model.save_pretrained(tmp_path)
+    model = make_model("mamba", tmp_path, seed=7, layers=2, d=40)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["hidden_size"] == 40 and cfg["time_step_rank"] == 3
     ck = load_checkpoint(tmp_path)
@@ -81,20 +63,20 @@ def test_a_d40_transformers_checkpoint_with_time_step_rank_3_loads(tmp_path):
     bound = 1e-5 * max(1.0, float(np.abs(ref).max()))
     assert err <= bound, (err, bound)
     # control: another model's logits are far outside the bound
-    assert np.abs(_hf_logits(_model(40, seed=8), TOKENS) - ref).max() > 100 * bound
+    other = make_model("mamba", tmp_path / "other", seed=8, layers=2, d=40)
+    assert np.abs(_hf_logits(other, TOKENS) - ref).max() > 100 * bound
 
 
 # ----------------------------------------------------------------- sharded folders
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(unsharded folder, sharded folder) of one model, and another model's folder."""
-    model = _model(32, seed=3, layers=3)
     whole = tmp_path_factory.mktemp("whole")
-    model.save_pretrained(whole)
+    model = make_model("mamba", whole, seed=3, layers=3)
     sharded = tmp_path_factory.mktemp("sharded")
     model.save_pretrained(sharded, max_shard_size="40KB")
     other = tmp_path_factory.mktemp("other")
-    _model(32, seed=4, layers=3).save_pretrained(other)
+    make_model("mamba", other, seed=4, layers=3)
     return whole, sharded, other
 
 
