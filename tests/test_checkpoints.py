@@ -23,6 +23,7 @@ from mojolearn import checkpoints, lowbit  # noqa: E402
 from tests.bits import assert_same_bits  # noqa: E402
 from tests.errors import raises_naming  # noqa: E402
 from tests.reference import hf_mamba  # noqa: E402
+from tests.reference.hf_build import build, load  # noqa: E402
 
 ATOL, RTOL = 1e-6, 1e-5
 NEW_TOKENS = 32
@@ -44,17 +45,16 @@ def _perturb_(model, seed, out_scale):
 
 def make_model(kind, folder, *, seed=0, layers=3, d=None, dtype=None, out_scale=None):
     from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
-    torch.manual_seed(seed)
     if kind == "mamba":
         cfg = MambaConfig(vocab_size=64, hidden_size=d or 32, num_hidden_layers=layers,
                           use_mambapy=False, use_associative_scan=False)
-        model = MambaForCausalLM(cfg)
+        model = build(MambaForCausalLM, cfg, seed=seed)
     else:
         d = d or 64
         cfg = Mamba2Config(vocab_size=64, hidden_size=d, num_hidden_layers=layers,
                            num_heads=2 * d // 64, head_dim=64, n_groups=1, state_size=128,
                            chunk_size=256, tie_word_embeddings=False)
-        model = Mamba2ForCausalLM(cfg)
+        model = build(Mamba2ForCausalLM, cfg, seed=seed)
     _perturb_(model, seed + 1, out_scale if out_scale is not None else
               (16.0 if kind == "mamba" else 1.0))
     model.eval()
@@ -71,7 +71,7 @@ def hf_layers_float64(kind, folder, ids, inputs):
     outputs (the whole model in float64)."""
     from transformers import Mamba2ForCausalLM, MambaForCausalLM
     cls = MambaForCausalLM if kind == "mamba" else Mamba2ForCausalLM
-    model = cls.from_pretrained(folder, residual_in_fp32=False).to(torch.float64).eval()
+    model = load(cls, folder, residual_in_fp32=False).to(torch.float64).eval()
     chained = []
     hooks = [layer.register_forward_hook(lambda mod, inp, out: chained.append(out))
              for layer in model.backbone.layers]
@@ -95,7 +95,7 @@ def hf_greedy(kind, folder, ids):
     """transformers' float32 greedy generate: tokens and the smallest top-2 margin."""
     from transformers import Mamba2ForCausalLM, MambaForCausalLM
     cls = MambaForCausalLM if kind == "mamba" else Mamba2ForCausalLM
-    model = cls.from_pretrained(folder).eval()
+    model = load(cls, folder).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                              do_sample=False, output_scores=True, return_dict_in_generate=True,

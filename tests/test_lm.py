@@ -17,19 +17,20 @@ from .errors import raises_naming
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from .reference.hf_build import build  # noqa: E402
+
 PROMPTS = [[1, 5, 9], [2, 2, 8, 61, 0, 4, 4], [7], [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]]
 
 
 def _hf_model(kind):
-    torch.manual_seed(3)
     if kind == "mamba":
         cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3)
-        model = transformers.MambaForCausalLM(cfg)
+        model = build(transformers.MambaForCausalLM, cfg, seed=3)
     else:
         cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2,
                                         head_dim=64, num_heads=2, n_groups=1, state_size=128,
                                         expand=2, chunk_size=256, tie_word_embeddings=False)
-        model = transformers.Mamba2ForCausalLM(cfg)
+        model = build(transformers.Mamba2ForCausalLM, cfg, seed=3)
     with torch.no_grad():  # larger mixer outputs: the greedy tokens are not all one token
         for name, p in model.named_parameters():
             if name.endswith("out_proj.weight"):
@@ -47,8 +48,8 @@ def hf(request, tmp_path_factory):
         # the same model with 8-token chunks: the same function (the chunked
         # form is exact for any chunk size), without padding every short
         # forward to 256 tokens in float64
-        small = transformers.Mamba2ForCausalLM(model.config.__class__(
-            **{**model.config.to_dict(), "chunk_size": 8}))
+        small = build(transformers.Mamba2ForCausalLM, model.config.__class__(
+            **{**model.config.to_dict(), "chunk_size": 8}), seed=4)
         small.load_state_dict(model.state_dict())
         model = small
     return folder, model.double().eval()
@@ -335,7 +336,10 @@ def test_bad_parameters_are_refused_by_name_and_change_nothing(models, kw, names
     ok = b.submit([1, 2, 3], max_new_tokens=2)
     with raises_naming(ValueError, *names):
         b.submit([1, 2, 3], **kw)
-    assert list(b.run()) and [r.id for r in [ok]] == [0] and b._next_id == 1
+    # the refused submission left nothing behind: only ok runs, and ids go on from 1
+    done = list(b.run())
+    assert [r for r, _ in done] == [ok, ok] and ok.tokens == [t for _, t in done]
+    assert b._next_id == 1 and b.submit([4], max_new_tokens=1).id == 1
 
 
 def test_stop_tokens_end_a_request(models):

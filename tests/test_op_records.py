@@ -4,10 +4,13 @@ relies on, kept working by the ordinary test suite.
 
 Records of a few cases (forward, ragged, decode steps, a decode session,
 backward, packed weights with the lowbit ops) replay on the same binary to the
-recorded bytes; a flipped output byte is reported; an op whose argument points
-at memory the host layer does not know runs but is counted as not recorded;
-no file is written once recording is off. Needs a C compiler (`cc`).
+recorded bytes; a byte flipped in any compared buffer of a record is
+reported; an op whose argument points at memory the host layer does not know
+runs but is counted as not recorded; no file is written once recording is
+off. Needs a C compiler (`cc`).
 """
+import importlib.util
+import random
 import shutil
 import subprocess
 
@@ -59,17 +62,50 @@ def test_records_replay_to_the_recorded_bytes(replay, recording):
     assert f"{len(files)} records, {len(files)} identical" in out
 
 
-def test_a_flipped_output_byte_is_reported(replay, recording, tmp_path):
+FLIP_SEED = 20261203  # offsets and bits of the flips below (in every failure message)
+
+
+def _arm64_check():
+    """tools/arm64_check.py as a module (its record layout and flip control)."""
+    spec = importlib.util.spec_from_file_location("arm64_check",
+                                                  ROOT / "tools" / "arm64_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_flipped_byte_in_any_buffer_is_reported(replay, recording, tmp_path):
+    """For each record of a few ops (state-carrying forwards of the three
+    blocks, whose ops write two or more buffers, and math_eval), one copy per
+    compared buffer with one byte flipped at a seeded random offset and bit:
+    the replay reports every copy as a DIFF of exactly that buffer (so it
+    compares every byte of every buffer, not a stride, a prefix or the first
+    written buffer only). The same check is the arm64 check's negative
+    control (tools/arm64_check.py)."""
+    ac = _arm64_check()
+    for kind in (1, 2, 3):
+        blk = gpu_cases.block_for(mojolearn, kind, 32)
+        blk.forward(gpu_cases._input(2, 5, 32, seed=kind), blk.allocate_state(2))
     x = np.ones(100, np.float32)
     y = np.zeros(100, np.float32)
     _loader.library().run(_abi.OP_MATH_EVAL, [0, x.ctypes.data, y.ctypes.data, x.size, 1])
-    (f,) = recording.glob("t-*-op2.mlrec")
-    data = bytearray(f.read_bytes())
-    data[-8] ^= 1  # the last output word of y (400 bytes: no padding)
-    bad = tmp_path / "bad.mlrec"
-    bad.write_bytes(bytes(data))
-    rc, out = _run(replay, [bad])
-    assert rc == 1 and "DIFF" in out and "400 bytes" in out, out
+    files = sorted(recording.glob("t-*.mlrec"))
+    rc, out = _run(replay, files)
+    assert rc == 0 and f"{len(files)} records, {len(files)} identical" in out, out
+    multi = [f.name for f in files if len(ac.written_buffers(f)) >= 2]
+    assert len(multi) >= 3, [(f.name, ac.written_buffers(f)) for f in files]
+    rng = random.Random(FLIP_SEED)
+    flips = []
+    for f in files:
+        flips += ac.flipped_copies(f, tmp_path, rng)
+    assert len(flips) >= 2 * len(files)
+    assert ac.unseen_flips(replay, flips) == [], f"flip seed {FLIP_SEED}"
+    # the flips reach past the first 8-byte word of a buffer and off the
+    # 8-byte grid (the old controls flipped bytes 0 and 392 only)
+    offsets = [off for _, _, off in flips]
+    assert max(offsets) >= 64 and any(off % 8 for off in offsets), offsets
+    # control of the control: an intact copy is not reported
+    assert ac.unseen_flips(replay, [(files[0], 0, 0)]) != []
 
 
 def test_an_unknown_address_is_run_but_not_recorded(recording):

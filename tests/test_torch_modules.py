@@ -18,23 +18,24 @@ from mojolearn.reference.weights import (  # noqa: E402
 )
 from tests.bits import assert_bits_differ, assert_same_bits  # noqa: E402
 from tests.errors import raises_naming  # noqa: E402
+from tests.reference.hf_build import build  # noqa: E402
 from tests.torch_common import ALL, D, KINDS, _setup, _t  # noqa: E402
 
 
 # --------------------------------------------------------------------------- state_dict
 def _hf_mixer(kind, seed):
     from tests.reference import hf_mamba as hf
-    torch.manual_seed(seed)
     if kind == "mamba1":
-        return hf._hf_m1.MambaMixer(hf._mamba1_config(D, False), layer_idx=0)
-    mixer = hf._hf_m2.Mamba2Mixer(hf._mamba2_config(D, (0.0, math.inf), False), layer_idx=0)
+        return build(hf._hf_m1.MambaMixer, hf._mamba1_config(D, False), layer_idx=0, seed=seed)
+    mixer = build(hf._hf_m2.Mamba2Mixer, hf._mamba2_config(D, (0.0, math.inf), False),
+                  layer_idx=0, seed=seed)
     return _init_hf_mamba2(mixer, seed)
 
 
 def _init_hf_mamba2(mixer, seed):
-    """Mamba2Mixer leaves dt_bias, A_log and D uninitialised (torch.empty;
-    its PreTrainedModel's _init_weights sets them): give them the values of
-    mojolearn.reference.weights."""
+    """Mamba2Mixer's own initialisation gives A_log = log(1..H) and D = 1
+    for every head: give dt_bias, A_log and D the values of
+    mojolearn.reference.weights (distinct per head)."""
     w = mamba2_weights(D, seed=seed)
     with torch.no_grad():
         for name in ("dt_bias", "A_log", "D"):
@@ -72,13 +73,13 @@ def test_transformers_block_state_dict_and_its_forward(kind):
     block's own float32 forward (torch path) to float32 accuracy, which a
     swapped norm (Mamba-2: block norm vs gated norm) would not."""
     from tests.reference import hf_mamba as hf
-    torch.manual_seed(6)
-    if kind == "mamba1":
-        hblock = hf._hf_m1.MambaBlock(hf._mamba1_config(D, False), layer_idx=0).eval()
+    if kind == "mamba1":  # (build runs the mixer's own initialisation: A_log, D)
+        hblock = build(hf._hf_m1.MambaBlock, hf._mamba1_config(D, False), layer_idx=0,
+                       seed=6).eval()
         mod, names = hf._hf_m1, hf._M1_KERNEL_NAMES
     else:
-        hblock = hf._hf_m2.Mamba2Block(hf._mamba2_config(D, (0.0, math.inf), False),
-                                       layer_idx=0).eval()
+        hblock = build(hf._hf_m2.Mamba2Block, hf._mamba2_config(D, (0.0, math.inf), False),
+                       layer_idx=0, seed=6).eval()
         _init_hf_mamba2(hblock.mixer, seed=6)
         mod, names = hf._hf_m2, hf._M2_KERNEL_NAMES
     with torch.no_grad():  # distinct norms, and a mixer term as large as the residual

@@ -13,6 +13,13 @@ bfloat16/int8 weights with the lowbit pack/unpack/extract ops, the weight
 preparation and transposed panels, the finiteness check op and the own
 transcendentals (math_eval).
 
+Negative control: before the first replay, a record whose op writes two or
+more buffers is copied once per compared buffer with one byte of that
+buffer flipped (a random offset and bit; the seed is printed and can be
+given with --control-seed), and every runner must report each copy as a
+DIFF of exactly that buffer: a replay comparing only some bytes (every
+8th, a prefix) or only the first written buffer is caught.
+
 Not recorded: an op with an argument pointing at memory the host layer does
 not know of (bench/gpu_cases.py's finiteness-check case passes NumPy
 addresses straight through `ctypes`; the extra case "nonfinite (known
@@ -31,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
+import re
 import shlex
 import shutil
 import struct
@@ -49,24 +58,70 @@ def _op_names() -> dict:
     return {v: k for k, v in vars(_abi).items() if k.startswith("OP_")}
 
 
-def _first_output_offset(path: Path) -> int | None:
-    """File offset of the first recorded output byte of a buffer the op
-    writes (record.h layout), or None."""
-    d = path.read_bytes()
+def record_buffers(path: Path) -> list:
+    """The buffers of an op record (record.h layout), in record order: dicts
+    of index, flags (1 in, 2 out, 0 scratch), bytes, and ``after``, the file
+    offset of the buffer's recorded bytes after the run (what replay.c
+    compares)."""
+    d = Path(path).read_bytes()
     pos = 8 + 8  # magic, abi
     op, nargs, nbufs = struct.unpack_from("<3q", d, pos)
     pos += 24 + 8 * nargs
     bufs = []
-    for _ in range(nbufs):
+    for i in range(nbufs):
         n, flags, nslots = struct.unpack_from("<3q", d, pos)
         pos += 24 + 16 * nslots
-        bufs.append((n, flags))
-    pos += sum((n + 7) // 8 * 8 for n, _ in bufs)  # the input bytes
-    for n, flags in bufs:
-        if flags & 2 and n > 0:
-            return pos
-        pos += (n + 7) // 8 * 8
-    return None
+        bufs.append({"index": i, "flags": flags, "bytes": n, "op": op})
+    pos += sum((b["bytes"] + 7) // 8 * 8 for b in bufs)  # the bytes before the run
+    for b in bufs:
+        b["after"] = pos
+        pos += (b["bytes"] + 7) // 8 * 8
+    if pos != len(d):
+        raise ValueError(f"{path}: {len(d)} bytes, but its layout ends at {pos}")
+    return bufs
+
+
+def written_buffers(path: Path) -> list:
+    """The buffers of a record that its op writes (flags & 2, not empty)."""
+    return [b for b in record_buffers(path) if b["flags"] & 2 and b["bytes"] > 0]
+
+
+def flipped_copies(record: Path, out: Path, rng) -> list:
+    """One copy of the record per compared buffer (every buffer but scratch,
+    written ones and read-only ones), each with one bit of one byte of that
+    buffer's after-run bytes flipped at an offset drawn from rng (a
+    random.Random). Returns (copy path, buffer index, byte offset) triples."""
+    data = Path(record).read_bytes()
+    made = []
+    for b in record_buffers(record):
+        if b["flags"] == 0 or b["bytes"] == 0:
+            continue
+        off = rng.randrange(b["bytes"])
+        bad = bytearray(data)
+        bad[b["after"] + off] ^= 1 << rng.randrange(8)
+        path = Path(out) / f"flip-{Path(record).stem}-buf{b['index']}-at{off}.mlrec"
+        path.write_bytes(bytes(bad))
+        made.append((path, b["index"], off))
+    return made
+
+
+def unseen_flips(cmd: list, flips: list) -> list:
+    """Replays the flipped copies with one replay command; returns a line per
+    copy whose flip was not reported as a DIFF of exactly that buffer (empty:
+    every flip seen)."""
+    r = subprocess.run(cmd + [str(p) for p, _, _ in flips], capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    seen = {}
+    for line in out.splitlines():
+        m = re.match(r"DIFF (\S+): op -?\d+ buffer (\d+) ", line)
+        if m:
+            seen.setdefault(m.group(1), []).append(int(m.group(2)))
+    problems = [] if r.returncode == 1 or not flips else [f"exit {r.returncode}: {out[-500:]}"]
+    for path, index, off in flips:
+        if seen.get(str(path)) != [index]:
+            problems.append(f"buffer {index}, byte {off} of {path.name}: reported buffers "
+                            f"{seen.get(str(path), [])}")
+    return problems
 
 
 def _nonfinite_known(lib, native):
@@ -99,22 +154,23 @@ def _replay(cmd: list, files: list) -> tuple[int, str, float]:
     return r.returncode, (r.stdout + r.stderr).strip(), time.perf_counter() - t
 
 
-def _negative_control(runners: dict, record: Path, tmp: Path) -> list:
-    """Each runner must report a record with one output byte flipped."""
-    off = _first_output_offset(record)
-    if off is None:
-        return []
-    bad = tmp / "control-flipped-byte.mlrec"
-    data = bytearray(record.read_bytes())
-    data[off] ^= 0x01
-    bad.write_bytes(bytes(data))
+def _negative_control(runners: dict, files: list, tmp: Path, seed: int) -> tuple:
+    """Each runner must report every flip of flipped_copies for a record
+    whose op writes two or more buffers (so a byte of a buffer that is not
+    the first written one is flipped too). Returns (failures, what was
+    flipped), or None when no record of these files has two written buffers."""
+    record = next((f for f in files if len(written_buffers(f)) >= 2), None)
+    if record is None:
+        return None
+    ctl = tmp / "control"
+    ctl.mkdir(exist_ok=True)
+    flips = flipped_copies(record, ctl, random.Random(seed))
     failures = []
     for name, cmd in runners.items():
-        rc, out, _ = _replay(cmd, [bad])
-        if rc != 1 or "DIFF" not in out:
-            failures.append(f"{name}: a flipped output byte went unseen (exit {rc}): {out[-500:]}")
-    bad.unlink()
-    return failures
+        failures += [f"{name}: a flipped byte went unseen: {p}" for p in unseen_flips(cmd, flips)]
+    shutil.rmtree(ctl, ignore_errors=True)
+    where = ", ".join(f"buffer {i} byte {o}" for _, i, o in flips)
+    return failures, f"{record.name} (seed {seed}: {where})"
 
 
 def main(argv=None) -> int:
@@ -125,6 +181,9 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the records (default: delete each "
                    "case's records once replayed; the whole matrix is about 0.5 GB)")
     p.add_argument("--only", default="", help="run only the cases whose name contains this")
+    p.add_argument("--control-seed", type=int, default=None,
+                   help="seed of the negative control's byte offsets (default: a new one, "
+                   "printed)")
     a = p.parse_args(argv)
     runners = {}
     for r in a.runner:
@@ -146,6 +205,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     names = _op_names()
+    seed = a.control_seed if a.control_seed is not None else random.SystemRandom().randrange(
+        1 << 32)
     tmp = Path(a.records) if a.records else Path(tempfile.mkdtemp(prefix="mojolearn-arm64-"))
     tmp.mkdir(parents=True, exist_ok=True)
     print(f"reference: {lib.path} ({lib.description}), {mojolearn.get_num_threads()} threads")
@@ -184,12 +245,14 @@ def main(argv=None) -> int:
                     print(f"--   {case}: not recorded ({skipped - skipped_before} op runs: {why})")
                 continue
             if not controlled:
-                bad = _negative_control(runners, files[-1], tmp)
-                failures += bad
-                controlled = True
-                if not bad:
-                    print("negative control: every runner reports a record with one output "
-                          "byte flipped")
+                result = _negative_control(runners, files, tmp, seed)
+                if result is not None:
+                    bad, what = result
+                    failures += bad
+                    controlled = True
+                    print(f"negative control: one byte flipped in each compared buffer of "
+                          f"{what}, one at a time: "
+                          f"{'every runner reports each' if not bad else 'NOT ALL REPORTED'}")
             ops = Counter(names.get(int(f.stem.rsplit("op", 1)[1]), f.stem) for f in files)
             verdicts = []
             for name, cmd in runners.items():
@@ -226,6 +289,12 @@ def main(argv=None) -> int:
     print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     for f in failures:
         print(f"\nFAILED: {f}")
+    if not controlled:
+        msg = "negative control: no replayed record has two written buffers"
+        if a.only:
+            print(f"note: {msg} (--only)")
+        else:
+            failures.append(msg)
     if failures or n_records == 0:
         print(f"\narm64 check: FAILED ({len(failures)} problems)")
         return 1

@@ -16,6 +16,8 @@
 # g++-aarch64-linux-gnu and qemu-user (Debian/Ubuntu packages). Missing tools are installed with apt-get when this
 # runs as root (or with passwordless sudo); otherwise the check prints
 # "arm64 check SKIPPED: ..." and exits 0, or 3 with ARM64_CHECK_REQUIRED=1.
+# Arguments are passed on to tools/arm64_check.py (e.g. --only CASE,
+# --control-seed N: the negative control's flips, whose seed each run prints).
 # Exit status: 0 passed (or skipped), 1 failed.
 #   PYTHON          interpreter with mojolearn and mojo (default .venv/bin/python,
 #                   else python3 on PATH, e.g. a pixi environment's)
@@ -122,6 +124,6 @@ t=$(now)
 status=0
 "$PY" tools/arm64_check.py \
   --runner "x86-64=$out/replay-x86_64 $x86lib" \
-  --runner "aarch64=qemu-aarch64 -L $sysroot $out/replay-aarch64 $lib" || status=$?
+  --runner "aarch64=qemu-aarch64 -L $sysroot $out/replay-aarch64 $lib" "$@" || status=$?
 echo "arm64 check: record and replay took $(since "$t") s"
 exit $status

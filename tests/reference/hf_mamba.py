@@ -70,6 +70,8 @@ from transformers import DynamicCache, Mamba2Config, MambaConfig
 from transformers.models.mamba import modeling_mamba as _hf_m1
 from transformers.models.mamba2 import modeling_mamba2 as _hf_m2
 
+from .hf_build import build
+
 __all__ = ["mamba1_reference", "mamba2_reference", "Float32LeakError", "LAST_RUN"]
 
 #: Diagnostics of the most recent reference run: ``{"block", "path", "neutralised"
@@ -242,7 +244,7 @@ def _mamba1_block(weights: dict, residual_in_fp32: bool):
              for k, s in shapes.items()}
     state["mixer.conv1d.weight"] = _conv_weight(weights["conv1d.weight"], di)
     cfg = _mamba1_config(d, residual_in_fp32)
-    block = _hf_m1.MambaBlock(cfg, layer_idx=0).to(torch.float64).eval()
+    block = build(_hf_m1.MambaBlock, cfg, layer_idx=0, seed=0).to(torch.float64).eval()
     block.load_state_dict(state, strict=True)
     for p in block.parameters():
         assert p.dtype == torch.float64
@@ -349,7 +351,7 @@ def _mamba2_block(weights: dict, dt_limit, residual_in_fp32: bool):
     state["norm.weight"] = _as64(weights["block_norm.weight"], "block_norm.weight", (d,))
     state["mixer.norm.weight"] = _as64(weights["norm.weight"], "norm.weight", (di,))
     cfg = _mamba2_config(d, dt_limit, residual_in_fp32)
-    block = _hf_m2.Mamba2Block(cfg, layer_idx=0).to(torch.float64).eval()
+    block = build(_hf_m2.Mamba2Block, cfg, layer_idx=0, seed=0).to(torch.float64).eval()
     block.load_state_dict(state, strict=True)
     for p in block.parameters():
         assert p.dtype == torch.float64
