@@ -114,6 +114,7 @@ class Batcher:
         self._queue = deque()  # taken, waiting for or in their prefill
         self._rows = _Rows()
         self._next_id = 0
+        self._cancels = False  # a cancel() since the last step (under _lock)
         self._stats = BatcherStats()
         self.dropped = []
 
@@ -171,10 +172,11 @@ class Batcher:
         prompt = m.check_tokens(prompt, "prompt")
         args = (_req.count(max_new_tokens, "max_new_tokens", 1),
                 _req.temperature(temperature), _req.count(top_k, "top_k", 0),
-                _req.top_p(top_p), _intake_seed(seed), _req.stop_set(m, stop_tokens))
+                _req.top_p(top_p), _req.seed(seed), _req.stop_set(m, stop_tokens))
         initial = _req.start_state(m, state)
         with self._lock:
-            req = Request(self._next_id, prompt, *args, self.keep_logits, initial, self._lock)
+            req = Request(self._next_id, prompt, *args, self.keep_logits, initial, self._lock,
+                          self._note_cancel)
             self._next_id += 1
             self._pending.append(req)
             self._stats.requests_submitted += 1
@@ -191,7 +193,8 @@ class Batcher:
             taken, self._pending = self._pending, []
         self._queue.extend(taken)
         self.dropped = []
-        self._retire_cancelled()
+        if self._cancels:
+            self._retire_cancelled()
         rows = self._decode()
         first = self._prefill()
         out = self._choose(rows + first)
@@ -226,7 +229,13 @@ class Batcher:
         self._retire(req, reason, error)
         self.dropped.append(req)
 
+    def _note_cancel(self, req):
+        """Request.cancel's call (under the lock): seen at the next step."""
+        self._cancels = True
+
     def _retire_cancelled(self):
+        with self._lock:
+            self._cancels = False
         for req in [r for r in self._queue if r._cancel]:
             self._queue.remove(req)
             self._drop(req, "cancelled")
@@ -281,9 +290,7 @@ class Batcher:
                     if budget is not None:
                         budget -= n
                     if cache is not None and req._cacheable:
-                        d4 = 4 * m.d_model
-                        row = memoryview(x).cast("B")[(n - 1) * d4:n * d4]
-                        cache.store(req.prompt[:done], req._states, row)
+                        self._keep(req, x, n)
             except Exception as e:
                 self._queue.popleft()
                 self._drop(req, "error", e)
@@ -295,6 +302,17 @@ class Batcher:
             req._hidden = None
             complete.append((req, arr, row))
         return complete
+
+    def _keep(self, req, x, n):
+        """Cache the request's state after its prompt so far (row n-1 of x:
+        the last token's output). The cache is an optimisation: a state it
+        cannot take (out of memory) is not kept, and the request goes on."""
+        d4 = 4 * self.model.d_model
+        try:
+            self.prefix_cache.store(req.prompt[:req.prompt_tokens_done], req._states,
+                                    memoryview(x).cast("B")[(n - 1) * d4:n * d4])
+        except MemoryError:
+            pass
 
     def _start(self, req):
         """The request's own state: its given one, a cached prefix's copy,
@@ -329,18 +347,16 @@ class Batcher:
             try:
                 us.append(req._uniform())
             except Exception as e:
-                us.append(None)
                 self._drop(req, "error", e)
-        ok = [u is not None for u in us]
+                us.append(0.0)
+        reqs = [r for r, _, _ in rows]  # a retired row: greedy, its token unused
         try:
-            toks = m.next_tokens(
-                logits, [r.temperature if k else 0.0 for (r, _, _), k in zip(rows, ok)],
-                [r.top_k if k else 0 for (r, _, _), k in zip(rows, ok)],
-                [r.top_p if k else 1.0 for (r, _, _), k in zip(rows, ok)],
-                [u if k else 0.0 for u, k in zip(us, ok)])
+            toks = m.next_tokens(logits, [0.0 if r.done else r.temperature for r in reqs],
+                                 [0 if r.done else r.top_k for r in reqs],
+                                 [1.0 if r.done else r.top_p for r in reqs], us)
         except Exception:
-            toks = [self._next_one(logits, i, req, u) if k else None
-                    for i, ((req, _, _), u, k) in enumerate(zip(rows, us, ok))]
+            toks = [None if req.done else self._next_one(logits, i, req, us[i])
+                    for i, (req, _, _) in enumerate(rows)]
         out = []
         for i, (req, _, _) in enumerate(rows):
             if toks[i] is not None and not req.done:
@@ -365,12 +381,9 @@ class Batcher:
     def _next_one(self, logits, i, req, u):
         """Row i's token alone (the rule is row by row: the same bits), or
         None with the request retired."""
-        from ._array import Array
         m = self.model
-        v = m.vocab_size
         try:
-            one = Array((1, v), zero=False)
-            memoryview(one).cast("B")[:] = memoryview(logits).cast("B")[i * v * 4:(i + 1) * v * 4]
+            one = _row(logits, i, m.vocab_size).reshape((1, m.vocab_size))
             return m.next_tokens(one, [req.temperature], [req.top_k], [req.top_p], [u])[0]
         except Exception as e:
             self._drop(req, "error", e)
@@ -379,16 +392,11 @@ class Batcher:
     def _accept(self, req, tok, logits, i, out):
         """Append the token (and its logits), then the stop checks; a fault
         takes the token back and retires the request."""
-        from ._array import Array
         n = len(req.tokens)
         try:
             req.tokens.append(tok)
             if req.logits is not None:
-                v = self.model.vocab_size
-                keep = Array((v,), zero=False)
-                memoryview(keep).cast("B")[:] = \
-                    memoryview(logits).cast("B")[i * v * 4:(i + 1) * v * 4]
-                req.logits.append(keep)
+                req.logits.append(_row(logits, i, self.model.vocab_size))
             if tok in req.stop_tokens:
                 reason = "stop"
             elif len(req.tokens) >= req.max_new_tokens:
@@ -430,19 +438,22 @@ class Batcher:
             r._states = None
 
 
-def _intake_seed(seed) -> int:
-    from . import _intake
-    return _intake.as_int(seed, "seed")
+def _row(a, i, n):
+    """Row i of n float32 values of a as a new (n,) Array."""
+    from ._array import Array
+    out = Array((n,), zero=False)
+    memoryview(out).cast("B")[:] = memoryview(a).cast("B")[i * n * 4:(i + 1) * n * 4]
+    return out
 
 
 def _gather(m, rows):
     """The hidden rows as one (R, d) Array: the decode outputs themselves
     when they are all the rows, in order (no copy)."""
-    from ._array import Array
     x0 = rows[0][1]
-    if all(x is x0 and j == i for i, (_, x, j) in enumerate(rows)) and \
-            len(memoryview(x0).cast("B")) == len(rows) * m.d_model * 4:
-        return x0
+    if rows[-1][1] is x0 and rows[-1][2] == len(rows) - 1 and \
+            memoryview(x0).nbytes == len(rows) * m.d_model * 4:
+        return x0  # (rows of one array are numbered 0.. in order)
+    from ._array import Array
     d4 = m.d_model * 4
     hidden = Array((len(rows), m.d_model), zero=False)
     dst = memoryview(hidden).cast("B")

@@ -65,6 +65,10 @@ def top_p(p) -> float:
     return p
 
 
+def seed(v) -> int:
+    return _intake.as_int(v, "seed")
+
+
 def stop_set(model, stop_tokens) -> frozenset:
     """The checked stop ids: None -> the model's eos_token_ids; a
     collection of ids (empty: none)."""
@@ -132,7 +136,7 @@ class Request:
     """
 
     def __init__(self, rid, prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                 stop_tokens, keep_logits, state, lock):
+                 stop_tokens, keep_logits, state, lock, on_cancel):
         self.id = rid
         self.prompt = tuple(prompt)
         self.max_new_tokens = max_new_tokens
@@ -153,14 +157,17 @@ class Request:
         self._states = None  # the request's own layer states while it prefills
         self._hidden = None  # (array, row) of its last prompt token's output
         self._cancel = False
-        self._lock = lock
+        self._lock = lock  # the Batcher's
+        self._on_cancel = on_cancel
 
     def cancel(self) -> None:
         """Ask for the request to end: at the Batcher's next step it is
         retired (done, finish_reason 'cancelled') and its row freed. No
         effect on a request that is done. Thread-safe."""
         with self._lock:
-            self._cancel = True
+            if not self.done:
+                self._cancel = True
+                self._on_cancel(self)
 
     @property
     def cancel_requested(self) -> bool:
