@@ -111,6 +111,15 @@ def test_transformers_argument_names_point_to_ours(lm, name, hint):
         lm.generate([[1, 2]], bogus=1)
 
 
+def test_mambalm_points_dtype_to_weight_format(tmp_path):
+    folder = tiny_folder(tmp_path, "mamba", n_layers=1)
+    for name in ("dtype", "torch_dtype"):
+        with raises_naming(TypeError, name, "weight_format"):
+            mojolearn.MambaLM(folder, **{name: "float32"})
+    with raises_naming(TypeError, "bogus"):
+        mojolearn.MambaLM(folder, bogus=1)
+
+
 def test_bad_generate_arguments_are_refused_before_any_prefill(lm, monkeypatch):
     ran = []
     real = type(lm).forward_tokens

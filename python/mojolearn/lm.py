@@ -59,10 +59,15 @@ class MambaLM:
     """
 
     def __init__(self, source, *, weight_format: str = "float32",
-                 numeric_mode: str = "identical"):
+                 numeric_mode: str = "identical", **unknown):
         from .checkpoints import Checkpoint, load_checkpoint
         from .mamba._base import check_numeric_mode
         from ._loader import library
+        for name in unknown:
+            if name in ("dtype", "torch_dtype"):
+                raise TypeError(f"MambaLM() takes no {name!r} (a transformers argument): use "
+                                f"weight_format= ({', '.join(map(repr, WEIGHT_FORMATS))})")
+            raise TypeError(f"MambaLM() got an unexpected keyword argument {name!r}")
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {list(WEIGHT_FORMATS)}, "
                              f"got {weight_format!r}")

@@ -428,16 +428,9 @@ class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
     block : Mamba3Block
     state : Mamba3State
     row_tokens : int64 mojolearn.Array of shape (B,), sequence of int, or None
-        Rows at their own chunk positions (continuous batching): row i's
-        buffered-token count. The state's scalar ``buffered_tokens`` is then
-        neither used nor updated; ``row_positions()`` reads the rows' back.
-        An Array is shared, not copied, and not advanced by ``step``: its
-        owner calls ``advance_rows()`` once per token (one array can serve
-        every layer of a model). A sequence is copied and advanced by each
-        step.
     in_place : bool, default False
-        Step on the state's own arrays instead of copies (for an engine that
-        owns the state and does not touch it while the session is open).
+        As for Mamba2DecodeSession (rows at their own chunk positions; step
+        on the state's own arrays).
 
     Examples
     --------
