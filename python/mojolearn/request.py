@@ -156,6 +156,7 @@ class Request:
         self._initial = state  # a private copy of the state to start from, or None
         self._states = None  # the request's own layer states while it prefills
         self._hidden = None  # (array, row) of its last prompt token's output
+        self._cacheable = False  # its prefix states go to the Batcher's cache
         self._cancel = False
         self._lock = lock  # the Batcher's
         self._on_cancel = on_cancel
