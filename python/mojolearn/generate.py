@@ -69,9 +69,10 @@ class Batcher:
         None prefills every joining prompt whole in its first step.
     prefix_cache_bytes : int >= 0, default 0
         Bytes of model states kept in a prefix cache (0: no cache). The
-        state after each prompt and at each chunk end is kept (least
-        recently used first out); a prompt that extends a cached prefix
-        starts from a copy of its state and prefills only the rest.
+        state after each prompt, at each chunk end and after each finished
+        request's prompt and reply is kept (least recently used first out);
+        a prompt that extends a cached prefix starts from a copy of its
+        state and prefills only the rest (``Request.cached_tokens``).
 
     Notes
     -----
@@ -116,6 +117,7 @@ class Batcher:
         self._next_id = 0
         self._cancels = False  # a cancel() since the last step (under _lock)
         self._stats = BatcherStats()
+        self._last_x = None
         self.dropped = []
 
     @property
@@ -193,6 +195,7 @@ class Batcher:
             taken, self._pending = self._pending, []
         self._queue.extend(taken)
         self.dropped = []
+        self._last_x = None  # this step's decode outputs (row i: request i)
         if self._cancels:
             self._retire_cancelled()
         rows = self._decode()
@@ -257,7 +260,7 @@ class Batcher:
             x = x.reshape((len(g.requests), 1, m.d_model))
             if g.decoder is None:
                 g.decoder = m.open_rows(g.states, g.pos)
-            x = g.decoder.step(x)
+            x = self._last_x = g.decoder.step(x)
         except Exception as e:  # the batched step itself: no row is sound
             for r in g.requests:
                 self._drop(r, "error", e)
@@ -313,6 +316,27 @@ class Batcher:
                                     memoryview(x).cast("B")[(n - 1) * d4:n * d4])
         except MemoryError:
             pass
+
+    def _keep_finished(self):
+        """Cache the state of each request that ended normally this step:
+        after its prompt and every token but the last (which no step has
+        run yet), with the output row that chose the last token. The next
+        turn of a conversation (prompt, reply, new text) extends it."""
+        m, g = self.model, self._rows
+        d4 = 4 * m.d_model
+        for i, r in enumerate(g.requests):
+            if r.finish_reason not in ("stop", "length") or not r._cacheable:
+                continue
+            try:
+                one = m.restack_states([(g.states, i)])
+                for st in one:  # the row's own position (kept outside the state)
+                    if hasattr(st, "buffered_tokens"):
+                        st.buffered_tokens = g.pos[i]
+                self.prefix_cache.store(r.prompt + tuple(r.tokens[:-1]), one,
+                                        memoryview(self._last_x).cast("B")[i * d4:(i + 1) * d4],
+                                        copy=False)
+            except MemoryError:
+                pass
 
     def _start(self, req):
         """The request's own state: its given one, a cached prefix's copy,
@@ -424,6 +448,8 @@ class Batcher:
             return
         try:
             g.close()  # the states are complete again
+            if self.prefix_cache is not None and self._last_x is not None:
+                self._keep_finished()
             parts = [(g.states, i) for i in keep] + [(r._states, 0) for r in joining]
             pos = [g.pos[i] for i in keep] + [m.row_position(r._states) for r in joining]
             states = m.restack_states(parts, consume=True) if parts else None
