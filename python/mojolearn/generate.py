@@ -116,7 +116,9 @@ class Batcher:
         self._rows = _Rows()
         self._next_id = 0
         self._cancels = False  # a cancel() since the last step (under _lock)
-        self._stats = BatcherStats()
+        self._stats = BatcherStats()  # the engine thread's
+        self._published = BatcherStats()  # a copy made at the end of each step (under _lock)
+        self._submitted = 0  # (under _lock)
         self._last_x = None
         self.dropped = []
 
@@ -132,9 +134,11 @@ class Batcher:
 
     @property
     def stats(self) -> BatcherStats:
-        """A snapshot of the running counters (a BatcherStats). Thread-safe."""
+        """The running counters as of the last step (a new BatcherStats;
+        requests_submitted and pending_requests as of now). Thread-safe."""
         with self._lock:
-            snap = dataclasses.replace(self._stats)
+            snap = dataclasses.replace(self._published)
+            snap.requests_submitted = self._submitted
             snap.pending_requests = len(self._pending)
         return snap
 
@@ -181,7 +185,7 @@ class Batcher:
                           self._note_cancel)
             self._next_id += 1
             self._pending.append(req)
-            self._stats.requests_submitted += 1
+            self._submitted += 1
         return req
 
     # -- one step -----------------------------------------------------------
@@ -212,6 +216,8 @@ class Batcher:
             st.prefix_cache_hits, st.prefix_cache_misses = c.hits, c.misses
             st.prefix_cache_bytes, st.prefix_cache_entries = c.nbytes, len(c)
         st.last_step_seconds = time.perf_counter() - t0
+        with self._lock:
+            self._published = dataclasses.replace(st)
         return out
 
     def run(self):
