@@ -368,6 +368,27 @@ class MambaLM:
                 check_not_held(st)
         return restack_rows(self.blocks, parts, consume)
 
+    def check_state(self, state, name: str = "state", *, batch=None) -> list:
+        """Validate a model state (a list of n_layers block states) as the
+        blocks do before a call: each layer's class, array shapes, rows
+        (``batch`` of them, if given), positions and finite values, and not
+        held by an open decode session. Returns it as a list; TypeError or
+        ValueError naming ``name[i]`` otherwise."""
+        if not isinstance(state, (list, tuple)):
+            raise TypeError(f"{name} must be a list of {self.n_layers} layer states "
+                            f"(as allocate_state gives), got {type(state).__name__}")
+        if len(state) != self.n_layers:
+            raise ValueError(f"{name} must hold {self.n_layers} layer states, got {len(state)}")
+        for i, (blk, st) in enumerate(zip(self.blocks, state)):
+            try:
+                blk._check_state_type(st)
+                rows = batch if batch is not None else \
+                    memoryview(getattr(st, type(st)._ARRAYS[0])).shape[0]
+                blk._state_views(st, rows)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}[{i}]: {e}") from None
+        return list(state)
+
     def _check_states(self, states, name):
         if not isinstance(states, (list, tuple)) or len(states) != self.n_layers:
             raise ValueError(f"{name} must be a list of {self.n_layers} layer states")
