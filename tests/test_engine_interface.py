@@ -78,7 +78,6 @@ def test_rows_decoded_through_the_interface_have_each_requests_bits(lm):
         lm.restack_states([])
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "mamba3"])  # (Mamba-1 rows have no positions)
 def test_check_state_validates_a_model_state_by_name(lm):
     st = lm.allocate_state(2)
     assert lm.check_state(st) == st and lm.check_state(st, batch=2) == st
@@ -90,6 +89,7 @@ def test_check_state_validates_a_model_state_by_name(lm):
         lm.check_state(5, "s")
 
 
+@pytest.mark.parametrize("kind", ["mamba2", "mamba3"])  # (Mamba-1 rows have no positions)
 def test_sessions_take_row_tokens_and_in_place_by_public_names(kind, tmp_path):
     lm = tiny_lm(tiny_folder(tmp_path, kind, n_layers=1))
     blk = lm.blocks[0]
