@@ -68,6 +68,16 @@ class Batcher:
         a prompt that extends a cached prefix starts from a copy of its
         state and prefills only the rest (``Request.cached_tokens``).
 
+    Attributes
+    ----------
+    model : MambaLM
+    keep_logits : bool
+    prefill_chunk : int or None
+    prefix_cache : mojolearn.prefix_cache.PrefixCache or None
+    dropped : list of Request
+        The requests that ended in the last step without a token
+        (cancelled, or retired by an error).
+
     Notes
     -----
     Thread safety: ``submit``, ``Request.cancel`` and ``stats`` may be
