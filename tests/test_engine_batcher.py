@@ -287,6 +287,22 @@ def test_generate_raises_the_error_of_a_failed_request(lm, monkeypatch):
         lm.generate([PROMPTS[0]], max_new_tokens=2)
 
 
+def test_max_rows_bounds_the_decoding_rows_first_come_first_served(lm):
+    b = lm.batcher(keep_logits=True, prefill_chunk=None, max_rows=2)
+    reqs = [b.submit(p, max_new_tokens=3 + i, **kw) for i, (p, kw) in enumerate(zip(PROMPTS, KW))]
+    started = []
+    while b.busy:
+        b.step()
+        assert len(b.active) <= 2
+        started.append([r.id for r in reqs if r.tokens])
+    assert started[0] == [0, 1]  # the first two, then each as a row frees
+    assert max(len(s) for s in started) == 4 and len(started) > 7
+    for i, r in enumerate(reqs):
+        _check_alone(lm, r, i)
+    with raises_naming(ValueError, "max_rows"):
+        lm.batcher(max_rows=0)
+
+
 def test_stats_count_the_work(lm):
     b = lm.batcher(prefill_chunk=4)
     b.submit(PROMPTS[3], max_new_tokens=3)  # 13 tokens: 4 steps of prefill

@@ -67,12 +67,17 @@ class Batcher:
         request's prompt and reply is kept (least recently used first out);
         a prompt that extends a cached prefix starts from a copy of its
         state and prefills only the rest (``Request.cached_tokens``).
+    max_rows : int >= 1 or None, default None
+        Requests decoding at once at most (one row each); further ones wait,
+        first come first served, before their prefill starts. None: no
+        limit.
 
     Attributes
     ----------
     model : MambaLM
     keep_logits : bool
     prefill_chunk : int or None
+    max_rows : int or None
     prefix_cache : mojolearn.prefix_cache.PrefixCache or None
     dropped : list of Request
         The requests that ended in the last step without a token
@@ -107,11 +112,12 @@ class Batcher:
     """
 
     def __init__(self, model, *, keep_logits: bool = False, prefill_chunk=256,
-                 prefix_cache_bytes=0):
+                 prefix_cache_bytes=0, max_rows=None):
         self.model = model
         self.keep_logits = bool(keep_logits)
         self.prefill_chunk = None if prefill_chunk is None else \
             _req.count(prefill_chunk, "prefill_chunk", 1)
+        self.max_rows = None if max_rows is None else _req.count(max_rows, "max_rows", 1)
         cache_bytes = _req.count(prefix_cache_bytes, "prefix_cache_bytes", 0)
         self.prefix_cache = PrefixCache(cache_bytes) if cache_bytes else None
         self._lock = threading.Lock()
@@ -290,6 +296,9 @@ class Batcher:
         st = self._stats
         while self._queue and (budget is None or budget > 0):
             req = self._queue[0]
+            if req._states is None and self.max_rows is not None and \
+                    len(self._rows.requests) + len(complete) >= self.max_rows:
+                break  # no row for it yet
             try:
                 if req._states is None:
                     self._start(req)

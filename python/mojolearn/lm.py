@@ -400,12 +400,13 @@ class MambaLM:
         return states
 
     # -- generation -------------------------------------------------------
-    def batcher(self, *, keep_logits: bool = False, prefill_chunk=256, prefix_cache_bytes=0):
+    def batcher(self, *, keep_logits: bool = False, prefill_chunk=256, prefix_cache_bytes=0,
+                max_rows=None):
         """A continuous-batching engine over this model
         (mojolearn.generate.Batcher, which describes the arguments)."""
         from .generate import Batcher
         return Batcher(self, keep_logits=keep_logits, prefill_chunk=prefill_chunk,
-                       prefix_cache_bytes=prefix_cache_bytes)
+                       prefix_cache_bytes=prefix_cache_bytes, max_rows=max_rows)
 
     def generate(self, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, stop_tokens=None, stream=None, return_logits: bool = False,
