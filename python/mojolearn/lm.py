@@ -23,14 +23,17 @@ class MambaLM:
     Parameters
     ----------
     source : str, os.PathLike or mojolearn.checkpoints.Checkpoint
-        A checkpoint folder (config.json and safetensors, as transformers'
-        ``save_pretrained`` writes them for Mamba and Mamba-2; Mamba-3 in
-        the layout of docs/checkpoints.md), or a ``load_checkpoint`` result.
+        A checkpoint folder (transformers' or mamba_ssm's layout, see
+        docs/checkpoints.md), a Hub id "org/name", or a ``load_checkpoint``
+        result.
     weight_format : {'float32', 'bfloat16', 'int8'}, default 'float32'
         Format of every projection, the embedding and the LM head
         (mojolearn.lowbit: the kernels widen packed weights exactly, so the
         model computes on the rounded values).
     numeric_mode : {'identical', 'fast'}, default 'identical'
+    download : bool, default False
+        For a Hub id "org/name" not in huggingface_hub's cache: download it
+        (see ``load_checkpoint``).
 
     Attributes
     ----------
@@ -59,7 +62,7 @@ class MambaLM:
     """
 
     def __init__(self, source, *, weight_format: str = "float32",
-                 numeric_mode: str = "identical", **unknown):
+                 numeric_mode: str = "identical", download: bool = False, **unknown):
         from .checkpoints import Checkpoint, load_checkpoint
         from .mamba._base import check_numeric_mode
         from ._loader import library
@@ -75,7 +78,7 @@ class MambaLM:
         owned = not isinstance(source, Checkpoint)
         # A folder is read lazily: layer by layer and the vocabulary in row
         # ranges, each dropped once packed, so the model is not held twice.
-        ck = source if not owned else load_checkpoint(source, lazy=True)
+        ck = source if not owned else load_checkpoint(source, lazy=True, download=download)
         self.kind = ck.kind
         self.d_model = ck.d_model
         self.n_layers = ck.n_layers
