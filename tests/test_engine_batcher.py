@@ -54,6 +54,21 @@ def test_generation_stops_at_the_models_eos_by_default(folder):
     assert r.tokens == first and r.finish_reason == "length"
 
 
+def test_a_folders_eos_token_id_stops_generation(folder, tmp_path):
+    """End to end: generation_config.json's eos_token_id becomes the default
+    stop set (the folder read as a user would)."""
+    import json
+    import shutil
+    first = tiny_lm(folder).generate([PROMPTS[0]], max_new_tokens=4)[0]
+    copy = tmp_path / "with_eos"
+    shutil.copytree(folder, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [first[1], 47]}))
+    lm = mojolearn.MambaLM(copy)
+    assert lm.eos_token_ids == (first[1], 47)
+    assert lm.generate([PROMPTS[0]], max_new_tokens=4) == [first[:first.index(first[1]) + 1]]
+    assert lm.generate([PROMPTS[0]], max_new_tokens=4, stop_tokens=()) == [first]
+
+
 # -- cancel -------------------------------------------------------------------
 
 def test_cancel_retires_a_request_and_leaves_the_others_bits(lm):
