@@ -128,38 +128,6 @@ class DecodeSessionBase:
         (buffered_tokens,) for Mamba-2, (buffered_tokens, pending) for Mamba-3."""
         return ()
 
-    # Rows at their own positions (Mamba-2/3, internal: mojolearn.generate's
-    # continuous batching). The state's scalar position is then not used or
-    # updated; each row's buffered_tokens lives in an int64 Array the op reads
-    # (its row_tokens slot), and _row_positions() reads it back.
-    # An int64 Array given as row_tokens is shared, not copied: the sessions
-    # of a model's layers read one array, and their owner calls
-    # advance_rows() once per model step (the sessions do not advance it).
-    def _use_row_tokens(self, row_tokens):
-        from .._array import Array
-        self._rows_shared = isinstance(row_tokens, Array)
-        if self._rows_shared:
-            if row_tokens.shape != (self._b,) or row_tokens.dtype != "int64":
-                raise ValueError(f"row_tokens must be an int64 Array of shape ({self._b},)")
-            self._rows = row_tokens
-        else:
-            rows = [_intake.as_int(t, "row_tokens") for t in row_tokens]
-            if len(rows) != self._b:
-                raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
-            self._rows = Array((self._b,), "int64", zero=False)
-            memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
-        self._args[self._spec.slot("row_tokens")] = self._rows.address
-
-    def _row_positions(self) -> list:
-        return memoryview(self._rows).tolist()
-
-    def advance_rows(self):
-        """Every row's position after one token (the class's _row_after)."""
-        mv = memoryview(self._rows)
-        after = self._row_after
-        for i in range(self._b):
-            mv[i] = after(mv[i])
-
     def close(self):
         """Copy the state back, release the buffers and close. Idempotent.
 
@@ -209,6 +177,52 @@ class DecodeSessionBase:
                     self._open = False
         except AttributeError:
             pass
+
+
+class _RowPositions:
+    """Rows at their own chunk positions: the row_tokens part of the
+    Mamba-2 and Mamba-3 decode sessions (not public)."""
+
+    # Rows at their own positions (Mamba-2/3: the row_tokens argument, used
+    # by mojolearn.row_decode for continuous batching). The state's scalar
+    # position is then not used or updated; each row's buffered_tokens lives
+    # in an int64 Array the op reads (its row_tokens slot), and
+    # row_positions() reads it back. An int64 Array given as row_tokens is
+    # shared, not copied: the sessions of a model's layers read one array,
+    # and their owner calls advance_rows() once per model step (the
+    # sessions do not advance it).
+    def _use_row_tokens(self, row_tokens):
+        from .._array import Array
+        self._rows_shared = isinstance(row_tokens, Array)
+        if self._rows_shared:
+            if row_tokens.shape != (self._b,) or row_tokens.dtype != "int64":
+                raise ValueError(f"row_tokens must be an int64 Array of shape ({self._b},)")
+            self._rows = row_tokens
+        else:
+            rows = [_intake.as_int(t, "row_tokens") for t in row_tokens]
+            if len(rows) != self._b:
+                raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
+            self._rows = Array((self._b,), "int64", zero=False)
+            memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
+        self._args[self._spec.slot("row_tokens")] = self._rows.address
+
+    def row_positions(self) -> list:
+        """Each row's chunk position (for a session opened with row_tokens)."""
+        self._check_rows("row_positions")
+        return memoryview(self._rows).tolist()
+
+    def _check_rows(self, what):
+        if self._rows is None:
+            raise ValueError(f"{what}: the session was opened without row_tokens")
+
+    def advance_rows(self):
+        """Move every row's position on by one token (opened with a shared
+        row_tokens Array: the owner calls this once per model step)."""
+        self._check_rows("advance_rows")
+        mv = memoryview(self._rows)
+        after = self._row_after
+        for i in range(self._b):
+            mv[i] = after(mv[i])
 
 
 class Mamba1DecodeSession(DecodeSessionBase):
@@ -280,7 +294,7 @@ class Mamba1DecodeSession(DecodeSessionBase):
         self._work = None
 
 
-class Mamba2DecodeSession(DecodeSessionBase):
+class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
     """Token-by-token decoding on one Mamba2Block and one Mamba2State.
 
     Made by ``Mamba2Block.decode_session(state)``. Every output is byte for
@@ -294,6 +308,22 @@ class Mamba2DecodeSession(DecodeSessionBase):
     load_state(). The block's ``h_last_`` is not updated by session steps. Not
     thread-safe. Use it as a context manager.
 
+    Parameters
+    ----------
+    block : Mamba2Block
+    state : Mamba2State
+    row_tokens : int64 mojolearn.Array of shape (B,), sequence of int, or None
+        Rows at their own chunk positions (continuous batching): row i's
+        buffered-token count. The state's scalar ``buffered_tokens`` is then
+        neither used nor updated; ``row_positions()`` reads the rows' back.
+        An Array is shared, not copied, and not advanced by ``step``: its
+        owner calls ``advance_rows()`` once per token (one array can serve
+        every layer of a model). A sequence is copied and advanced by each
+        step.
+    in_place : bool, default False
+        Step on the state's own arrays instead of copies (for an engine that
+        owns the state and does not touch it while the session is open).
+
     Examples
     --------
     >>> state = block.allocate_state(2)
@@ -303,15 +333,15 @@ class Mamba2DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, _row_tokens=None, _in_place=False):
+    def __init__(self, block, state, *, row_tokens=None, in_place=False):
         from .._array import Array
         views = block._state_views(state, None)
         self._bind(block, state, views[0].shape[0])
-        # _in_place (internal: mojolearn.generate, which owns the state and
-        # never touches it while the session is open): step on the state's
-        # own arrays, not on copies, so its memory is not held twice
-        self._in_place = _in_place
-        if _in_place:
+        # in_place (an engine that owns the state and never touches it
+        # while the session is open): step on the state's own arrays, not on
+        # copies, so its memory is not held twice
+        self.in_place = bool(in_place)
+        if in_place:
             self._arrays = list(views)
         else:
             self._arrays = [Array(v.shape, zero=False) for v in views]
@@ -320,9 +350,9 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._rows = None
         self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
         self._s_slot = self._spec.slot("buffered_tokens")
-        if _row_tokens is not None:
+        if row_tokens is not None:
             self._s = self._args[self._s_slot] = 0
-            self._use_row_tokens(_row_tokens)
+            self._use_row_tokens(row_tokens)
         self._use_thread_workspace()
         # transposed copies of h and of the open chunk's B rows, its dt rows
         # and head-major x rows, rebuilt by the kernel whenever a marker or
@@ -358,7 +388,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba2State; return it."""
         self._check_open()
         st = self._state
-        if not self._in_place:
+        if not self.in_place:
             self._write_back(st, list(zip(st._ARRAYS, self._arrays)))
         if self._rows is None:
             st.buffered_tokens = self._s
@@ -378,7 +408,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._arrays = self._work = self._cache = None
 
 
-class Mamba3DecodeSession(DecodeSessionBase):
+class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
     """Token-by-token decoding on one Mamba3Block and one Mamba3State.
 
     Made by ``Mamba3Block.decode_session(state)``. Every output is byte for
@@ -393,6 +423,15 @@ class Mamba3DecodeSession(DecodeSessionBase):
     ``session_info()`` are not updated by session steps. Not thread-safe.
     Use it as a context manager.
 
+    Parameters
+    ----------
+    block : Mamba3Block
+    state : Mamba3State
+    row_tokens : int64 mojolearn.Array of shape (B,), sequence of int, or None
+    in_place : bool, default False
+        As for Mamba2DecodeSession (rows at their own chunk positions; step
+        on the state's own arrays).
+
     Examples
     --------
     >>> state = block.allocate_state(2)
@@ -402,13 +441,13 @@ class Mamba3DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, _row_tokens=None, _in_place=False):
+    def __init__(self, block, state, *, row_tokens=None, in_place=False):
         from .._array import Array
         self._bind(block, state, 0)
         views, nb = self._validated()
         self._b = views["h"].shape[0]
-        self._in_place = _in_place  # (as Mamba2DecodeSession's)
-        if _in_place:
+        self.in_place = bool(in_place)  # (as Mamba2DecodeSession's)
+        if in_place:
             self._arrays = dict(views)
             self._nb, self._pending = nb, self._state.pending
         else:
@@ -418,11 +457,11 @@ class Mamba3DecodeSession(DecodeSessionBase):
         self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
         self._n0_slot = self._spec.slot("buffered_tokens")
         self._pending_slot = self._spec.slot("pending")
-        if _row_tokens is not None:
+        if row_tokens is not None:
             if self._pending:
                 raise ValueError("row_tokens: the state has input states pending")
             self._nb = self._args[self._n0_slot] = 0
-            self._use_row_tokens(_row_tokens)
+            self._use_row_tokens(row_tokens)
         self._use_thread_workspace()
         self._activate()
 
@@ -461,7 +500,7 @@ class Mamba3DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba3State; return it."""
         self._check_open()
         st = self._state
-        if not self._in_place:
+        if not self.in_place:
             self._write_back(st, list(self._arrays.items()))
         if self._rows is None:
             st.buffered_tokens = self._nb
