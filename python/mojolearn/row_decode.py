@@ -39,14 +39,14 @@ class RowDecoder:
     """
 
     def __init__(self, model, states, positions):
-        from .mamba.sessions import Mamba2DecodeSession, Mamba3DecodeSession
         from ._array import Array
+        from .families import family
         if len(states) != model.n_layers:
             raise ValueError(f"states must hold {model.n_layers} layer states, got {len(states)}")
         self.kind = model.kind
         self.states = states
-        cls = {"mamba2": Mamba2DecodeSession, "mamba3": Mamba3DecodeSession}.get(model.kind)
-        if cls is None:  # Mamba-1: block.step (a session would hold a workspace per layer)
+        fam = family(model.kind)
+        if not fam.row_positions:  # Mamba-1: block.step (a session would hold a workspace per layer)
             self._layers = [_Stepper(blk, st) for blk, st in zip(model.blocks, states)]
             self._rows = None
             self._positions = [0] * len(positions)
@@ -56,6 +56,7 @@ class RowDecoder:
             self._rows = rows
             self._layers = []
             try:
+                cls = fam.session_class
                 for blk, st in zip(model.blocks, states):
                     self._layers.append(cls(blk, st, row_tokens=rows, in_place=True))
             except BaseException:
