@@ -1,188 +1,92 @@
 """Generation from a MambaLM: ``generate`` for a batch of prompts, and
 ``Batcher`` for continuous batching (requests join and leave between steps).
 
-Every request runs on its own rows: its prompt is prefilled alone, then each
-step decodes one token for all active requests at once (batched block steps
-and one LM-head pass for all rows), and its next token is chosen from its own
-logits, parameters and random stream (seeded per request). Identical mode
-makes a row's bits independent of the batch, so each request's tokens and
-logits are bit-identical to generating its prompt alone, whatever else is in
-the batch and whenever it joined.
+Every request runs on its own rows: its prompt is prefilled on its own
+state (in chunks of a bounded size, between the decode steps of the others,
+or from a cached prefix state), then each step decodes one token for all
+active requests at once (one batched pass over each layer's weights and one
+over the LM head), and its next token is chosen from its own logits,
+parameters and random stream (seeded per request). Identical mode makes a
+row's bits independent of the batch and of how its prompt was split, so
+each request's tokens and logits are bit-identical to generating its prompt
+alone, whatever else is in the batch and whenever it joined.
 
-All active requests decode in one batched step per layer: one pass over
-each layer's weights and one over the LM head for all of them. Mamba-2/3
-rows sit at different positions of their blocks' chunks (the buffered
-tokens of the 256- or 64-token chunk): each row's own position goes to the
-kernels (the forward op's row_tokens), which compute every row exactly as it
-would alone.
+The engine uses only the model's engine interface (MambaLM.embed_ids,
+forward_tokens, open_rows, restack_states, row_position, head_logits,
+next_tokens).
 """
 from __future__ import annotations
 
-import math
-import random
+import dataclasses
+import threading
+import time
+from collections import deque
 
-from . import _intake
+from . import request as _req
+from .prefix_cache import PrefixCache, copy_states
+from .request import BatcherStats, Request
 
-_U_BITS = 24  # a float32 uniform in [0, 1): k / 2^24, exact
-
-
-def _count(v, name: str, lo: int) -> int:
-    v = _intake.as_int(v, name)
-    if v < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {v}")
-    return v
-
-
-def _real(v, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v!r}")
-    return v
-
-
-class Request:
-    """One generation request of a Batcher (made by ``Batcher.submit``).
-
-    Attributes
-    ----------
-    id : int
-        Order of submission.
-    prompt : tuple of int
-    tokens : list of int
-        The tokens generated so far.
-    logits : list of mojolearn.Array or None
-        With ``keep_logits``: the (vocab_size,) float32 logits each token was
-        chosen from.
-    done : bool
-    finish_reason : None, 'stop' (a stop token was generated; it is the
-        last of ``tokens``) or 'length' (max_new_tokens reached)
-    """
-
-    def __init__(self, rid, prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                 stop_tokens, keep_logits):
-        self.id = rid
-        self.prompt = tuple(prompt)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
-        self.seed = seed
-        self.stop_tokens = frozenset(stop_tokens)
-        self.tokens = []
-        self.logits = [] if keep_logits else None
-        self.done = False
-        self.finish_reason = None
-        self._rng = random.Random(seed)
-        self._states = None  # the request's own layer states until it joins a group
-
-    def _uniform(self) -> float:
-        """The next number of the request's stream (drawn once per token)."""
-        return self._rng.getrandbits(_U_BITS) / float(1 << _U_BITS)
-
-    def __repr__(self):
-        return (f"Request(id={self.id}, prompt={len(self.prompt)} tokens, "
-                f"generated={len(self.tokens)}, done={self.done})")
+__all__ = ["Batcher", "BatcherStats", "Request", "generate"]
 
 
 class _Rows:
-    """The active requests and their layer states (row i of each state is
-    request i), decoded through open decode sessions while the membership
-    stays the same (the state is checked once, not at every token); a change
-    of membership closes them first. Mamba-2/3 rows keep their own chunk
-    positions (``pos``, given to the sessions as row_tokens)."""
+    """The decoding requests and their layer states (row i of each state is
+    request i), run through a RowDecoder while the membership stays the
+    same; a change of membership closes it first. ``pos``: each row's chunk
+    position while no decoder is open."""
 
-    def __init__(self, kind):
-        self.kind = kind
+    def __init__(self):
         self.requests = []
         self.states = None
         self.pos = []
-        self.sessions = None
-
-    def open(self, blocks):
-        if self.sessions is None:
-            from .mamba.sessions import Mamba2DecodeSession, Mamba3DecodeSession
-            cls = {"mamba2": Mamba2DecodeSession, "mamba3": Mamba3DecodeSession}.get(self.kind)
-            if cls is None:  # Mamba-1: block.step (a session would hold a workspace per layer)
-                self.sessions = [_Stepper(blk, st) for blk, st in zip(blocks, self.states)]
-            else:  # one row-position array for all layers, advanced once a step
-                from array import array
-                from ._array import Array
-                rows = Array((len(self.pos),), "int64", zero=False)
-                memoryview(rows).cast("B")[:] = array("q", self.pos).tobytes()
-                self.sessions = [cls(blk, st, _row_tokens=rows, _in_place=True)
-                                 for blk, st in zip(blocks, self.states)]
-
-    def step(self, x):
-        """x through every layer's session, then the rows' positions move on."""
-        for s in self.sessions:
-            x = s.step(x)
-        if self.kind != "mamba":
-            self.sessions[0].advance_rows()
-        return x
+        self.decoder = None
 
     def close(self):
-        if self.sessions is not None:
-            if self.kind != "mamba":
-                self.pos = self.sessions[0]._row_positions()
-            for s in self.sessions:
-                s.close()
-            self.sessions = None
-
-
-class _Stepper:
-    """block.step on one state, with a decode session's step/close."""
-
-    def __init__(self, block, state):
-        self.block, self.state = block, state
-
-    def step(self, x):
-        return self.block.step(x, self.state)
-
-    def close(self):
-        pass
-
-
-def _position(states) -> int:
-    """A fresh request's chunk position (buffered tokens; 0 for Mamba-1)."""
-    st = states[0]
-    if getattr(st, "pending", False):
-        raise ValueError("a request's state has input states pending")
-    return getattr(st, "buffered_tokens", 0)
-
-
-def _restack(blocks, parts):
-    """Per layer, a new state whose row i is row r of state s for the i-th
-    (states, r) in parts (values from the first). The sources are consumed:
-    each layer's are dropped once copied, so a restack holds one layer's
-    states twice at most, not the whole model's."""
-    out = []
-    for layer, blk in enumerate(blocks):
-        first = parts[0][0][layer]
-        new = blk.allocate_state(len(parts))
-        for name in type(first)._ARRAYS:
-            dst = memoryview(getattr(new, name)).cast("B")
-            row = dst.nbytes // len(parts)
-            for i, (states, r) in enumerate(parts):
-                src = memoryview(getattr(states[layer], name)).cast("B")
-                dst[i * row:(i + 1) * row] = src[r * row:(r + 1) * row]
-        for name in type(first)._VALUES:
-            setattr(new, name, getattr(first, name))
-        out.append(new)
-        for states, _ in parts:
-            states[layer] = None
-    return out
+        if self.decoder is not None:
+            decoder, self.decoder = self.decoder, None
+            self.pos = decoder.close()
 
 
 class Batcher:
     """Continuous batching over a MambaLM.
 
-    ``submit`` adds a request at any time; ``step`` prefills the requests
-    submitted since the last step (each alone) and decodes one token for
-    every other active request, then retires the finished ones. Each
-    request's tokens and logits are bit-identical to generating it alone.
-    Drive it from one thread.
+    ``submit`` adds a request at any time. Each ``step`` decodes one token
+    for every active request (one batched pass), prefills up to
+    ``prefill_chunk`` prompt tokens of the joining requests (first come,
+    first served; a long prompt is split over several steps), gives every
+    request whose prompt is complete its first token, and retires the
+    finished and cancelled requests. Each request's tokens and logits are
+    bit-identical to generating it alone.
+
+    Parameters
+    ----------
+    model : MambaLM
+    keep_logits : bool, default False
+        Keep the logits each token was chosen from (``Request.logits``).
+    prefill_chunk : int >= 1 or None, default 256
+        Prompt tokens prefilled per step at most (all joining requests
+        together), so that a long prompt does not stall the running ones;
+        None prefills every joining prompt whole in its first step.
+    prefix_cache_bytes : int >= 0, default 0
+        Bytes of model states kept in a prefix cache (0: no cache). The
+        state after each prompt and at each chunk end is kept (least
+        recently used first out); a prompt that extends a cached prefix
+        starts from a copy of its state and prefills only the rest.
+
+    Notes
+    -----
+    Thread safety: ``submit``, ``Request.cancel`` and ``stats`` may be
+    called from any thread; ``step`` and ``run`` from one thread (the
+    engine thread) at a time.
+
+    Failure: every request parameter is checked by ``submit``. A fault that
+    still happens in one request's own work during a step (its sampling, its
+    stop check, its prefill) retires that request (finish_reason 'error',
+    the exception in ``Request.error``) and leaves every other request as
+    if it had never joined. A fault in the batched layer step itself (out
+    of memory, say) retires every decoding request that way. ``step`` does
+    not raise for either; ``dropped`` lists the requests that ended in the
+    last step without a token.
 
     Examples
     --------
@@ -197,26 +101,47 @@ class Batcher:
     (4, 2, 'length')
     """
 
-    def __init__(self, model, *, keep_logits: bool = False):
+    def __init__(self, model, *, keep_logits: bool = False, prefill_chunk=256,
+                 prefix_cache_bytes=0):
         self.model = model
         self.keep_logits = bool(keep_logits)
-        self._pending = []
-        self._rows = _Rows(model.kind)
+        self.prefill_chunk = None if prefill_chunk is None else \
+            _req.count(prefill_chunk, "prefill_chunk", 1)
+        cache_bytes = _req.count(prefix_cache_bytes, "prefix_cache_bytes", 0)
+        self.prefix_cache = PrefixCache(cache_bytes) if cache_bytes else None
+        self._lock = threading.Lock()
+        self._pending = []  # submitted, not yet taken by a step (under _lock)
+        self._queue = deque()  # taken, waiting for or in their prefill
+        self._rows = _Rows()
         self._next_id = 0
+        self._cancels = False  # a cancel() since the last step (under _lock)
+        self._stats = BatcherStats()
+        self.dropped = []
 
     @property
     def busy(self) -> bool:
-        """Whether a request is pending or active."""
-        return bool(self._pending or self._rows.requests)
+        """Whether a request is pending, prefilling or active."""
+        return bool(self._pending or self._queue or self._rows.requests)
 
     @property
     def active(self) -> list:
         """The requests being decoded (not pending, not done)."""
         return list(self._rows.requests)
 
+    @property
+    def stats(self) -> BatcherStats:
+        """A snapshot of the running counters (a BatcherStats). Thread-safe."""
+        with self._lock:
+            snap = dataclasses.replace(self._stats)
+            snap.pending_requests = len(self._pending)
+        return snap
+
     def submit(self, prompt, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
-               seed=0, stop_tokens=()) -> Request:
-        """Add a request; it is prefilled at the next step.
+               seed=0, stop_tokens=None, state=None) -> Request:
+        """Add a request; its prefill starts at a coming step. Thread-safe.
+
+        Every argument is checked here (TypeError or ValueError naming it);
+        a refused call changes nothing.
 
         Parameters
         ----------
@@ -225,106 +150,66 @@ class Batcher:
         max_new_tokens : int >= 1
         temperature : float >= 0
             0: greedy (the first id of the largest logit).
-        top_k : int >= 0
+        top_k : int in [0, 2**63)
             Keep the k most likely ids (0: all).
         top_p : float in (0, 1]
             Keep the most likely ids up to this probability mass (1: all).
         seed : int
             Seeds the request's own random stream.
-        stop_tokens : collection of int
-            Generating one of these ends the request (it is kept as the last token).
+        stop_tokens : collection of int, or None
+            Generating one of these ends the request (it is kept as the last
+            token). None: the model's ``eos_token_ids``; (): none.
+        state : list of layer states of batch 1, or None
+            Start from this model state (as ``lm.allocate_state(1)`` makes and
+            ``lm.forward_tokens`` advances) instead of a zero state: the
+            prompt continues it. It is copied; the caller's is not changed.
+
+        Returns
+        -------
+        Request
         """
         m = self.model
         prompt = m.check_tokens(prompt, "prompt")
-        req = Request(
-            self._next_id, prompt, _count(max_new_tokens, "max_new_tokens", 1),
-            self._temperature(temperature), _count(top_k, "top_k", 0), self._top_p(top_p),
-            _intake.as_int(seed, "seed"),
-            m.check_tokens(list(stop_tokens), "stop_tokens") if len(stop_tokens) else (),
-            self.keep_logits)
-        self._next_id += 1
-        self._pending.append(req)
+        args = (_req.count(max_new_tokens, "max_new_tokens", 1),
+                _req.temperature(temperature), _req.count(top_k, "top_k", 0),
+                _req.top_p(top_p), _req.seed(seed), _req.stop_set(m, stop_tokens))
+        initial = _req.start_state(m, state)
+        with self._lock:
+            req = Request(self._next_id, prompt, *args, self.keep_logits, initial, self._lock,
+                          self._note_cancel)
+            self._next_id += 1
+            self._pending.append(req)
+            self._stats.requests_submitted += 1
         return req
 
-    @staticmethod
-    def _temperature(t):
-        t = _real(t, "temperature")
-        if t < 0:
-            raise ValueError(f"temperature must be >= 0, got {t}")
-        return t
-
-    @staticmethod
-    def _top_p(p):
-        p = _real(p, "top_p")
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {p}")
-        return p
-
+    # -- one step -----------------------------------------------------------
     def step(self) -> list:
-        """Decode one token for every active request and prefill the pending
-        ones; returns [(request, token)] in request order of the step (the
-        decoded groups, then the admitted requests)."""
-        from ._array import Array
-        m = self.model
-        d = m.d_model
-        rows = []  # (request, hidden-row source (Array, index))
-        g = self._rows
-        if g.requests:
-            last = [r.tokens[-1] for r in g.requests]
-            x = m._embed_ids(last).reshape((len(last), 1, d))
-            g.open(m.blocks)
-            x = g.step(x)
-            rows += [(r, (x, i)) for i, r in enumerate(g.requests)]
-        admitted, self._pending = self._pending, []
-        for req in admitted:
-            req._states = m.allocate_state(1)
-            x = m.forward_tokens([req.prompt], req._states)
-            rows.append((req, (x, len(req.prompt) - 1)))
-        if not rows:
-            return []
-        hidden = Array((len(rows), d), zero=False)
-        dst = memoryview(hidden).cast("B")
-        for i, (_, (x, j)) in enumerate(rows):
-            dst[i * d * 4:(i + 1) * d * 4] = memoryview(x).cast("B")[j * d * 4:(j + 1) * d * 4]
-        logits = m._head(hidden.address, len(rows))
-        reqs = [r for r, _ in rows]
-        toks = m.next_tokens(logits, [r.temperature for r in reqs], [r.top_k for r in reqs],
-                             [r.top_p for r in reqs], [r._uniform() for r in reqs])
-        out = []
-        v = m.vocab_size
-        lmv = memoryview(logits).cast("B")
-        for i, (req, tok) in enumerate(zip(reqs, toks)):
-            req.tokens.append(tok)
-            if req.logits is not None:
-                keep = Array((v,), zero=False)
-                memoryview(keep).cast("B")[:] = lmv[i * v * 4:(i + 1) * v * 4]
-                req.logits.append(keep)
-            if tok in req.stop_tokens:
-                req.done, req.finish_reason = True, "stop"
-            elif len(req.tokens) >= req.max_new_tokens:
-                req.done, req.finish_reason = True, "length"
-            out.append((req, tok))
-        self._regroup(admitted)
+        """Decode one token for every active request, prefill the joining
+        ones up to prefill_chunk tokens, retire the finished ones. Returns
+        [(request, token)] in request order of the step (the decoding
+        requests, then those whose prompt completed)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            taken, self._pending = self._pending, []
+        self._queue.extend(taken)
+        self.dropped = []
+        if self._cancels:
+            self._retire_cancelled()
+        rows = self._decode()
+        first = self._prefill()
+        out = self._choose(rows + first)
+        self._regroup([r for r, _, _ in first])
+        st = self._stats
+        st.steps += 1
+        st.tokens_generated += len(out)
+        st.active_rows = len(self._rows.requests)
+        st.prefilling_requests = len(self._queue)
+        if self.prefix_cache is not None:
+            c = self.prefix_cache
+            st.prefix_cache_hits, st.prefix_cache_misses = c.hits, c.misses
+            st.prefix_cache_bytes, st.prefix_cache_entries = c.nbytes, len(c)
+        st.last_step_seconds = time.perf_counter() - t0
         return out
-
-    def _regroup(self, admitted):
-        """Retire finished requests; admitted requests that go on join."""
-        blocks = self.model.blocks
-        g = self._rows
-        keep = [i for i, r in enumerate(g.requests) if not r.done]
-        joining = [r for r in admitted if not r.done]
-        for r in admitted:
-            if r.done:
-                r._states = None
-        if len(keep) == len(g.requests) and not joining:
-            return
-        g.close()  # the states are complete again
-        parts = [(g.states, i) for i in keep] + [(r._states, 0) for r in joining]
-        g.pos = [g.pos[i] for i in keep] + [_position(r._states) for r in joining]
-        g.requests = [g.requests[i] for i in keep] + joining
-        g.states = _restack(blocks, parts) if parts else None
-        for r in joining:
-            r._states = None
 
     def run(self):
         """Step until no request is pending or active, yielding (request,
@@ -332,8 +217,271 @@ class Batcher:
         while self.busy:
             yield from self.step()
 
+    def _retire(self, req, reason, error=None):
+        req._finish(reason, error)
+        st = self._stats
+        st.requests_finished += 1
+        st.requests_cancelled += reason == "cancelled"
+        st.requests_failed += reason == "error"
 
-def _per_prompt(value, n, name, is_one):
+    def _drop(self, req, reason, error=None):
+        """Retire a request that gets no token this step."""
+        self._retire(req, reason, error)
+        self.dropped.append(req)
+
+    def _note_cancel(self, req):
+        """Request.cancel's call (under the lock): seen at the next step."""
+        self._cancels = True
+
+    def _retire_cancelled(self):
+        with self._lock:
+            self._cancels = False
+        for req in [r for r in self._queue if r._cancel]:
+            self._queue.remove(req)
+            self._drop(req, "cancelled")
+        g = self._rows
+        if any(r._cancel for r in g.requests):
+            for r in g.requests:
+                if r._cancel:
+                    self._drop(r, "cancelled")
+            self._regroup([])
+
+    def _decode(self) -> list:
+        """One token of every decoding request through the layers:
+        [(request, outputs, row)]."""
+        m, g = self.model, self._rows
+        if not g.requests:
+            return []
+        try:
+            x = m.embed_ids([r.tokens[-1] for r in g.requests])
+            x = x.reshape((len(g.requests), 1, m.d_model))
+            if g.decoder is None:
+                g.decoder = m.open_rows(g.states, g.pos)
+            x = g.decoder.step(x)
+        except Exception as e:  # the batched step itself: no row is sound
+            for r in g.requests:
+                self._drop(r, "error", e)
+            g.decoder = None
+            g.requests, g.states, g.pos = [], None, []
+            return []
+        return [(r, x, i) for i, r in enumerate(g.requests)]
+
+    def _prefill(self) -> list:
+        """Prefill joining requests, first come first served, up to
+        prefill_chunk tokens in all: [(request, outputs, row)] of those
+        whose prompt is complete."""
+        m = self.model
+        budget = self.prefill_chunk
+        cache = self.prefix_cache
+        complete = []
+        st = self._stats
+        while self._queue and (budget is None or budget > 0):
+            req = self._queue[0]
+            try:
+                if req._states is None:
+                    self._start(req)
+                done, total = req.prompt_tokens_done, len(req.prompt)
+                n = total - done if budget is None else min(budget, total - done)
+                if n:
+                    x = m.forward_tokens([req.prompt[done:done + n]], req._states)
+                    req.prompt_tokens_done = done = done + n
+                    req._hidden = (x, n - 1)
+                    st.prompt_tokens += n
+                    if budget is not None:
+                        budget -= n
+                    if cache is not None and req._cacheable:
+                        self._keep(req, x, n)
+            except Exception as e:
+                self._queue.popleft()
+                self._drop(req, "error", e)
+                continue
+            if done < total:
+                break  # the budget is spent
+            self._queue.popleft()
+            arr, row = req._hidden
+            req._hidden = None
+            complete.append((req, arr, row))
+        return complete
+
+    def _keep(self, req, x, n):
+        """Cache the request's state after its prompt so far (row n-1 of x:
+        the last token's output). The cache is an optimisation: a state it
+        cannot take (out of memory) is not kept, and the request goes on."""
+        d4 = 4 * self.model.d_model
+        try:
+            self.prefix_cache.store(req.prompt[:req.prompt_tokens_done], req._states,
+                                    memoryview(x).cast("B")[(n - 1) * d4:n * d4])
+        except MemoryError:
+            pass
+
+    def _start(self, req):
+        """The request's own state: its given one, a cached prefix's copy,
+        or a zero state."""
+        m = self.model
+        req._cacheable = req._initial is None and self.prefix_cache is not None
+        if req._initial is not None:
+            req._states, req._initial = req._initial, None
+            return
+        entry = self.prefix_cache.lookup(req.prompt) if req._cacheable else None
+        if entry is None:
+            req._states = m.allocate_state(1)
+            return
+        req._states = copy_states(entry.states)
+        req.prompt_tokens_done = req.cached_tokens = len(entry.tokens)
+        req._hidden = (entry.hidden, 0)
+        self._stats.cached_tokens += len(entry.tokens)
+
+    # -- tokens ---------------------------------------------------------------
+    def _choose(self, rows) -> list:
+        """Each row's next token from its hidden row; a row whose own work
+        fails is retired and the others go on as if it had not been there."""
+        if not rows:
+            return []
+        m = self.model
+        try:
+            logits = m.head_logits(_gather(m, rows))
+        except Exception:  # find the row at fault: the head works row by row
+            return self._choose_each(rows)
+        us = []
+        for req, _, _ in rows:
+            try:
+                us.append(req._uniform())
+            except Exception as e:
+                self._drop(req, "error", e)
+                us.append(0.0)
+        reqs = [r for r, _, _ in rows]  # a retired row: greedy, its token unused
+        try:
+            toks = m.next_tokens(logits, [0.0 if r.done else r.temperature for r in reqs],
+                                 [0 if r.done else r.top_k for r in reqs],
+                                 [1.0 if r.done else r.top_p for r in reqs], us)
+        except Exception:
+            toks = [None if req.done else self._next_one(logits, i, req, us[i])
+                    for i, (req, _, _) in enumerate(rows)]
+        out = []
+        for i, (req, _, _) in enumerate(rows):
+            if toks[i] is not None and not req.done:
+                self._accept(req, toks[i], logits, i, out)
+        return out
+
+    def _choose_each(self, rows) -> list:
+        out = []
+        for row in rows:
+            req = row[0]
+            try:
+                logits = self.model.head_logits(_gather(self.model, [row]))
+                u = req._uniform()
+            except Exception as e:
+                self._drop(req, "error", e)
+                continue
+            tok = self._next_one(logits, 0, req, u)
+            if tok is not None:
+                self._accept(req, tok, logits, 0, out)
+        return out
+
+    def _next_one(self, logits, i, req, u):
+        """Row i's token alone (the rule is row by row: the same bits), or
+        None with the request retired."""
+        m = self.model
+        try:
+            one = _row(logits, i, m.vocab_size).reshape((1, m.vocab_size))
+            return m.next_tokens(one, [req.temperature], [req.top_k], [req.top_p], [u])[0]
+        except Exception as e:
+            self._drop(req, "error", e)
+            return None
+
+    def _accept(self, req, tok, logits, i, out):
+        """Append the token (and its logits), then the stop checks; a fault
+        takes the token back and retires the request."""
+        n = len(req.tokens)
+        try:
+            req.tokens.append(tok)
+            if req.logits is not None:
+                req.logits.append(_row(logits, i, self.model.vocab_size))
+            if tok in req.stop_tokens:
+                reason = "stop"
+            elif len(req.tokens) >= req.max_new_tokens:
+                reason = "length"
+            else:
+                reason = None
+        except Exception as e:
+            del req.tokens[n:]
+            if req.logits is not None:
+                del req.logits[n:]
+            self._drop(req, "error", e)
+            return
+        if reason is not None:
+            self._retire(req, reason)
+        out.append((req, tok))
+
+    # -- membership -------------------------------------------------------------
+    def _regroup(self, completed):
+        """Retire the finished requests' rows; the completed prefills that go
+        on join."""
+        m, g = self.model, self._rows
+        keep = [i for i, r in enumerate(g.requests) if not r.done]
+        joining = [r for r in completed if not r.done]
+        if len(keep) == len(g.requests) and not joining:
+            return
+        try:
+            g.close()  # the states are complete again
+            parts = [(g.states, i) for i in keep] + [(r._states, 0) for r in joining]
+            pos = [g.pos[i] for i in keep] + [m.row_position(r._states) for r in joining]
+            states = m.restack_states(parts, consume=True) if parts else None
+        except Exception as e:  # no row set is sound any more
+            for r in [g.requests[i] for i in keep] + joining:
+                self._drop(r, "error", e)
+            g.decoder, g.requests, g.states, g.pos = None, [], None, []
+            return
+        g.requests = [g.requests[i] for i in keep] + joining
+        g.states, g.pos = states, pos
+        for r in joining:
+            r._states = None
+
+
+def _row(a, i, n):
+    """Row i of n float32 values of a as a new (n,) Array."""
+    from ._array import Array
+    out = Array((n,), zero=False)
+    memoryview(out).cast("B")[:] = memoryview(a).cast("B")[i * n * 4:(i + 1) * n * 4]
+    return out
+
+
+def _gather(m, rows):
+    """The hidden rows as one (R, d) Array: the decode outputs themselves
+    when they are all the rows, in order (no copy)."""
+    x0 = rows[0][1]
+    if rows[-1][1] is x0 and rows[-1][2] == len(rows) - 1 and \
+            memoryview(x0).nbytes == len(rows) * m.d_model * 4:
+        return x0  # (rows of one array are numbered 0.. in order)
+    from ._array import Array
+    d4 = m.d_model * 4
+    hidden = Array((len(rows), m.d_model), zero=False)
+    dst = memoryview(hidden).cast("B")
+    for i, (_, x, j) in enumerate(rows):
+        dst[i * d4:(i + 1) * d4] = memoryview(x).cast("B")[j * d4:(j + 1) * d4]
+    return hidden
+
+
+# transformers' names for generate's arguments, and what to give instead
+_HF_NAMES = {
+    "eos_token_id": "stop_tokens= (a collection of ids; default: the model's eos_token_ids)",
+    "do_sample": "temperature= (0 is greedy; > 0 samples)",
+    "max_length": "max_new_tokens= (generated tokens, the prompt not counted)",
+    "dtype": "MambaLM(..., weight_format=) ('float32', 'bfloat16' or 'int8')",
+    "torch_dtype": "MambaLM(..., weight_format=) ('float32', 'bfloat16' or 'int8')",
+    "pad_token_id": "nothing: prompts of any lengths need no padding",
+    "attention_mask": "nothing: prompts of any lengths need no padding",
+    "input_ids": "prompts (a sequence of token-id sequences)",
+    "num_return_sequences": "one prompt per sequence (repeat it with other seeds)",
+}
+
+
+def _one(v) -> bool:
+    """A single value (not one per prompt): strings count as one value."""
+    return isinstance(v, (str, bytes)) or not hasattr(v, "__len__")
+
+
+def _per_prompt(value, n, name, is_one=_one):
     """value for each of n prompts: one value for all, or a sequence of n."""
     if is_one(value):
         return [value] * n
@@ -343,8 +491,25 @@ def _per_prompt(value, n, name, is_one):
     return vals
 
 
+def _one_stop_set(v) -> bool:
+    """stop_tokens is one collection for every prompt (None, or ids)."""
+    if v is None:
+        return True
+    if _one(v) or not hasattr(v, "__iter__"):
+        raise TypeError(f"stop_tokens must be None, a collection of token ids or one such "
+                        f"collection per prompt, got {type(v).__name__}")
+    items = list(v)
+    if all(_one(t) and not isinstance(t, (str, bytes)) for t in items):
+        return True
+    if all(t is None or not _one(t) for t in items):
+        return False
+    raise TypeError("stop_tokens mixes ids and collections: give a collection of ids, or one "
+                    "collection per prompt")
+
+
 def generate(model, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
-             seed=0, stop_tokens=(), stream=None, return_logits: bool = False):
+             seed=0, stop_tokens=None, stream=None, return_logits: bool = False,
+             prefill_chunk=None, **unknown):
     """Generate from a batch of prompts of any lengths.
 
     Parameters
@@ -355,31 +520,48 @@ def generate(model, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top
         One value for every prompt, or a sequence with one per prompt
         (Batcher.submit describes each). Sampling with a seed is
         reproducible: a request's random stream depends only on its seed.
-    stop_tokens : collection of int, or a sequence of them (one per prompt)
+    stop_tokens : None, a collection of int, or one of those per prompt
+        None: the model's ``eos_token_ids``; (): no stop token.
     stream : callable(index, token) or None
         Called with the prompt's index and each token as it comes.
     return_logits : bool
         Also return, per prompt, the logits of each generated token.
+    prefill_chunk : int >= 1 or None, default None
+        As for Batcher (None: each prompt whole; the tokens do not depend
+        on it).
 
     Returns
     -------
     list of list of int (and the list of lists of logits with return_logits)
         Each prompt's tokens are bit-identical to generating it alone.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad argument, naming it, before anything runs. transformers'
+        names (``eos_token_id``, ``do_sample``, ``max_length``, ``dtype``,
+        ...) are refused with the name to use instead.
     """
+    for name in unknown:
+        if name in _HF_NAMES:
+            raise TypeError(f"generate() takes no {name!r} (a transformers argument): "
+                            f"use {_HF_NAMES[name]}")
+        raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+    if stream is not None and not callable(stream):
+        raise TypeError(f"stream must be a callable(index, token) or None, got "
+                        f"{type(stream).__name__}")
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
         raise ValueError("prompts must be a non-empty sequence of token-id sequences")
     n = len(prompts)
-    scalar = lambda v: not hasattr(v, "__len__")  # noqa: E731
     per = {
-        "max_new_tokens": _per_prompt(max_new_tokens, n, "max_new_tokens", scalar),
-        "temperature": _per_prompt(temperature, n, "temperature", scalar),
-        "top_k": _per_prompt(top_k, n, "top_k", scalar),
-        "top_p": _per_prompt(top_p, n, "top_p", scalar),
-        "seed": _per_prompt(seed, n, "seed", scalar),
-        "stop_tokens": _per_prompt(stop_tokens, n, "stop_tokens",
-                                   lambda v: all(scalar(t) for t in v)),
+        "max_new_tokens": _per_prompt(max_new_tokens, n, "max_new_tokens"),
+        "temperature": _per_prompt(temperature, n, "temperature"),
+        "top_k": _per_prompt(top_k, n, "top_k"),
+        "top_p": _per_prompt(top_p, n, "top_p"),
+        "seed": _per_prompt(seed, n, "seed"),
+        "stop_tokens": _per_prompt(stop_tokens, n, "stop_tokens", _one_stop_set),
     }
-    batcher = model.batcher(keep_logits=return_logits)
+    batcher = model.batcher(keep_logits=return_logits, prefill_chunk=prefill_chunk)
     reqs = []
     for i, p in enumerate(prompts):
         try:
@@ -390,5 +572,8 @@ def generate(model, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top
     for req, tok in batcher.run():
         if stream is not None:
             stream(index[req.id], tok)
+    for r in reqs:
+        if r.error is not None:
+            raise r.error
     tokens = [r.tokens for r in reqs]
     return (tokens, [r.logits for r in reqs]) if return_logits else tokens

@@ -38,6 +38,9 @@ class MambaLM:
     d_model, n_layers, vocab_size : int
     tied : bool
         Whether the LM head is the embedding (one copy is kept).
+    eos_token_ids : tuple of int
+        The checkpoint's end-of-sequence ids (empty if it names none):
+        generation stops at them unless given other ``stop_tokens``.
     blocks : list of Mamba1Block, Mamba2Block or Mamba3Block
 
     Notes
@@ -73,6 +76,7 @@ class MambaLM:
         self.n_layers = ck.n_layers
         self.vocab_size = ck.vocab_size
         self.tied = bool(ck.tie_word_embeddings)
+        self.eos_token_ids = _eos_ids(getattr(ck, "eos_token_ids", ()))
         self.weight_format = weight_format
         self._lib = library(self.numeric_mode)
         self.blocks = []
@@ -177,17 +181,68 @@ class MambaLM:
                              "lengths= for rows of different lengths)")
         return rows
 
-    def _embed_ids(self, ids: list):
+    def embed_ids(self, ids):
+        """Embedding rows of a flat sequence of token ids.
+
+        Parameters
+        ----------
+        ids : sequence of int
+            Each in [0, vocab_size) (checked; IndexError-free: a bad id is a
+            ValueError naming ``ids``).
+
+        Returns
+        -------
+        mojolearn.Array, float32 (len(ids), d_model)
+        """
+        try:
+            arr = _pyarray("q", ids)
+        except (TypeError, OverflowError) as e:
+            raise TypeError(f"ids must be a sequence of int token ids ({e})") from None
+        if not len(arr):
+            raise ValueError("ids is empty: give at least one token id")
+        lo, hi = min(arr), max(arr)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"ids holds {bad}, not a token id of this model "
+                             f"(vocab_size {self.vocab_size})")
+        return self._embed_ids(arr)
+
+    def _embed_ids(self, ids):
         """(n, d) float32 rows for checked token ids."""
         from ._array import Array
         from ._loader import native
-        toks = _pyarray("q", ids)
+        toks = ids if isinstance(ids, _pyarray) else _pyarray("q", ids)
         x = Array((len(ids), self.d_model), zero=False)
         op = _abi.OP_LM_EMBED
         self._lib.run(op, _abi.op_spec(self._lib, op).pack(
             n=len(ids), d=self.d_model, vocab=self.vocab_size,
             tokens=native().address(memoryview(toks)), blob=self._blob, x=x))
         return x
+
+    def head_logits(self, hidden):
+        """The logits of hidden rows: final RMSNorm and the LM head, row by
+        row (a row's logits do not depend on the other rows).
+
+        Parameters
+        ----------
+        hidden : float32 buffer, C-contiguous, last dimension d_model
+            Last-layer outputs (as ``forward_tokens`` or a ``RowDecoder``
+            step gives them); every leading dimension counts as rows.
+
+        Returns
+        -------
+        mojolearn.Array, float32 (rows, vocab_size)
+        """
+        v = _intake.float32_view(hidden, "hidden", contiguous_only=True)
+        if not v.shape or v.shape[-1] != self.d_model:
+            raise ValueError(f"hidden must have last dimension d_model = {self.d_model}, "
+                             f"got shape {v.shape}")
+        rows = v.mv.nbytes // (4 * self.d_model)
+        if not rows:
+            raise ValueError("hidden has no rows")
+        out = self._head(v.address, rows)
+        del v  # (the buffer stayed alive through the call)
+        return out
 
     def _head(self, x_address: int, rows: int):
         """Logits (rows, V) of `rows` consecutive (d,) rows at x_address."""
@@ -270,19 +325,72 @@ class MambaLM:
             x = block.forward(x, st)
         return x
 
+    # -- the engine interface: rows decoded together ----------------------
+    def row_position(self, states) -> int:
+        """The chunk position (buffered tokens) of a batch-1 model state: the
+        value a row of it takes in ``open_rows`` (0 for Mamba-1). ValueError
+        if its Mamba-3 input states are pending."""
+        from .row_decode import row_position
+        return row_position(self._check_states(states, "states"))
+
+    def open_rows(self, states, positions):
+        """Start decoding rows together: a mojolearn.row_decode.RowDecoder
+        over `states` (one per layer, B rows each) with each row at its own
+        chunk position (``positions``, B ints). Close it before the states
+        are used otherwise."""
+        from .row_decode import RowDecoder
+        states = self._check_states(states, "states")
+        positions = [_intake.as_int(p, f"positions[{i}]") for i, p in enumerate(positions)]
+        return RowDecoder(self, states, positions)
+
+    def restack_states(self, parts, *, consume: bool = False) -> list:
+        """A new model state of len(parts) rows: row i is row r of the model
+        state s for the i-th pair (s, r) of parts (a state may appear in
+        several pairs). The plain values (positions) are the first state's:
+        rows at their own positions keep them outside the state
+        (``open_rows``). consume=True drops each source layer state (sets it
+        to None in its list) once copied, so at most one layer is held twice."""
+        from .mamba._state import check_not_held
+        from .row_decode import restack_rows
+        if not parts:
+            raise ValueError("parts is empty: give at least one (state, row) pair")
+        for i, (states, r) in enumerate(parts):
+            self._check_states(states, f"parts[{i}]")
+            rows = memoryview(getattr(states[0], type(states[0])._ARRAYS[0])).shape[0]
+            if not 0 <= _intake.as_int(r, f"parts[{i}] row") < rows:
+                raise ValueError(f"parts[{i}]: row {r} is outside the state's {rows} rows")
+            for st in states:
+                check_not_held(st)
+        return restack_rows(self.blocks, parts, consume)
+
+    def _check_states(self, states, name):
+        if not isinstance(states, (list, tuple)) or len(states) != self.n_layers:
+            raise ValueError(f"{name} must be a list of {self.n_layers} layer states")
+        for i, (blk, st) in enumerate(zip(self.blocks, states)):
+            try:
+                blk._check_state_type(st)
+            except TypeError as e:
+                raise TypeError(f"{name}[{i}]: {e}") from None
+        return states
+
     # -- generation -------------------------------------------------------
-    def batcher(self, *, keep_logits: bool = False):
-        """A continuous-batching generator over this model (mojolearn.generate.Batcher)."""
+    def batcher(self, *, keep_logits: bool = False, prefill_chunk=256, prefix_cache_bytes=0):
+        """A continuous-batching engine over this model
+        (mojolearn.generate.Batcher, which describes the arguments)."""
         from .generate import Batcher
-        return Batcher(self, keep_logits=keep_logits)
+        return Batcher(self, keep_logits=keep_logits, prefill_chunk=prefill_chunk,
+                       prefix_cache_bytes=prefix_cache_bytes)
 
     def generate(self, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
-                 seed=0, stop_tokens=(), stream=None, return_logits: bool = False):
-        """Generate from a batch of prompts (see mojolearn.generate.generate)."""
+                 seed=0, stop_tokens=None, stream=None, return_logits: bool = False,
+                 prefill_chunk=None, **unknown):
+        """Generate from a batch of prompts (mojolearn.generate.generate
+        describes the arguments)."""
         from .generate import generate
         return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
-                        stream=stream, return_logits=return_logits)
+                        stream=stream, return_logits=return_logits,
+                        prefill_chunk=prefill_chunk, **unknown)
 
 
 def _addresses(w) -> tuple:
@@ -291,3 +399,13 @@ def _addresses(w) -> tuple:
     if is_packed(w):
         return w.data.address, (w.exponents.address if w.exponents is not None else 0)
     return w.address, 0
+
+
+def _eos_ids(value) -> tuple:
+    """The checkpoint's end-of-sequence ids as a tuple of ints (one id or
+    a list of them; None or nothing: ())."""
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    return tuple(_intake.as_int(t, f"eos_token_ids[{i}]") for i, t in enumerate(value))

@@ -128,13 +128,14 @@ class DecodeSessionBase:
         (buffered_tokens,) for Mamba-2, (buffered_tokens, pending) for Mamba-3."""
         return ()
 
-    # Rows at their own positions (Mamba-2/3, internal: mojolearn.generate's
-    # continuous batching). The state's scalar position is then not used or
-    # updated; each row's buffered_tokens lives in an int64 Array the op reads
-    # (its row_tokens slot), and _row_positions() reads it back.
-    # An int64 Array given as row_tokens is shared, not copied: the sessions
-    # of a model's layers read one array, and their owner calls
-    # advance_rows() once per model step (the sessions do not advance it).
+    # Rows at their own positions (Mamba-2/3: the row_tokens argument, used
+    # by mojolearn.row_decode for continuous batching). The state's scalar
+    # position is then not used or updated; each row's buffered_tokens lives
+    # in an int64 Array the op reads (its row_tokens slot), and
+    # row_positions() reads it back. An int64 Array given as row_tokens is
+    # shared, not copied: the sessions of a model's layers read one array,
+    # and their owner calls advance_rows() once per model step (the
+    # sessions do not advance it).
     def _use_row_tokens(self, row_tokens):
         from .._array import Array
         self._rows_shared = isinstance(row_tokens, Array)
@@ -150,11 +151,15 @@ class DecodeSessionBase:
             memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
         self._args[self._spec.slot("row_tokens")] = self._rows.address
 
-    def _row_positions(self) -> list:
+    def row_positions(self) -> list:
+        """Each row's chunk position (opened with row_tokens; Mamba-2/3)."""
+        if getattr(self, "_rows", None) is None:
+            raise ValueError("row_positions: the session was opened without row_tokens")
         return memoryview(self._rows).tolist()
 
     def advance_rows(self):
-        """Every row's position after one token (the class's _row_after)."""
+        """Move every row's position on by one token (opened with a shared
+        row_tokens Array: the owner calls this once per model step)."""
         mv = memoryview(self._rows)
         after = self._row_after
         for i in range(self._b):
@@ -294,6 +299,22 @@ class Mamba2DecodeSession(DecodeSessionBase):
     load_state(). The block's ``h_last_`` is not updated by session steps. Not
     thread-safe. Use it as a context manager.
 
+    Parameters
+    ----------
+    block : Mamba2Block
+    state : Mamba2State
+    row_tokens : int64 mojolearn.Array of shape (B,), sequence of int, or None
+        Rows at their own chunk positions (continuous batching): row i's
+        buffered-token count. The state's scalar ``buffered_tokens`` is then
+        neither used nor updated; ``row_positions()`` reads the rows' back.
+        An Array is shared, not copied, and not advanced by ``step``: its
+        owner calls ``advance_rows()`` once per token (one array can serve
+        every layer of a model). A sequence is copied and advanced by each
+        step.
+    in_place : bool, default False
+        Step on the state's own arrays instead of copies (for an engine that
+        owns the state and does not touch it while the session is open).
+
     Examples
     --------
     >>> state = block.allocate_state(2)
@@ -303,15 +324,15 @@ class Mamba2DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, _row_tokens=None, _in_place=False):
+    def __init__(self, block, state, *, row_tokens=None, in_place=False):
         from .._array import Array
         views = block._state_views(state, None)
         self._bind(block, state, views[0].shape[0])
-        # _in_place (internal: mojolearn.generate, which owns the state and
-        # never touches it while the session is open): step on the state's
-        # own arrays, not on copies, so its memory is not held twice
-        self._in_place = _in_place
-        if _in_place:
+        # in_place (an engine that owns the state and never touches it
+        # while the session is open): step on the state's own arrays, not on
+        # copies, so its memory is not held twice
+        self.in_place = bool(in_place)
+        if in_place:
             self._arrays = list(views)
         else:
             self._arrays = [Array(v.shape, zero=False) for v in views]
@@ -320,9 +341,9 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._rows = None
         self._args = block._args(self._b, 1, 0, 0, self._arrays, self._s, 0, 0, True)
         self._s_slot = self._spec.slot("buffered_tokens")
-        if _row_tokens is not None:
+        if row_tokens is not None:
             self._s = self._args[self._s_slot] = 0
-            self._use_row_tokens(_row_tokens)
+            self._use_row_tokens(row_tokens)
         self._use_thread_workspace()
         # transposed copies of h and of the open chunk's B rows, its dt rows
         # and head-major x rows, rebuilt by the kernel whenever a marker or
@@ -358,7 +379,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba2State; return it."""
         self._check_open()
         st = self._state
-        if not self._in_place:
+        if not self.in_place:
             self._write_back(st, list(zip(st._ARRAYS, self._arrays)))
         if self._rows is None:
             st.buffered_tokens = self._s
@@ -393,6 +414,22 @@ class Mamba3DecodeSession(DecodeSessionBase):
     ``session_info()`` are not updated by session steps. Not thread-safe.
     Use it as a context manager.
 
+    Parameters
+    ----------
+    block : Mamba3Block
+    state : Mamba3State
+    row_tokens : int64 mojolearn.Array of shape (B,), sequence of int, or None
+        Rows at their own chunk positions (continuous batching): row i's
+        buffered-token count. The state's scalar ``buffered_tokens`` is then
+        neither used nor updated; ``row_positions()`` reads the rows' back.
+        An Array is shared, not copied, and not advanced by ``step``: its
+        owner calls ``advance_rows()`` once per token (one array can serve
+        every layer of a model). A sequence is copied and advanced by each
+        step.
+    in_place : bool, default False
+        Step on the state's own arrays instead of copies (for an engine that
+        owns the state and does not touch it while the session is open).
+
     Examples
     --------
     >>> state = block.allocate_state(2)
@@ -402,13 +439,13 @@ class Mamba3DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, _row_tokens=None, _in_place=False):
+    def __init__(self, block, state, *, row_tokens=None, in_place=False):
         from .._array import Array
         self._bind(block, state, 0)
         views, nb = self._validated()
         self._b = views["h"].shape[0]
-        self._in_place = _in_place  # (as Mamba2DecodeSession's)
-        if _in_place:
+        self.in_place = bool(in_place)  # (as Mamba2DecodeSession's)
+        if in_place:
             self._arrays = dict(views)
             self._nb, self._pending = nb, self._state.pending
         else:
@@ -418,11 +455,11 @@ class Mamba3DecodeSession(DecodeSessionBase):
         self._args = block._args(self._b, 1, 0, 0, self._arrays, nb, self._pending, 0, 0)
         self._n0_slot = self._spec.slot("buffered_tokens")
         self._pending_slot = self._spec.slot("pending")
-        if _row_tokens is not None:
+        if row_tokens is not None:
             if self._pending:
                 raise ValueError("row_tokens: the state has input states pending")
             self._nb = self._args[self._n0_slot] = 0
-            self._use_row_tokens(_row_tokens)
+            self._use_row_tokens(row_tokens)
         self._use_thread_workspace()
         self._activate()
 
@@ -461,7 +498,7 @@ class Mamba3DecodeSession(DecodeSessionBase):
         """Copy the session's state into the Mamba3State; return it."""
         self._check_open()
         st = self._state
-        if not self._in_place:
+        if not self.in_place:
             self._write_back(st, list(self._arrays.items()))
         if self._rows is None:
             st.buffered_tokens = self._nb
