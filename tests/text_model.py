@@ -49,7 +49,7 @@ def write_model(folder, *, chat: bool = True, d_model: int = 32) -> Path:
                     [mamba1_weights(d_model, seed=1, scale=4.0),
                      mamba1_weights(d_model, seed=2, scale=4.0)],
                     rng.standard_normal((VOCAB, d_model)).astype(np.float32),
-                    np.ones(d_model, np.float32))
+                    np.ones(d_model, np.float32), config={"eos_token_id": 0})
     tokenizer().save(str(folder / "tokenizer.json"))
     if chat:
         (folder / "tokenizer_config.json").write_text(json.dumps(

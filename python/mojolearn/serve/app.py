@@ -263,17 +263,22 @@ class _Run:
 
     async def whole(self, request) -> Response:
         parts = []
+        getter = None
         try:
             while self.finish is None:
-                try:
-                    msg = await asyncio.wait_for(self.queue.get(), _POLL_S)
-                except asyncio.TimeoutError:
+                # one get() kept across polls: wait_for(get()) could lose an item
+                # that arrives just as it times out
+                getter = getter or asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=_POLL_S)
+                if not done:
                     if await request.is_disconnected():
                         self.finish = "cancelled"
-                        break
                     continue
-                parts.append(self._take(*msg))
+                parts.append(self._take(*getter.result()))
+                getter = None
         finally:
+            if getter is not None:
+                getter.cancel()
             if self.finish in (None, "cancelled"):
                 self.job.cancel()
                 self.server.engine.wake()

@@ -95,6 +95,10 @@ def _run(args) -> int:
     from pathlib import Path
     from .chat import load_chat_template
     from .schemas import Limits
+    if args.debug:  # SIGUSR1 prints every thread's stack (a stuck server)
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads is not None:

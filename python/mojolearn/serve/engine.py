@@ -62,9 +62,7 @@ class Engine:
     max_queue : int
         Requests waiting at most; ``submit`` raises QueueFull beyond.
     batcher_options : dict
-        Passed to ``model.batcher`` (e.g. prefill_chunk, prefix_cache_bytes);
-        options this version of the Batcher does not take are left out with
-        a warning.
+        Passed to ``model.batcher`` (prefill_chunk, prefix_cache_bytes).
     """
 
     def __init__(self, model, *, max_rows: int = 16, max_queue: int = 64,
@@ -73,28 +71,16 @@ class Engine:
         self.max_rows = int(max_rows)
         self.max_queue = int(max_queue)
         self._options = dict(batcher_options or {})
-        self.batcher = self._make_batcher(model, self._options)
+        self.batcher = model.batcher(**self._options)
         self._cv = threading.Condition()
         self._waiting = deque()
         self._running = {}  # Request.id -> Job
         self._stopping = False
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                         "cache_hits": 0, "cached_tokens": 0, "steps": 0, "step_seconds": 0.0,
+                         "cached_requests": 0, "cached_tokens": 0, "steps": 0, "step_seconds": 0.0,
                          "last_step_seconds": 0.0, "errors": 0, "cancelled": 0}
         self._thread = threading.Thread(target=self._loop, name="mojolearn-engine", daemon=True)
         self._thread.start()
-
-    @staticmethod
-    def _make_batcher(model, options):
-        while True:
-            try:
-                return model.batcher(**options)
-            except TypeError as e:  # an older Batcher: drop the option it names
-                name = next((k for k in options if repr(k) in str(e) or k in str(e)), None)
-                if name is None:
-                    raise
-                log.warning("this Batcher does not take %s; running without it", name)
-                del options[name]
 
     # -- any thread ---------------------------------------------------------
     def submit(self, prompt, params: dict, sink) -> Job:
@@ -122,12 +108,11 @@ class Engine:
             out["queue_length"] = len(self._waiting)
             out["batch_size"] = len(self._running)
         stats = getattr(self.batcher, "stats", None)
-        if stats is not None:  # the Batcher's own counters, as far as it keeps them
-            get = stats.get if isinstance(stats, dict) else lambda k: getattr(stats, k, None)
-            for key in ("cache_hits", "cache_misses", "cache_bytes"):
-                v = get(key)
-                if isinstance(v, (int, float)):
-                    out["batcher_" + key] = v
+        for key in ("prefix_cache_hits", "prefix_cache_misses", "prefix_cache_bytes",
+                    "prefix_cache_entries", "prefilling_requests"):
+            v = getattr(stats, key, None)  # the Batcher's own counters, as far as it keeps them
+            if isinstance(v, (int, float)):
+                out[key] = v
         return out
 
     def stop(self, *, drain: bool = True, timeout: float | None = None):
@@ -190,12 +175,8 @@ class Engine:
 
     def _pass_cancels(self):
         for job in list(self._running.values()):
-            if job.cancelled and not job.done:
-                cancel = getattr(job.request, "cancel", None)
-                if cancel is not None:
-                    cancel()  # the Batcher frees the row at its next step
-                else:  # an older Batcher: the row runs on, its tokens are dropped
-                    self._finish(job, "cancelled")
+            if job.cancelled and not job.request.cancel_requested:
+                job.request.cancel()  # the Batcher frees the row at its next step
 
     def _deliver(self, out):
         """Each running job's tokens of this step, with its finish reason in
@@ -210,11 +191,9 @@ class Engine:
             if req.done:
                 with self._cv:
                     del self._running[rid]
-            if job.done:  # cancelled on an older Batcher: its tokens are dropped
-                continue
             if got and not job.cached_tokens and getattr(req, "cached_tokens", 0):
                 job.cached_tokens = req.cached_tokens
-                self.counters["cache_hits"] += 1
+                self.counters["cached_requests"] += 1
                 self.counters["cached_tokens"] += req.cached_tokens
             self.counters["generated_tokens"] += len(got)
             if req.done:
@@ -245,4 +224,4 @@ class Engine:
         for job in jobs:
             if not job.done:
                 self._finish(job, "error", error)
-        self.batcher = self._make_batcher(self.model, self._options)
+        self.batcher = self.model.batcher(**self._options)

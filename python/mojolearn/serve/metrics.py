@@ -16,8 +16,12 @@ METRICS = [
     ("request_errors_total", "counter", "Requests ended by an engine error.", "errors"),
     ("prompt_tokens_total", "counter", "Prompt tokens admitted.", "prompt_tokens"),
     ("generation_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
-    ("prefix_cache_hits_total", "counter", "Requests that started from a cached prefix state.",
-     "cache_hits"),
+    ("prefix_cache_hits_total", "counter", "Prompt lookups that found a cached prefix state.",
+     "prefix_cache_hits"),
+    ("prefix_cache_misses_total", "counter", "Prompt lookups that found none.",
+     "prefix_cache_misses"),
+    ("prefix_cache_requests_total", "counter", "Requests that started from a cached prefix.",
+     "cached_requests"),
     ("prefix_cache_tokens_total", "counter", "Prompt tokens not prefilled thanks to the cache.",
      "cached_tokens"),
     ("engine_steps_total", "counter", "Engine steps run.", "steps"),
@@ -26,8 +30,12 @@ METRICS = [
      "last_step_seconds"),
     ("queue_length", "gauge", "Requests waiting for a row.", "queue_length"),
     ("batch_size", "gauge", "Requests in the batch (being prefilled or decoded).", "batch_size"),
+    ("prefilling_requests", "gauge", "Requests in the batch still prefilling their prompt.",
+     "prefilling_requests"),
     ("prefix_cache_bytes", "gauge", "Bytes held by the prefix-state cache.",
-     "batcher_cache_bytes"),
+     "prefix_cache_bytes"),
+    ("prefix_cache_entries", "gauge", "Prefix states held by the cache.",
+     "prefix_cache_entries"),
 ]
 
 
