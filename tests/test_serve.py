@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 
 NAME = "tiny"
 SERVER_ARGS = ["--max-rows", 8, "--max-queue", 64, "--max-prompt-tokens", 96,
-               "--max-tokens", 3000, "--prefill-chunk", 16, "--prefix-cache-mb", 8]
+               "--max-tokens", 20000, "--prefill-chunk", 16, "--prefix-cache-mb", 8]
 
 
 def _free_port() -> int:
@@ -195,8 +195,9 @@ def test_chat_completions_use_the_chat_template(client, lm, folder):
 
 def test_concurrent_streams_joining_and_leaving_each_give_their_alone_run(client, server, lm):
     """16 streaming clients start at random times; 5 close their stream early
-    (a long request, so the close, not the length, ends it). Every finished
-    one equals its run alone; the closed ones are cancelled on the server."""
+    (a long request, so the close, not the length, ends it) and one more
+    client stops waiting for a whole response. Every finished one equals its
+    run alone; the ones that left are cancelled on the server."""
     rng = random.Random(1)
     tok = tokenizer()
     before = _metric(server, "requests_cancelled_total")
@@ -205,7 +206,7 @@ def test_concurrent_streams_joining_and_leaving_each_give_their_alone_run(client
         text = rng.choice(TEXT)
         cut = rng.randrange(5, len(text))
         cancel = i in (1, 4, 7, 10, 13)
-        jobs.append(dict(prompt=text[:cut], n=3000 if cancel else rng.randrange(4, 24),
+        jobs.append(dict(prompt=text[:cut], n=20000 if cancel else rng.randrange(4, 24),
                          t=rng.choice([0.0, 0.9]), seed=rng.randrange(1000), cancel=cancel,
                          delay=rng.random() * 0.3))
     results = [None] * len(jobs)
@@ -224,13 +225,19 @@ def test_concurrent_streams_joining_and_leaving_each_give_their_alone_run(client
                 break
         results[i] = got
 
+    def leaves():  # a non-streaming client that gives up waiting
+        impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                                  timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model=NAME, prompt=[1, 2], max_tokens=20000)
+
     threads = [threading.Thread(target=run, args=(i, j)) for i, j in enumerate(jobs)]
-    for t in threads:
+    for t in threads + [threading.Thread(target=leaves)]:
         t.start()
     for t in threads:
         t.join(120)
-    n_cancel = sum(j["cancel"] for j in jobs)
-    assert n_cancel == 5
+    n_cancel = sum(j["cancel"] for j in jobs) + 1
+    assert n_cancel == 6
     for job, got in zip(jobs, results):
         want = _alone(lm, tok.encode(job["prompt"]).ids, job["n"] if not job["cancel"] else 3,
                       temperature=job["t"], seed=job["seed"])
@@ -272,11 +279,13 @@ def test_a_prompt_extending_a_cached_prefix_has_the_bits_of_a_cold_run(client, s
 
 BAD = [  # (body, the field the 400 names)
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
-    ({"prompt": [1, 2], "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 20001}, "max_tokens"),
     ({"prompt": [1, 2], "max_tokens": "3"}, "max_tokens"),
     ({"prompt": [1, 2], "temperature": -1}, "temperature"),
     ({"prompt": [1, 2], "temperature": "hot"}, "temperature"),
     ({"prompt": [1, 2], "top_p": 0}, "top_p"),
+    ({"prompt": [1, 2], "top_p": 1e-60}, "top_p"),
+    ({"prompt": [1, 2], "temperature": 1e-60}, "temperature"),
     ({"prompt": [1, 2], "top_k": -1}, "top_k"),
     ({"prompt": [1, 2], "seed": 2 ** 70}, "seed"),
     ({"prompt": [1, 2], "stop": 5}, "stop"),

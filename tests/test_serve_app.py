@@ -126,3 +126,42 @@ def test_stopping_without_drain_cancels_what_is_in_flight(lm):
     assert reasons == ["cancelled", "cancelled"]
     with pytest.raises(RuntimeError, match="shutting down"):
         engine.submit([1], {}, gate)
+
+
+def test_the_engine_keeps_at_most_max_rows_in_the_batch(lm):
+    engine = Engine(lm, max_rows=2, max_queue=8)
+    seen, got = [], {}
+    prompts = [[i + 1, i + 2] for i in range(6)]
+
+    def sink_for(i):
+        def sink(tokens, reason, error):
+            seen.append(engine.snapshot()["batch_size"])
+            got.setdefault(i, []).extend(tokens)
+        return sink
+    for i, p in enumerate(prompts):
+        engine.submit(p, dict(max_new_tokens=3, temperature=0.5, seed=i), sink_for(i))
+    engine.stop()
+    assert max(seen) == 2
+    assert [got[i] for i in range(6)] == [
+        lm.generate([p], max_new_tokens=3, temperature=0.5, seed=i)[0]
+        for i, p in enumerate(prompts)]
+
+
+def test_a_parameter_only_the_batcher_refuses_is_a_400(lm, monkeypatch):
+    server = Server(lm, tokenizer=tokenizer())
+    try:
+        real = server.engine.batcher.submit
+
+        def picky(prompt, **kw):
+            if kw["seed"] == 13:
+                raise ValueError("seed 13 is refused by the Batcher")
+            return real(prompt, **kw)
+        monkeypatch.setattr(server.engine.batcher, "submit", picky)
+        status, _, body = _call(server, "POST", "/v1/completions",
+                                {"prompt": [1, 2], "seed": 13, "max_tokens": 2})
+        assert status == 400 and "seed 13" in json.loads(body)["error"]["message"]
+        status, _, body = _call(server, "POST", "/v1/completions",
+                                {"prompt": [1, 2], "seed": 12, "max_tokens": 2})
+        assert status == 200
+    finally:
+        server.close()

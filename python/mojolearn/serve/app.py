@@ -233,6 +233,13 @@ class _Run:
             self.finish, self.error = reason, error
         return "".join(text)
 
+    def _error_reply(self) -> APIError:
+        """The Batcher refused the request (a parameter the checks here let
+        through: 400) or failed while running it (500)."""
+        if self.job.request is None and isinstance(self.error, (ValueError, TypeError)):
+            return APIError(str(self.error))
+        return APIError(f"generation failed: {self.error}", status=500, type="server_error")
+
     def usage(self) -> dict:
         u = {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens),
              "total_tokens": len(self.prompt) + len(self.tokens)}
@@ -264,18 +271,20 @@ class _Run:
     async def whole(self, request) -> Response:
         parts = []
         getter = None
+        checked = time.monotonic()
         try:
             while self.finish is None:
                 # one get() kept across polls: wait_for(get()) could lose an item
                 # that arrives just as it times out
                 getter = getter or asyncio.ensure_future(self.queue.get())
                 done, _ = await asyncio.wait({getter}, timeout=_POLL_S)
-                if not done:
+                if done:
+                    parts.append(self._take(*getter.result()))
+                    getter = None
+                if time.monotonic() - checked >= _POLL_S:  # tokens may never pause
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         self.finish = "cancelled"
-                    continue
-                parts.append(self._take(*getter.result()))
-                getter = None
         finally:
             if getter is not None:
                 getter.cancel()
@@ -286,9 +295,9 @@ class _Run:
             self._log(499)
             return Response(status_code=499)
         if self.finish == "error":
-            self._log(500)
-            return _error(APIError(f"generation failed: {self.error}", status=500,
-                                   type="server_error"))
+            e = self._error_reply()
+            self._log(e.status)
+            return _error(e)
         choice = self._choice("".join(parts), self.finish, delta=False)
         if self.s.return_token_ids:
             choice["token_ids"] = list(self.tokens)
@@ -311,9 +320,9 @@ class _Run:
                 n = len(self.tokens)
                 text = self._take(tokens, reason, error)
                 if self.finish == "error":
-                    status = 500
-                    yield event(APIError(f"generation failed: {self.error}", status=500,
-                                         type="server_error").body())
+                    e = self._error_reply()
+                    status = e.status
+                    yield event(e.body())
                     break
                 if text or self.s.return_token_ids and len(self.tokens) > n:
                     choice = self._choice(text, None, delta=True)

@@ -90,6 +90,14 @@ def _float(body, name, default, lo, hi, lo_open=False):
     return v
 
 
+def _nonzero_in_float32(v, name, what):
+    """v > 0 must stay > 0 when the kernels round it to float32."""
+    import struct
+    if v > 0 and struct.unpack("<f", struct.pack("<f", v))[0] == 0:
+        raise _bad(name, f"{v!r} is 0 in float32 ({what})")
+    return v
+
+
 def _bool(body, name, default=False):
     v = body.get(name, default)
     if v is None:
@@ -165,8 +173,10 @@ def sampling(body: dict, limits: Limits, vocab_size: int, *, chat: bool) -> Samp
     seed = _int({"seed": seed}, "seed", 0, -_INT64, _INT64 - 1)
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        temperature=_nonzero_in_float32(_float(body, "temperature", 1.0, 0.0, 2.0),
+                                        "temperature", "give 0 for greedy"),
+        top_p=_nonzero_in_float32(_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                                  "top_p", "it must be > 0"),
         top_k=_int(body, "top_k", 0, 0, 1 << 31),
         seed=seed, stop=stop, stop_token_ids=stop_ids,
         stream=_bool(body, "stream"), include_usage=include_usage,
