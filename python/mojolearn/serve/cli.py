@@ -29,8 +29,8 @@ def _parser():
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=1024, help="tokens generated per request")
     ap.add_argument("--prefill-chunk", type=int, default=256,
-                    help="prompt tokens prefilled per step (a long prompt does not stall "
-                    "the running streams)")
+                    help="prompt tokens prefilled per step, so that a long prompt does not "
+                    "stall the running streams (0: each prompt whole in one step)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256,
                     help="MiB of prefix states kept for reuse (0: no cache)")
     ap.add_argument("--download", action="store_true",
@@ -73,7 +73,9 @@ def _draining_server_class():
 
 
 def _check(args):
-    for name in ("max_rows", "max_queue", "max_prompt_tokens", "max_tokens", "prefill_chunk"):
+    if args.prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 0, got {args.prefill_chunk}")
+    for name in ("max_rows", "max_queue", "max_prompt_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                              f"got {getattr(args, name)}")
@@ -112,7 +114,7 @@ def _run(args) -> int:
                     max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens)
     server = Server(lm, tokenizer=tok, chat_template=load_chat_template(folder),
                     model_name=name, limits=limits,
-                    batcher_options={"prefill_chunk": args.prefill_chunk,
+                    batcher_options={"prefill_chunk": args.prefill_chunk or None,
                                      "prefix_cache_bytes": int(args.prefix_cache_mb * 2**20)})
     log = logging.getLogger("mojolearn.serve")
     log.info("serving %s as %r on http://%s:%d (chat: %s)", lm, name, args.host, args.port,
