@@ -38,6 +38,7 @@ class IncrementalDecoder:
 
     Examples
     --------
+    >>> from mojolearn.textstream import IncrementalDecoder
     >>> class Bytes:                      # a tokenizer whose tokens are bytes
     ...     def decode(self, ids, skip_special_tokens=True):
     ...         return bytes(ids).decode("utf-8", errors="replace")
@@ -104,6 +105,7 @@ class StopText:
 
     Examples
     --------
+    >>> from mojolearn.textstream import StopText
     >>> s = StopText(["END"])
     >>> s.feed("abc E"), s.feed("N"), s.feed("Dx"), s.stopped
     ('abc ', '', '', True)
