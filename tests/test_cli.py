@@ -10,19 +10,9 @@ import pytest
 import mojolearn
 from mojolearn.textstream import IncrementalDecoder, StopText
 
-from .text_model import TEXT, run_cli, tokenizer, write_model
+from .text_model import TEXT, run_cli, text_folder, text_lm, tokenizer  # noqa: F401 (fixtures)
 
 pytest.importorskip("tokenizers")
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("text_lm"))
-
-
-@pytest.fixture(scope="module")
-def lm(folder):
-    return mojolearn.MambaLM(folder)
 
 
 def _error_lines(stderr):
@@ -42,15 +32,16 @@ def _error_lines(stderr):
     (["{folder}", "--prompt-ids", "1", "--stop-ids", "999"], "stop_tokens[0] = 999"),
     (["{no_tokenizer}", "--prompt", "hello"], "tokenizer.json"),
 ])
-def test_every_library_error_is_one_line_naming_it_with_status_2(folder, tmp_path, args, names):
+def test_every_library_error_is_one_line_naming_it_with_status_2(text_folder, tmp_path, args,
+                                                                 names):
     import shutil
     bad = tmp_path / "bad_config"
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "mamba", "hidden_size": "x"}')
     plain = tmp_path / "no_tokenizer"
-    shutil.copytree(folder, plain)
+    shutil.copytree(text_folder, plain)
     (plain / "tokenizer.json").unlink()
-    paths = dict(folder=folder, missing=tmp_path / "missing_model", bad_config=bad,
+    paths = dict(folder=text_folder, missing=tmp_path / "missing_model", bad_config=bad,
                  no_tokenizer=plain)
     r = run_cli("generate", *[a.format(**paths) for a in args])
     assert r.returncode == 2, r.stderr
@@ -106,32 +97,33 @@ def test_stop_strings_are_cut_and_a_partial_match_is_held_back():
     assert StopText([]).feed("any") == "any"
 
 
-def test_the_command_streams_the_generated_text_and_the_stop_reason(folder, lm):
+def test_the_command_streams_the_generated_text_and_the_stop_reason(text_folder, text_lm):
     tok = tokenizer()
     prompt = "café 日本 🙂"
     ids = tok.encode(prompt).ids
-    longer = lm.generate([ids], max_new_tokens=40, stop_tokens=())[0]
+    longer = text_lm.generate([ids], max_new_tokens=40, stop_tokens=())[0]
     # a length whose text ends in an unfinished sequence: the held tail must be flushed
     n = next(n for n in range(2, 41) if tok.decode(longer[:n]).endswith("\ufffd"))
-    r = run_cli("generate", folder, "--prompt", prompt, "--max-new-tokens", n, "--stop-ids", "")
+    r = run_cli("generate", text_folder, "--prompt", prompt, "--max-new-tokens", n,
+                "--stop-ids", "")
     assert r.returncode == 0, r.stderr
     text, stats = r.stdout.rsplit("\n", 2)[:2]
     assert text == tok.decode(longer[:n])
     assert stats.endswith("stopped: length")
-    first = lm.generate([[1, 2, 3]], max_new_tokens=1, stop_tokens=())[0][0]
-    r = run_cli("generate", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", 12,
+    first = text_lm.generate([[1, 2, 3]], max_new_tokens=1, stop_tokens=())[0][0]
+    r = run_cli("generate", text_folder, "--prompt-ids", "1,2,3", "--max-new-tokens", 12,
                 "--stop-ids", first)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1].endswith("stopped: stop")
 
 
-def test_a_hub_id_is_resolved_and_download_passed_through(folder, monkeypatch, capsys):
+def test_a_hub_id_is_resolved_and_download_passed_through(text_folder, monkeypatch, capsys):
     import types
     from mojolearn import _generate_cli
     calls = []
     fake = types.ModuleType("mojolearn.hub")
     fake.is_hub_id = lambda s: s.count("/") == 1 and not s.startswith("/")
-    fake.resolve = lambda s, download=False: calls.append((s, download)) or folder
+    fake.resolve = lambda s, download=False: calls.append((s, download)) or text_folder
     monkeypatch.setitem(sys.modules, "mojolearn.hub", fake)
     monkeypatch.setattr(mojolearn, "hub", fake, raising=False)
     for flag in ([], ["--download"]):

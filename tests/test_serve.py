@@ -17,7 +17,7 @@ import pytest
 
 import mojolearn
 
-from .text_model import TEXT, child_env, tokenizer, write_model
+from .text_model import TEXT, child_env, text_folder, text_lm, tokenizer  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -78,18 +78,8 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("serve_lm"))
-
-
-@pytest.fixture(scope="module")
-def lm(folder):
-    return mojolearn.MambaLM(folder)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    srv = ServerProcess(folder, *SERVER_ARGS)
+def server(text_folder):
+    srv = ServerProcess(text_folder, *SERVER_ARGS)
     try:
         yield srv
     finally:
@@ -128,12 +118,12 @@ def _request(prompt, max_tokens, kw):
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_completions_and_streams_give_the_tokens_and_text_of_a_run_alone(client, lm, case):
+def test_completions_and_streams_give_the_tokens_and_text_of_a_run_alone(client, text_lm, case):
     prompt, n, kw = CASES[case]
     tok = tokenizer()
     ids = tok.encode(prompt).ids if isinstance(prompt, str) else prompt
-    want = _alone(lm, ids, n, **{"temperature": 1.0, **kw})
-    text = tok.decode(want[:-1] if want and want[-1] in lm.eos_token_ids else want)
+    want = _alone(text_lm, ids, n, **{"temperature": 1.0, **kw})
+    text = tok.decode(want[:-1] if want and want[-1] in text_lm.eos_token_ids else want)
     r = client.completions.create(**_request(prompt, n, kw))
     assert _ids(r.choices[0]) == want
     assert r.choices[0].text == text
@@ -147,10 +137,10 @@ def test_completions_and_streams_give_the_tokens_and_text_of_a_run_alone(client,
     assert got == want and "".join(pieces) == text
 
 
-def test_stop_strings_and_stop_ids_end_the_text_like_openai(client, lm):
+def test_stop_strings_and_stop_ids_end_the_text_like_openai(client, text_lm):
     tok = tokenizer()
     ids = tok.encode(TEXT[3]).ids
-    full = _alone(lm, ids, 40, temperature=0.0, stop=())
+    full = _alone(text_lm, ids, 40, temperature=0.0, stop=())
     text = tok.decode(full)
     # a stop string: the first 3 characters from position 10 that occur nowhere before
     at = next(i for i in range(10, len(text) - 3) if text.find(text[i:i + 3]) == i)
@@ -176,16 +166,16 @@ def test_stop_strings_and_stop_ids_end_the_text_like_openai(client, lm):
     assert r.text == tok.decode(full[:first])
 
 
-def test_chat_completions_use_the_chat_template(client, lm, folder):
+def test_chat_completions_use_the_chat_template(client, text_lm, text_folder):
     from mojolearn.serve.chat import load_chat_template
     tok = tokenizer()
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Café? 日本 🙂"}]
-    prompt = load_chat_template(folder).render(messages)
-    want = _alone(lm, tok.encode(prompt).ids, 10, temperature=0.0)
+    prompt = load_chat_template(text_folder).render(messages)
+    want = _alone(text_lm, tok.encode(prompt).ids, 10, temperature=0.0)
     r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
                                        temperature=0)
-    eos = want and want[-1] in lm.eos_token_ids
+    eos = want and want[-1] in text_lm.eos_token_ids
     assert r.choices[0].message.content == tok.decode(want[:-1] if eos else want)
     assert r.usage.completion_tokens == len(want)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
@@ -193,7 +183,7 @@ def test_chat_completions_use_the_chat_template(client, lm, folder):
     assert streamed == r.choices[0].message.content
 
 
-def test_concurrent_streams_joining_and_leaving_each_give_their_alone_run(client, server, lm):
+def test_concurrent_streams_joining_and_leaving_each_give_their_alone_run(client, server, text_lm):
     """16 streaming clients start at random times; 5 close their stream early
     (a long request, so the close, not the length, ends it) and one more
     client stops waiting for a whole response. Every finished one equals its
@@ -239,7 +229,7 @@ def test_concurrent_streams_joining_and_leaving_each_give_their_alone_run(client
     n_cancel = sum(j["cancel"] for j in jobs) + 1
     assert n_cancel == 6
     for job, got in zip(jobs, results):
-        want = _alone(lm, tok.encode(job["prompt"]).ids, job["n"] if not job["cancel"] else 3,
+        want = _alone(text_lm, tok.encode(job["prompt"]).ids, job["n"] if not job["cancel"] else 3,
                       temperature=job["t"], seed=job["seed"])
         assert got is not None
         assert (got[:3] == want[:3]) if job["cancel"] else (got == want)
@@ -261,19 +251,19 @@ def _metric(server, name) -> float:
     raise AssertionError(f"no metric {name} in {text!r}")
 
 
-def test_a_prompt_extending_a_cached_prefix_has_the_bits_of_a_cold_run(client, server, lm):
+def test_a_prompt_extending_a_cached_prefix_has_the_bits_of_a_cold_run(client, server, text_lm):
     tok = tokenizer()
     base = tok.encode(TEXT[1] + TEXT[0]).ids[:40]
     longer = base + tok.encode(TEXT[2]).ids[:12]
     hits = _metric(server, "prefix_cache_hits_total")
     first = client.completions.create(model=NAME, prompt=base, max_tokens=6, temperature=0,
                                       extra_body={"return_token_ids": True})
-    assert _ids(first.choices[0]) == _alone(lm, base, 6, temperature=0.0)
+    assert _ids(first.choices[0]) == _alone(text_lm, base, 6, temperature=0.0)
     for prompt in (longer, base):  # extends a cached prefix; equals one
         r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0.7,
                                       seed=5, extra_body={"return_token_ids": True})
         assert r.usage.prompt_tokens_details.cached_tokens > 0  # it really was a hit
-        assert _ids(r.choices[0]) == _alone(lm, prompt, 6, temperature=0.7, seed=5)
+        assert _ids(r.choices[0]) == _alone(text_lm, prompt, 6, temperature=0.7, seed=5)
     assert _metric(server, "prefix_cache_hits_total") >= hits + 2
 
 
@@ -315,10 +305,10 @@ def _post(server, path, body):
         return e.code, json.loads(e.read()), dict(e.headers)
 
 
-def test_bad_requests_get_400s_naming_the_field_and_disturb_nothing(client, server, lm):
+def test_bad_requests_get_400s_naming_the_field_and_disturb_nothing(client, server, text_lm):
     tok = tokenizer()
     ids = tok.encode(TEXT[2]).ids
-    want = _alone(lm, ids, 30, temperature=0.9, seed=11)
+    want = _alone(text_lm, ids, 30, temperature=0.9, seed=11)
     got = []
 
     def good():
@@ -384,8 +374,8 @@ def test_memory_is_stable_over_rounds_of_requests(server, client):
     assert rss[2] - rss[0] < 16 * 2**20, [f"{r / 2**20:.1f} MiB" for r in rss]
 
 
-def test_sigterm_lets_requests_in_flight_finish_and_exits_0(folder, lm):
-    srv = ServerProcess(folder, *SERVER_ARGS)
+def test_sigterm_lets_requests_in_flight_finish_and_exits_0(text_folder, text_lm):
+    srv = ServerProcess(text_folder, *SERVER_ARGS)
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
         stream = c.completions.create(model=NAME, prompt=[3, 4, 5], max_tokens=2000,
@@ -399,7 +389,7 @@ def test_sigterm_lets_requests_in_flight_finish_and_exits_0(folder, lm):
             if len(got) == 1:
                 srv.proc.terminate()  # SIGTERM with the request in flight
         assert srv.proc.wait(60) == 0, srv.log()
-        assert got == _alone(lm, [3, 4, 5], 2000, temperature=0.0)
+        assert got == _alone(text_lm, [3, 4, 5], 2000, temperature=0.0)
         assert reasons[-1] in ("length", "stop")
         with pytest.raises(OSError):
             _get(srv.url + "/health")

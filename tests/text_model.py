@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import mojolearn
 
@@ -55,6 +56,18 @@ def write_model(folder, *, chat: bool = True, d_model: int = 32) -> Path:
         (folder / "tokenizer_config.json").write_text(json.dumps(
             {"chat_template": CHAT_TEMPLATE, "eos_token": EOS}))
     return folder
+
+
+@pytest.fixture(scope="session")
+def text_folder(tmp_path_factory):
+    """The model folder of write_model (with a chat template), made once."""
+    return write_model(tmp_path_factory.mktemp("text_lm"))
+
+
+@pytest.fixture(scope="session")
+def text_lm(text_folder):
+    """MambaLM of text_folder."""
+    return mojolearn.MambaLM(text_folder)
 
 
 def child_env() -> dict:
