@@ -31,19 +31,19 @@ def busy_warm(fn, seconds=0.25):
         fn()
 
 
-# ---- backward benchmarks: one fresh child process per (side, configuration)
+# ---- backward benchmark: one fresh child process per (block, side, configuration)
 
 def worker_spec(spec: str):
-    """(side, d, B, L, threads, reps) of a child's --worker spec; pins the
-    thread counts before NumPy or PyTorch are imported (NumPy only moves
+    """(block, side, d, B, L, threads, reps) of a child's --worker spec; pins
+    the thread counts before NumPy or PyTorch are imported (NumPy only moves
     data and gets one OpenBLAS thread; PyTorch uses MKL/OpenMP)."""
     import os
-    side, d, B, L, threads, reps = spec.split(",")
+    block, side, d, B, L, threads, reps = spec.split(",")
     d, B, L, threads, reps = int(d), int(B), int(L), int(threads), int(reps)
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
-    return side, d, B, L, threads, reps
+    return block, side, d, B, L, threads, reps
 
 
 def time_with_rss(call, reps):
@@ -66,16 +66,16 @@ def time_with_rss(call, reps):
             "rss_peak_kib": peak}
 
 
-def measure_in_child(script, side, d, B, L, threads, reps):
-    """Run `script --worker side,d,B,L,threads,reps` in a fresh process and
-    return the JSON dict its last output line holds."""
+def measure_in_child(script, block, side, d, B, L, threads, reps):
+    """Run `script --worker block,side,d,B,L,threads,reps` in a fresh process
+    and return the JSON dict its last output line holds."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    spec = f"{side},{d},{B},{L},{threads},{reps}"
+    spec = f"{block},{side},{d},{B},{L},{threads},{reps}"
     env = dict(os.environ, PYTHONPATH=f"{root / 'python'}:{root}")
     res = subprocess.run([sys.executable, os.path.abspath(script), "--worker", spec],
                          capture_output=True, text=True, env=env)

@@ -326,7 +326,7 @@ def test_tensor_problems_named(tmp_path):
     model = make_model("mamba", tmp_path, seed=5, layers=1)
     sd = dict(model.state_dict())
     cfg = model.config
-    with raises_naming(ValueError, "missing", "layers.0.D"):
+    with raises_naming(ValueError, "missing", "layers.0.mixer.D"):
         mojolearn.load_checkpoint({k: v for k, v in sd.items() if not k.endswith(".D")}, cfg)
     with raises_naming(ValueError, "do not use", "extra"):
         mojolearn.load_checkpoint(dict(sd, extra=torch.zeros(1)), cfg)

@@ -54,9 +54,11 @@ def test_bad_shard_index_names_the_file(tmp_path):
         _folder_tensors(tmp_path)
 
 
-def test_hub_id_says_it_is_not_downloaded():
-    with raises_naming(ValueError, "state-spaces/mamba-130m-hf", "not downloaded",
-                       "huggingface_hub.snapshot_download"):
+def test_hub_id_says_it_is_not_downloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache (tests/test_hub_ids.py)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with raises_naming(ValueError, "state-spaces/mamba-130m-hf", "Hub cache",
+                       "download=True"):
         mojolearn.load_checkpoint("state-spaces/mamba-130m-hf")
     # control: a missing local path gets no Hub hint
     with pytest.raises(ValueError) as e:

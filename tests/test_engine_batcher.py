@@ -54,6 +54,21 @@ def test_generation_stops_at_the_models_eos_by_default(folder):
     assert r.tokens == first and r.finish_reason == "length"
 
 
+def test_a_folders_eos_token_id_stops_generation(folder, tmp_path):
+    """End to end: generation_config.json's eos_token_id becomes the default
+    stop set (the folder read as a user would)."""
+    import json
+    import shutil
+    first = tiny_lm(folder).generate([PROMPTS[0]], max_new_tokens=4)[0]
+    copy = tmp_path / "with_eos"
+    shutil.copytree(folder, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [first[1], 47]}))
+    lm = mojolearn.MambaLM(copy)
+    assert lm.eos_token_ids == (first[1], 47)
+    assert lm.generate([PROMPTS[0]], max_new_tokens=4) == [first[:first.index(first[1]) + 1]]
+    assert lm.generate([PROMPTS[0]], max_new_tokens=4, stop_tokens=()) == [first]
+
+
 # -- cancel -------------------------------------------------------------------
 
 def test_cancel_retires_a_request_and_leaves_the_others_bits(lm):
@@ -237,11 +252,70 @@ def test_a_fault_in_one_row_retires_it_and_leaves_the_others_bits(lm, where):
     assert b.stats.requests_failed == 1
 
 
+def test_a_failing_batched_head_falls_back_to_rows_one_by_one(lm, monkeypatch):
+    """The head fails for every call of more than one row (a fault the
+    batched call cannot place): each row is then run alone, with the same
+    bits, and a row whose own draw fails is the only one retired."""
+    b = lm.batcher(keep_logits=True, prefill_chunk=None)
+    reqs = [b.submit(p, max_new_tokens=5, **kw) for p, kw in zip(PROMPTS, KW)]
+    b.step()
+    real = type(lm).head_logits
+    calls = []
+
+    def head(self, hidden):
+        calls.append(len(memoryview(hidden).cast("B")) // (4 * self.d_model))
+        if calls[-1] > 1:
+            raise MemoryError("injected fault")
+        return real(self, hidden)
+    monkeypatch.setattr(type(lm), "head_logits", head)
+    reqs[2]._uniform = _fault_after(2)(reqs[2]._uniform)
+    list(b.run())
+    assert max(calls) > 1 and calls.count(1) >= 3  # the fallback ran
+    assert reqs[2].finish_reason == "error" and len(reqs[2].tokens) == 2
+    for i in (0, 1, 3):
+        assert reqs[i].finish_reason == "length"
+        _check_alone(lm, reqs[i], i)
+
+
+def test_a_fault_in_the_batched_layer_step_retires_the_decoding_rows_only(lm, monkeypatch):
+    from mojolearn.row_decode import RowDecoder
+    b = lm.batcher(keep_logits=True, prefill_chunk=4)
+    running = [b.submit(PROMPTS[i], max_new_tokens=5, **KW[i]) for i in (0, 2)]
+    b.step()
+    b.step()
+    joining = b.submit(PROMPTS[3], max_new_tokens=4, **KW[3])  # 13 tokens: 4 steps
+    monkeypatch.setattr(RowDecoder, "step", lambda self, x: 1 / 0)
+    assert b.step() == []
+    for r in running:
+        assert r.finish_reason == "error" and isinstance(r.error, ZeroDivisionError)
+        assert r in b.dropped
+    monkeypatch.undo()
+    list(b.run())
+    assert joining.finish_reason == "length"
+    _check_alone(lm, joining, 3)
+
+
 def test_generate_raises_the_error_of_a_failed_request(lm, monkeypatch):
     from mojolearn import request
     monkeypatch.setattr(request.Request, "_uniform", lambda self: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         lm.generate([PROMPTS[0]], max_new_tokens=2)
+
+
+def test_max_rows_bounds_the_decoding_rows_first_come_first_served(lm):
+    b = lm.batcher(keep_logits=True, prefill_chunk=None, max_rows=2)
+    reqs = [b.submit(p, max_new_tokens=3 + i, **kw) for i, (p, kw) in enumerate(zip(PROMPTS, KW))]
+    started = []
+    while b.busy:
+        b.step()
+        assert len(b.active) <= 2
+        started.append([r.id for r in reqs if r.tokens])
+    assert started[0] == [0, 1]  # the first two, then each as a row frees
+    assert max(len(s) for s in started) == 4 and len(started) > 7
+    for i, r in enumerate(reqs):
+        _check_alone(lm, r, i)
+    with raises_naming(ValueError, "max_rows"):
+        lm.batcher(max_rows=0)
 
 
 def test_stats_count_the_work(lm):

@@ -78,6 +78,17 @@ def test_rows_decoded_through_the_interface_have_each_requests_bits(lm):
         lm.restack_states([])
 
 
+def test_check_state_validates_a_model_state_by_name(lm):
+    st = lm.allocate_state(2)
+    assert lm.check_state(st) == st and lm.check_state(st, batch=2) == st
+    with raises_naming(ValueError, "s[0]"):
+        lm.check_state(st, "s", batch=1)
+    with raises_naming(ValueError, "s"):
+        lm.check_state(st[:1], "s")
+    with raises_naming(TypeError, "s"):
+        lm.check_state(5, "s")
+
+
 @pytest.mark.parametrize("kind", ["mamba2", "mamba3"])  # (Mamba-1 rows have no positions)
 def test_sessions_take_row_tokens_and_in_place_by_public_names(kind, tmp_path):
     lm = tiny_lm(tiny_folder(tmp_path, kind, n_layers=1))
@@ -109,6 +120,15 @@ def test_transformers_argument_names_point_to_ours(lm, name, hint):
         lm.generate([[1, 2]], **{name: 1})
     with raises_naming(TypeError, "bogus"):
         lm.generate([[1, 2]], bogus=1)
+
+
+def test_mambalm_points_dtype_to_weight_format(tmp_path):
+    folder = tiny_folder(tmp_path, "mamba", n_layers=1)
+    for name in ("dtype", "torch_dtype"):
+        with raises_naming(TypeError, name, "weight_format"):
+            mojolearn.MambaLM(folder, **{name: "float32"})
+    with raises_naming(TypeError, "bogus"):
+        mojolearn.MambaLM(folder, bogus=1)
 
 
 def test_bad_generate_arguments_are_refused_before_any_prefill(lm, monkeypatch):

@@ -4,15 +4,12 @@ reference, and conv1d.weight's gradient in the caller's shape. The intake
 of x and grad_output and the bit properties every block shares (each with
 its control) are in tests/contract/test_backward.py.
 """
-import inspect
-
 import numpy as np
 import pytest
-import torch
 
 import mojolearn
+from tests import backward_checks as checks
 from tests import tolerance
-from tests.bits import assert_same_bits
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba1_reference
 from mojolearn.reference.weights import mamba1_weights, random_input
@@ -33,19 +30,9 @@ def grad_reference(weights, x, grad_output):
     (conv1d.weight as (di, 1, 4)).
     """
     block, _cfg, _d, _di = _hf._mamba1_block(weights, residual_in_fp32=False)
-    x64 = torch.from_numpy(np.array(x, dtype=np.float64)).requires_grad_(True)
-    g64 = torch.from_numpy(np.array(grad_output, dtype=np.float64))
-    repl = {n: inspect.unwrap(getattr(_hf._hf_m1, n)) for n in _hf._M1_KERNEL_NAMES}
-    guard = _hf._Float64Guard()
-    with _hf._LOCK, _hf._patched(_hf._hf_m1, repl), torch.enable_grad():
-        with _hf._CastNeutraliser(), guard:
-            y = block(x64)
-            (y * g64).sum().backward()
-    assert guard.ops > 0
-    assert not guard.leaks, f"float32 ops in the reference: {dict(guard.leaks)}"
-    out = {"x": x64.grad.numpy().copy()}
-    for name, p in block.named_parameters():
-        out[name[len("mixer."):] if name.startswith("mixer.") else name] = p.grad.numpy().copy()
+    out = checks.hf_float64_grads(
+        block, _hf._hf_m1, _hf._M1_KERNEL_NAMES, x, grad_output,
+        lambda name: name[len("mixer."):] if name.startswith("mixer.") else name)
     assert set(out) == set(NAMES)
     return out
 
@@ -70,12 +57,7 @@ def _report_worst():
 @pytest.mark.parametrize("d", [5, 16, 64])
 def test_gradients_match_float64_autograd(d, L, B):
     w = mamba1_weights(d, seed=d)
-    x = random_input(B, L, d, seed=200 + L)
-    g = random_input(B, L, d, seed=300 + L)
-    got = mojolearn.Mamba1Block(w).backward(x, g)
-    for name in NAMES[1:]:
-        assert got[name].shape == w[name].shape, name
-    assert got["x"].shape == (B, L, d)
+    got, x, g = checks.backward_with_shapes(mojolearn.Mamba1Block(w), w, B, L, NAMES)
     # L = 1: A_log has no gradient (h starts at zero), so no control
     _compare(got, *reference_and_scale(w, x, g), f"d={d} L={L} B={B}", control=L > 1)
 
@@ -124,14 +106,8 @@ def test_one_percent_off_in_the_small_elements_fails():
 def test_conv_weight_gradient_in_the_callers_shape():
     d = 16
     w = mamba1_weights(d, seed=9)
-    w2 = dict(w, **{"conv1d.weight": np.ascontiguousarray(w["conv1d.weight"].reshape(2 * d, 4))})
     x, g = random_input(2, 40, d, seed=1), random_input(2, 40, d, seed=2)
-    a = mojolearn.Mamba1Block(w).backward(x, g)
-    b = mojolearn.Mamba1Block(w2).backward(x, g)
-    assert a["conv1d.weight"].shape == (2 * d, 1, 4)
-    assert b["conv1d.weight"].shape == (2 * d, 4)
-    for name in NAMES:
-        assert_same_bits(np.asarray(a[name]).reshape(-1), np.asarray(b[name]).reshape(-1), name)
+    checks.check_conv_weight_in_callers_shape(mojolearn.Mamba1Block, w, x, g, NAMES, cd=2 * d)
 
 
 @tolerance.one_torch_thread()  # small ops: a second thread only contends
@@ -143,22 +119,8 @@ def test_central_differences_confirm_the_reference():
     w = {k: v.astype(np.float64) for k, v in w32.items()}
     x = random_input(B, L, d, seed=22).astype(np.float64)
     g = random_input(B, L, d, seed=23).astype(np.float64)
-    ref = grad_reference(w, x, g)
-    rng = np.random.default_rng(0)
-    eps = 1e-6
 
     def loss(ww, xx):
         return float((mamba1_reference(ww, xx)[0] * g).sum())
 
-    for name in NAMES:
-        base = x if name == "x" else w[name]
-        for idx in rng.choice(base.size, size=min(3, base.size), replace=False):
-            plus, minus = base.copy(), base.copy()
-            plus.reshape(-1)[idx] += eps
-            minus.reshape(-1)[idx] -= eps
-            if name == "x":
-                fd = (loss(w, plus) - loss(w, minus)) / (2 * eps)
-            else:
-                fd = (loss(dict(w, **{name: plus}), x) - loss(dict(w, **{name: minus}), x)) / (2 * eps)
-            an = ref[name].reshape(-1)[idx]
-            assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), f"{name}[{idx}]: fd {fd} vs autograd {an}"
+    checks.check_central_differences(grad_reference(w, x, g), loss, w, x, NAMES, picks=3)

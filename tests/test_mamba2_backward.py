@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import mojolearn
+from tests import backward_checks as checks
 from tests import tolerance
-from tests.bits import assert_same_bits
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba2_reference
 from mojolearn.reference.weights import mamba2_weights, random_input
@@ -37,22 +37,15 @@ def grad_reference(weights, x, grad_output, dt_limit=(0.0, INF)):
     """
     lo, hi = _hf._check_dt_limit(dt_limit)
     block, _cfg, _d, _di, _h = _hf._mamba2_block(weights, (lo, hi), residual_in_fp32=False)
-    x64 = torch.from_numpy(np.array(x, dtype=np.float64)).requires_grad_(True)
-    g64 = torch.from_numpy(np.array(grad_output, dtype=np.float64))
-    repl = {n: inspect.unwrap(getattr(_hf._hf_m2, n)) for n in _hf._M2_KERNEL_NAMES}
-    guard = _hf._Float64Guard()
-    with _hf._LOCK, _hf._patched(_hf._hf_m2, repl), torch.enable_grad():
-        with _hf._CastNeutraliser(), guard:
-            y = block(x64)
-            (y * g64).sum().backward()
-    assert guard.ops > 0
-    assert not guard.leaks, f"float32 ops in the reference: {dict(guard.leaks)}"
-    out = {"x": x64.grad.numpy().copy()}
-    for name, p in block.named_parameters():
-        key = "block_norm.weight" if name == "norm.weight" else name[len("mixer."):]
-        out[key] = p.grad.numpy().copy()
+    out = checks.hf_float64_grads(block, _hf._hf_m2, _hf._M2_KERNEL_NAMES, x, grad_output,
+                                  _our_name)
     assert set(out) == set(NAMES)
     return out
+
+
+def _our_name(name):
+    """Our name of a parameter of transformers' Mamba2Block."""
+    return "block_norm.weight" if name == "norm.weight" else name[len("mixer."):]
 
 
 def reference_and_scale(w, x, g, dt_limit=(0.0, INF), **kw):
@@ -80,12 +73,7 @@ def _report_worst():
 ])
 def test_gradients_match_float64_autograd(d, B, L):
     w = mamba2_weights(d, seed=d + L)
-    x = random_input(B, L, d, seed=200 + L)
-    g = random_input(B, L, d, seed=300 + L)
-    got = mojolearn.Mamba2Block(w).backward(x, g)
-    for name in NAMES[1:]:
-        assert got[name].shape == w[name].shape, name
-    assert got["x"].shape == (B, L, d)
+    got, x, g = checks.backward_with_shapes(mojolearn.Mamba2Block(w), w, B, L, NAMES)
     # L = 1: a head's y is c x (one scalar c), so the gated norm's scale
     # invariance makes sum_p x_p dy_p cancel exactly (tolerance.py, cancels)
     _compare(got, *reference_and_scale(w, x, g, cancels=L == 1), f"d={d} L={L} B={B}",
@@ -103,8 +91,7 @@ def _torch_float32_grads(weights, x, grad_output, dt_limit=(0.0, INF)):
         (block(xt) * torch.from_numpy(np.array(grad_output, np.float32))).sum().backward()
     out = {"x": xt.grad.double().numpy()}
     for name, p in block.named_parameters():
-        key = "block_norm.weight" if name == "norm.weight" else name[len("mixer."):]
-        out[key] = p.grad.double().numpy()
+        out[_our_name(name)] = p.grad.double().numpy()
     return out
 
 
@@ -182,15 +169,9 @@ def test_clamp_gradient_is_inclusive_at_the_bounds():
 def test_conv_weight_gradient_in_the_callers_shape():
     d = 32
     w = mamba2_weights(d, seed=9)
-    cd = 2 * d + 256
-    w2 = dict(w, **{"conv1d.weight": np.ascontiguousarray(w["conv1d.weight"].reshape(cd, 4))})
     x, g = random_input(2, 20, d, seed=1), random_input(2, 20, d, seed=2)
-    a = mojolearn.Mamba2Block(w).backward(x, g)
-    b = mojolearn.Mamba2Block(w2).backward(x, g)
-    assert a["conv1d.weight"].shape == (cd, 1, 4)
-    assert b["conv1d.weight"].shape == (cd, 4)
-    for name in NAMES:
-        assert_same_bits(np.asarray(a[name]).reshape(-1), np.asarray(b[name]).reshape(-1), name)
+    checks.check_conv_weight_in_callers_shape(mojolearn.Mamba2Block, w, x, g, NAMES,
+                                              cd=2 * d + 256)
 
 
 @tolerance.one_torch_thread()  # small ops: a second thread only contends
@@ -203,23 +184,8 @@ def test_central_differences_confirm_the_reference():
     w = {k: v.astype(np.float64) for k, v in w32.items()}
     x = random_input(B, L, d, seed=22).astype(np.float64)
     g = random_input(B, L, d, seed=23).astype(np.float64)
-    ref = grad_reference(w, x, g, lim)
-    rng = np.random.default_rng(0)
-    eps = 1e-6
 
     def loss(ww, xx):
         return float((mamba2_reference(ww, xx, dt_limit=lim)[0] * g).sum())
 
-    for name in NAMES:
-        base = x if name == "x" else w[name]
-        for idx in rng.choice(base.size, size=min(2, base.size), replace=False):
-            plus, minus = base.copy(), base.copy()
-            plus.reshape(-1)[idx] += eps
-            minus.reshape(-1)[idx] -= eps
-            if name == "x":
-                fd = (loss(w, plus) - loss(w, minus)) / (2 * eps)
-            else:
-                fd = (loss(dict(w, **{name: plus}), x)
-                      - loss(dict(w, **{name: minus}), x)) / (2 * eps)
-            an = ref[name].reshape(-1)[idx]
-            assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), f"{name}[{idx}]: fd {fd} vs autograd {an}"
+    checks.check_central_differences(grad_reference(w, x, g, lim), loss, w, x, NAMES, picks=2)

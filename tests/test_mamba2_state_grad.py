@@ -13,6 +13,8 @@ h, conv window or buffered rows not loaded (zeros instead), the state rows
 left out of the dB sums, dt_bias given the buffer_dtraw cotangent, ragged
 padding's grad_output read (docs/backward.md, "Mamba-2", lists them).
 """
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch
 import mojolearn
 from mojolearn.reference.mamba2 import mamba2_numpy
 from mojolearn.reference.weights import mamba2_weights, random_input
+from tests import backward_checks as checks
 from tests import tolerance
 from tests.errors import raises_naming
 from tests.reference import torch_mamba2
@@ -53,16 +56,8 @@ def resolved_changed(a, frac=0.2, factor=1.01):
     return out
 
 
-def compare(got, ref, scale, case, control=True):
-    """CHECK.compare, and (control) its negative control on every array that
-    has nonzero elements to change."""
-    CHECK.compare(got, ref, scale, case)
-    if control:
-        for name in NAMES:
-            if np.asarray(got[name]).any():
-                with pytest.raises(AssertionError):
-                    tolerance.assert_within(resolved_changed(got[name]), ref[name],
-                                            scale[name], f"{case} {name} 1% off")
+# CHECK.compare and (control) its negative control on every nonzero array
+compare = functools.partial(checks.compare_with_controls, CHECK, mutate=resolved_changed)
 
 
 # --------------------------------------------------------------------------- the reference
@@ -106,10 +101,8 @@ def test_reference_gradients_equal_transformers_autograd():
     x, g = random_input(b, L, d, seed=8), random_input(b, L, d, seed=9)
     block = mojolearn.Mamba2Block(w)
     zeros = [np.zeros(s) for s in block._state_shapes(b).values()]
-    ours = state_grads(w, x, g, *zeros, *zeros, s=0)
-    hf = grad_reference(w, x, g)
-    for name in GRAD_NAMES:
-        assert np.abs(ours[name] - hf[name]).max() <= 1e-10 * np.abs(hf[name]).max(), name
+    checks.assert_reference_equals(state_grads(w, x, g, *zeros, *zeros, s=0),
+                                   grad_reference(w, x, g), GRAD_NAMES)
 
 
 # --------------------------------------------------------------------------- cases
@@ -124,31 +117,21 @@ def make_state(block, b, n0, seed):
 
 
 def state_arrays(state):
-    return [np.array(np.asarray(getattr(state, n)), dtype=np.float32) for n in STATE]
+    return checks.state_arrays(state, STATE)
 
 
-def make_cotangents(block, b, seed, names=STATE):
-    rng = np.random.default_rng(seed)
-    shapes = block._state_shapes(b)
-    return {n: rng.standard_normal(shapes[n]).astype(np.float32) for n in names}
+def make_cotangents(block, b, seed):
+    return checks.random_cotangents(block._state_shapes(b), seed, STATE)
 
 
 def run_case(d, b, l, n0, seed, cot=True, dt_limit=(0.0, float("inf"))):
     w = mamba2_weights(d, seed=seed)
     block = mojolearn.Mamba2Block(w, dt_limit=dt_limit)
     state = make_state(block, b, n0, seed + 1)
-    x = random_input(b, l, d, seed=seed + 2)
-    g = random_input(b, l, d, seed=seed + 3)
-    cots = make_cotangents(block, b, seed + 4) if cot else {}
-    before = [a.tobytes() for a in state_arrays(state)]
-    got = block.backward(x, g, state, grad_state=cots or None)
-    assert [a.tobytes() for a in state_arrays(state)] == before, "the state was changed"
+    got, ref, scale, x, g, cots = checks.backward_from_state(
+        block, w, state, l, seed, cot, block._state_shapes(b), STATE,
+        lambda ww, xx, gg, *rest: state_grads(ww, xx, gg, *rest, s=n0, dt_limit=dt_limit))
     assert state.buffered_tokens == n0
-    shapes = block._state_shapes(b)
-    cot_list = [cots.get(n, np.zeros(shapes[n], np.float32)) for n in STATE]
-    ref, scale = tolerance.sensitivity(
-        lambda ww, xx, gg, *rest: state_grads(ww, xx, gg, *rest, s=n0, dt_limit=dt_limit),
-        w, (x, g, *state_arrays(state), *cot_list))
     return got, ref, with_underflow_floor(scale), (w, block, state, x, g, cots)
 
 
@@ -205,16 +188,8 @@ def test_grad_state_alone_starts_from_a_zero_state():
     w = mamba2_weights(d, seed=4)
     block = mojolearn.Mamba2Block(w)
     x, g = random_input(b, l, d, seed=5), random_input(b, l, d, seed=6)
-    cots = make_cotangents(block, b, 7)
-    a = block.backward(x, g, grad_state=cots)
-    z = block.backward(x, g, block.allocate_state(b), grad_state=cots)
-    assert sorted(a) == sorted(z) == sorted(NAMES)
-    for n in NAMES:
-        assert np.asarray(a[n]).tobytes() == np.asarray(z[n]).tobytes(), n
-    plain = block.backward(x, g)
-    zc = block.backward(x, g, grad_state={})
-    for n in GRAD_NAMES:
-        assert np.asarray(plain[n]).tobytes() == np.asarray(zc[n]).tobytes(), n
+    a, zc = checks.check_grad_state_alone(block, x, g, make_cotangents(block, b, 7), NAMES,
+                                          GRAD_NAMES)
     assert np.asarray(a["in_proj.weight"]).tobytes() != np.asarray(zc["in_proj.weight"]).tobytes()
 
 
@@ -230,13 +205,8 @@ def test_each_final_cotangent_is_used(name, n0, L):
     dropped = dict(cots)
     dropped[name] = np.zeros_like(cots[name])
     ref2 = state_grads(w, x, g, *state_arrays(state), *[dropped[n] for n in STATE], s=n0)
-    failed = []
-    for n in NAMES:
-        try:
-            tolerance.assert_within(got[n], ref2[n], scale[n], n)
-        except AssertionError:
-            failed.append(n)
-    assert failed, f"dropping the {name} cotangent changes nothing the check sees"
+    assert checks.arrays_failing(got, ref2, scale, NAMES), \
+        f"dropping the {name} cotangent changes nothing the check sees"
 
 
 @pytest.mark.parametrize("name", STATE)
@@ -248,13 +218,8 @@ def test_each_start_array_is_used(name):
     arrays = dict(zip(STATE, state_arrays(state)))
     arrays[name] = np.zeros_like(arrays[name])
     ref2 = state_grads(w, x, g, *[arrays[n] for n in STATE], *[cots[n] for n in STATE], s=n0)
-    failed = []
-    for n in NAMES:
-        try:
-            tolerance.assert_within(got[n], ref2[n], scale[n], n)
-        except AssertionError:
-            failed.append(n)
-    assert failed, f"ignoring the start {name} changes nothing the check sees"
+    assert checks.arrays_failing(got, ref2, scale, NAMES), \
+        f"ignoring the start {name} changes nothing the check sees"
 
 
 def test_bits_do_not_depend_on_the_thread_count(threads):
@@ -286,29 +251,8 @@ def test_bits_do_not_depend_on_the_thread_count(threads):
 
 # --------------------------------------------------------------------------- chunked training
 def chunked_gradients(block, x, g, pieces, state=None, cot=None):
-    """Forward piece by piece with the state carried, then backward in
-    reverse, each piece from its saved start state with the next piece's
-    state gradients as its final-state cotangents: (weight gradients summed
-    in float64 over the pieces, x gradients concatenated, the start state's
-    gradients)."""
-    b = x.shape[0]
-    state = block.allocate_state(b) if state is None else state.copy()
-    starts, t = [], 0
-    for n in pieces:
-        starts.append((state.copy(), t, n))
-        block.forward(np.ascontiguousarray(x[:, t:t + n]), state)
-        t += n
-    total = {n: 0.0 for n in GRAD_NAMES[1:]}
-    xs = []
-    for st, t, n in reversed(starts):
-        gr = block.backward(np.ascontiguousarray(x[:, t:t + n]),
-                            np.ascontiguousarray(g[:, t:t + n]), st, grad_state=cot)
-        cot = {k: gr[f"state.{k}"] for k in STATE}
-        for k in total:
-            total[k] = total[k] + np.asarray(gr[k], dtype=np.float64)
-        xs.append(np.asarray(gr["x"]))
-    total["x"] = np.concatenate(xs[::-1], axis=1)
-    return total, cot
+    """checks.chunked_gradients with this block's names."""
+    return checks.chunked_gradients(block, x, g, pieces, GRAD_NAMES[1:], STATE, state, cot)
 
 
 def test_chunked_training_identity():
@@ -382,28 +326,11 @@ def test_ragged_rows_match_each_row_alone():
     w = mamba2_weights(d, seed=50)
     block = mojolearn.Mamba2Block(w)
     x, g = random_input(b, l, d, seed=51), random_input(b, l, d, seed=52)
-    lens = [300, 5, 258]
-    xp, gp = x.copy(), g.copy()
-    for i, n in enumerate(lens):
-        xp[i, n:] = np.nan
-        gp[i, n:] = np.nan
-    got = block.backward(xp, gp, lengths=lens)
-    gx = np.asarray(got["x"])
-    for i, n in enumerate(lens):
-        alone = block.backward(np.ascontiguousarray(x[i:i + 1, :n]),
-                               np.ascontiguousarray(g[i:i + 1, :n]))
-        assert np.array_equal(gx[i, :n], np.asarray(alone["x"])[0]), i
-        tail = gx[i, n:]
-        assert not tail.any() and not np.signbit(tail).any()
     zeros = [np.zeros(s, np.float32) for s in block._state_shapes(1).values()]
-    ref, scale = tolerance.sensitivity_of_rows(
-        lambda ww, xx, gg: state_grads(ww, xx, gg, *zeros, *zeros, s=0), w, x, g, lens,
-        GRAD_NAMES[1:])
-    for k in ref:
-        tolerance.assert_within(got[k], ref[k], scale[k], f"ragged {k}")
-    full = block.backward(x, g)  # control: without lengths the padding counts
-    assert not np.array_equal(np.asarray(full["in_proj.weight"]),
-                              np.asarray(got["in_proj.weight"]))
+    checks.check_ragged_rows(
+        block, w, x, g, [300, 5, 258],
+        lambda ww, xx, gg: state_grads(ww, xx, gg, *zeros, *zeros, s=0), GRAD_NAMES[1:],
+        nan_padding=True)
 
 
 # --------------------------------------------------------------------------- intake
@@ -413,33 +340,15 @@ def test_clear_errors_and_nothing_changed():
     x, g = random_input(b, l, d, seed=61), random_input(b, l, d, seed=62)
     state = make_state(block, b, 5, 63)
     before = [a.tobytes() for a in state_arrays(state)]
-    with raises_naming(ValueError, "lengths"):
-        block.backward(x, g, state, lengths=[6, 6])
-    with raises_naming(ValueError, "lengths"):
-        block.backward(x, g, grad_state={}, lengths=[6, 6])
     from mojolearn.reference.weights import mamba3_weights
-    with raises_naming(TypeError, "state", "Mamba2State"):
-        block.backward(x, g, mojolearn.Mamba3Block(mamba3_weights(32, 1)).allocate_state(b))
-    with raises_naming(ValueError, "grad_state", "'nope'"):
-        block.backward(x, g, state, grad_state={"nope": np.zeros(3, np.float32)})
-    with raises_naming(TypeError, "grad_state"):
-        block.backward(x, g, state, grad_state=[1, 2])
-    with raises_naming(ValueError, "grad_state['h']"):
-        block.backward(x, g, state, grad_state={"h": np.zeros((b, 3, 64, 128), np.float32)})
+    checks.check_state_intake_errors(
+        block, x, g, state, mojolearn.Mamba3Block(mamba3_weights(32, 1)).allocate_state(b),
+        "Mamba2State")
     with raises_naming(TypeError, "grad_state['conv_window']"):
         block.backward(x, g, state, grad_state={"conv_window": np.zeros((b, 320, 4))})
-    bad = np.zeros((b, CHUNK, 320), np.float32)
-    bad[1, 10, 5] = np.nan  # row 10 < the final buffered_tokens (11): read
-    with raises_naming(ValueError, "grad_state['buffer_xbc']"):
-        block.backward(x, g, state, grad_state={"buffer_xbc": bad})
-    tail_nan = np.ones((b, CHUNK, 320), np.float32)
-    tail_nan[:, 11:] = np.nan  # rows past the final buffered_tokens are not read
-    ok = block.backward(x, g, state, grad_state={"buffer_xbc": tail_nan})
-    assert all(np.isfinite(np.asarray(v)).all() for v in ok.values())
-    st2 = state.copy()
-    np.asarray(st2.h)[0, 0, 0, 0] = np.inf
-    with raises_naming(ValueError, "state.h"):
-        block.backward(x, g, st2)
+    # row 10 < the final buffered_tokens (11): read; the rows past it are not
+    checks.check_buffer_cotangent_rows(block, x, g, state, "buffer_xbc", (b, CHUNK, 320),
+                                       nan_at=(1, 10, 5), rows_read=11)
     st3 = state.copy()
     np.asarray(st3.buffer_dtraw)[1, 4, 0] = np.nan
     with raises_naming(ValueError, "state.buffer_dtraw"):
@@ -478,20 +387,10 @@ def test_staged_run_gives_the_direct_bytes():
     """A device binary stages every buffer (outputs start as NaN bytes,
     tests/test_device_staging.py): the state gradients' every byte is
     written, so the emulated staging gives the direct run's bytes."""
-    from mojolearn import _loader
     d, b, l = 32, 2, 70
     block = mojolearn.Mamba2Block(mamba2_weights(d, seed=70))
     x, g = random_input(b, l, d, seed=71), random_input(b, l, d, seed=72)
-    lib = _loader.library()
     state = make_state(block, b, 200, 73)
-    cots = make_cotangents(block, b, 74)
-    before = lib.emulate_device
-    try:
-        lib.emulate_device = False
-        direct = block.backward(x, g, state, grad_state=cots)
-        lib.emulate_device = True
-        staged = block.backward(x, g, state, grad_state=cots)
-    finally:
-        lib.emulate_device = before
+    direct, staged = checks.direct_and_staged(block, x, g, state, make_cotangents(block, b, 74))
     for n in NAMES:
         assert np.asarray(direct[n]).tobytes() == np.asarray(staged[n]).tobytes(), n

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import mojolearn
+from tests import backward_checks as checks
 from tests import tolerance
 from tests.bits import assert_only_rounding_differs, assert_same_bits, reordered_reduction
 from mojolearn.reference.weights import mamba3_dims, mamba3_weights, random_input
@@ -52,34 +53,17 @@ def test_central_differences_confirm_the_reference():
     w = {k: v.astype(np.float64) for k, v in mamba3_weights(d, seed=21).items()}
     x = random_input(B, L, d, seed=22).astype(np.float64)
     g = random_input(B, L, d, seed=23).astype(np.float64)
-    ref = mamba3_grads(w, x, g)
-    rng = np.random.default_rng(0)
-    eps = 1e-6
 
     def loss(ww, xx):
         W = {k: torch.tensor(v) for k, v in ww.items()}
         return float((mamba3_torch(W, torch.tensor(xx)).numpy() * g).sum())
 
     dm = mamba3_dims(d)
-    for name in NAMES:
-        base = x if name == "x" else w[name]
-        idx = list(rng.choice(base.size, size=min(3, base.size), replace=False))
-        if name == "in_proj.weight":  # one row of each scalar split: dd_dt, dd_A, trap, angle
-            c = 2 * dm["d_inner"] + 256
-            h = dm["nheads"]
-            idx += [(c + o) * d + 3 for o in (0, h, 2 * h, 3 * h + 1)]
-        for i in idx:
-            plus, minus = base.copy(), base.copy()
-            plus.reshape(-1)[i] += eps
-            minus.reshape(-1)[i] -= eps
-            if name == "x":
-                fd = (loss(w, plus) - loss(w, minus)) / (2 * eps)
-            else:
-                fd = (loss(dict(w, **{name: plus}), x)
-                      - loss(dict(w, **{name: minus}), x)) / (2 * eps)
-            an = ref[name].reshape(-1)[i]
-            assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), \
-                f"{name}[{i}]: fd {fd} vs autograd {an}"
+    # one row of each scalar split of in_proj too: dd_dt, dd_A, trap, angle
+    c, h = 2 * dm["d_inner"] + 256, dm["nheads"]
+    extra = {"in_proj.weight": [(c + o) * d + 3 for o in (0, h, 2 * h, 3 * h + 1)]}
+    checks.check_central_differences(mamba3_grads(w, x, g), loss, w, x, NAMES, picks=3,
+                                      extra=extra)
 
 
 # --------------------------------------------------------------------------- accuracy
@@ -88,12 +72,7 @@ def test_central_differences_confirm_the_reference():
 @pytest.mark.parametrize("d", [32, 64])
 def test_gradients_match_float64_autograd(d, L, B):
     w = mamba3_weights(d, seed=d + L)
-    x = random_input(B, L, d, seed=200 + L)
-    g = random_input(B, L, d, seed=300 + L)
-    got = mojolearn.Mamba3Block(w).backward(x, g)
-    for name in NAMES[1:]:
-        assert got[name].shape == w[name].shape, name
-    assert got["x"].shape == (B, L, d)
+    got, x, g = checks.backward_with_shapes(mojolearn.Mamba3Block(w), w, B, L, NAMES)
     # L = 1: the angle rows of in_proj have no gradient (q and k turn by the
     # same angle), their float32 values are rounding noise: no control
     _compare(got, *reference_and_scale(w, x, g), f"d={d} L={L} B={B}", control=L > 1)

@@ -21,6 +21,8 @@ finds the chunk full; the initial h, plus the pending term, if no chunk
 was completed), the working chunk's rows, pending_k/v unchanged.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -29,9 +31,10 @@ import mojolearn
 from mojolearn.mamba.mamba3 import _state_shapes
 from mojolearn.reference.mamba3 import TWO_PI32
 from mojolearn.reference.weights import mamba3_weights, random_input
+from tests import backward_checks as checks
 from tests import tolerance
 from tests.errors import raises_naming
-from tests.reference.torch_mamba3 import GRAD_NAMES, _silu, token_step
+from tests.reference.torch_mamba3 import GRAD_NAMES, _silu, mamba3_grads, token_step
 
 STATE = ("theta", "h", "buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt", "buffer_sig",
          "buffer_adt", "pending_k", "pending_v")
@@ -41,17 +44,10 @@ BUFFERS = ("buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt", "buffer_sig", 
 CHECK = tolerance.GradientCheck(NAMES, "Mamba-3 backward through the state")
 
 
-def compare(got, ref, scale, case, control=True):
-    """CHECK.compare, and (control) its negative control on every array that
-    has nonzero elements to change (an all-zero gradient, e.g. buffer_qrot
-    when no buffered row reaches the final state, has none)."""
-    CHECK.compare(got, ref, scale, case)
-    if control:
-        for name in NAMES:
-            if np.asarray(got[name]).any():
-                with pytest.raises(AssertionError):
-                    tolerance.assert_within(tolerance.smallest_changed(got[name]), ref[name],
-                                            scale[name], f"{case} {name} 1% off")
+# CHECK.compare and (control) its negative control on every array that has
+# nonzero elements to change (an all-zero gradient, e.g. buffer_qrot when no
+# buffered row reaches the final state, has none)
+compare = functools.partial(checks.compare_with_controls, CHECK)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -163,31 +159,21 @@ def make_state(block, b, n0, seed, pending=False):
 
 
 def state_arrays(state):
-    return [np.array(np.asarray(getattr(state, n)), dtype=np.float32) for n in STATE]
+    return checks.state_arrays(state, STATE)
 
 
-def make_cotangents(block, b, seed, scale=1.0, names=STATE):
-    rng = np.random.default_rng(seed)
-    shapes = _state_shapes(b, block.nheads)
-    return {n: (scale * rng.standard_normal(shapes[n])).astype(np.float32) for n in names}
+def make_cotangents(block, b, seed):
+    return checks.random_cotangents(_state_shapes(b, block.nheads), seed, STATE)
 
 
 def run_case(d, b, l, n0, seed, pending=False, cot=True):
     w = mamba3_weights(d, seed=seed)
     block = mojolearn.Mamba3Block(w)
     state = make_state(block, b, n0, seed + 1, pending)
-    x = random_input(b, l, d, seed=seed + 2)
-    g = random_input(b, l, d, seed=seed + 3)
-    cots = make_cotangents(block, b, seed + 4) if cot else {}
-    before = [a.tobytes() for a in state_arrays(state)]
-    got = block.backward(x, g, state, grad_state=cots or None)
-    assert [a.tobytes() for a in state_arrays(state)] == before, "the state was changed"
+    got, ref, scale, x, g, cots = checks.backward_from_state(
+        block, w, state, l, seed, cot, _state_shapes(b, block.nheads), STATE,
+        lambda ww, xx, gg, *rest: state_grads(ww, xx, gg, *rest, n0=n0, pending=pending))
     assert state.buffered_tokens == n0 and state.pending == pending
-    zeros = {n: np.zeros(s, np.float32) for n, s in _state_shapes(b, block.nheads).items()}
-    cot_list = [cots.get(n, zeros[n]) for n in STATE]
-    ref, scale = tolerance.sensitivity(
-        lambda ww, xx, gg, *rest: state_grads(ww, xx, gg, *rest, n0=n0, pending=pending),
-        w, (x, g, *state_arrays(state), *cot_list))
     return got, ref, with_cumsum_scale(ref, scale), (w, block, state, x, g, cots)
 
 
@@ -245,18 +231,9 @@ def test_grad_state_alone_starts_from_a_zero_state():
     w = mamba3_weights(d, seed=4)
     block = mojolearn.Mamba3Block(w)
     x, g = random_input(b, l, d, seed=5), random_input(b, l, d, seed=6)
-    cots = make_cotangents(block, b, 7)
-    a = block.backward(x, g, grad_state=cots)
-    z = block.backward(x, g, block.allocate_state(b), grad_state=cots)
-    assert sorted(a) == sorted(z) == sorted(NAMES)
-    for n in NAMES:
-        assert np.asarray(a[n]).tobytes() == np.asarray(z[n]).tobytes(), n
     # and the weights' gradients are the zero-state backward's plus the
     # final state's terms: with zero cotangents, the very same bytes
-    plain = block.backward(x, g)
-    zc = block.backward(x, g, grad_state={})
-    for n in GRAD_NAMES:
-        assert np.asarray(plain[n]).tobytes() == np.asarray(zc[n]).tobytes(), n
+    checks.check_grad_state_alone(block, x, g, make_cotangents(block, b, 7), NAMES, GRAD_NAMES)
 
 
 @pytest.mark.parametrize("name", ["theta", "h", "buffer_qrot", "buffer_krot", "buffer_v",
@@ -270,13 +247,8 @@ def test_each_final_cotangent_is_used(name):
     dropped[name] = np.zeros_like(cots[name])
     ref2 = state_grads(w, x, g, *state_arrays(state),
                        *[dropped[n] for n in STATE], n0=5, pending=False)
-    failed = []
-    for n in NAMES:
-        try:
-            tolerance.assert_within(got[n], ref2[n], scale[n], n)
-        except AssertionError:
-            failed.append(n)
-    assert failed, f"dropping the {name} cotangent changes nothing the check sees"
+    assert checks.arrays_failing(got, ref2, scale, NAMES), \
+        f"dropping the {name} cotangent changes nothing the check sees"
 
 
 # --------------------------------------------------------------------------- chunked training
@@ -292,7 +264,7 @@ def test_chunked_training_identity():
     x = random_input(b, 120, d, seed=41)
     g = random_input(b, 120, d, seed=42)
     one = {k: np.asarray(v, dtype=np.float64) for k, v in block.backward(x, g).items()}
-    got = chunked_gradients(block, x, g, (40, 50, 30))
+    got, _ = checks.chunked_gradients(block, x, g, (40, 50, 30), GRAD_NAMES[1:], STATE)
     ref, scale = tolerance.sensitivity(
         lambda ww, xx, gg: state_grads(ww, xx, gg, *zero_state_and_cot(block, b), n0=0,
                                        pending=False), w, (x, g))
@@ -315,32 +287,6 @@ def zero_state_and_cot(block, b):
     return [zeros[n] for n in STATE] * 2
 
 
-def chunked_gradients(block, x, g, pieces):
-    """Forward piece by piece with the state carried, then backward in
-    reverse, each piece from its saved start state with the next piece's
-    state gradient as its final-state cotangent; weight gradients summed
-    (float64) over the pieces, x gradients concatenated."""
-    b = x.shape[0]
-    state = block.allocate_state(b)
-    starts, t = [], 0
-    for n in pieces:
-        starts.append((state.copy(), t, n))
-        block.forward(np.ascontiguousarray(x[:, t:t + n]), state)
-        t += n
-    cot = None
-    total = {n: 0.0 for n in GRAD_NAMES[1:]}
-    xs = []
-    for st, t, n in reversed(starts):
-        gr = block.backward(np.ascontiguousarray(x[:, t:t + n]), np.ascontiguousarray(g[:, t:t + n]),
-                            st, grad_state=cot)
-        cot = {k: gr[f"state.{k}"] for k in STATE}
-        for k in total:
-            total[k] = total[k] + np.asarray(gr[k], dtype=np.float64)
-        xs.append(np.asarray(gr["x"], dtype=np.float64))
-    total["x"] = np.concatenate(xs[::-1], axis=1)
-    return total
-
-
 # --------------------------------------------------------------------------- ragged
 def test_ragged_rows_match_each_row_alone():
     """lengths (no state): a row's gradient is that of the row alone over its
@@ -350,23 +296,8 @@ def test_ragged_rows_match_each_row_alone():
     w = mamba3_weights(d, seed=50)
     block = mojolearn.Mamba3Block(w)
     x, g = random_input(b, l, d, seed=51), random_input(b, l, d, seed=52)
-    lens = [70, 5, 66]
-    got = block.backward(x, g, lengths=lens)
-    gx = np.asarray(got["x"])
-    for i, n in enumerate(lens):
-        alone = block.backward(np.ascontiguousarray(x[i:i + 1, :n]),
-                               np.ascontiguousarray(g[i:i + 1, :n]))
-        assert np.array_equal(gx[i, :n], np.asarray(alone["x"])[0]), i
-        tail = gx[i, n:]
-        assert not tail.any() and not np.signbit(tail).any()
-    from tests.reference.torch_mamba3 import mamba3_grads
-    ref, scale = tolerance.sensitivity_of_rows(mamba3_grads, w, x, g, lens, GRAD_NAMES[1:])
-    for k in ref:
-        tolerance.assert_within(got[k], ref[k], scale[k], f"ragged {k}")
-    # control: without lengths the padding's grad_output counts
-    full = block.backward(x, g)
-    assert not np.array_equal(np.asarray(full["in_proj.weight"]),
-                              np.asarray(got["in_proj.weight"]))
+    checks.check_ragged_rows(block, w, x, g, [70, 5, 66], mamba3_grads, GRAD_NAMES[1:],
+                             nan_padding=False)
 
 
 # --------------------------------------------------------------------------- intake
@@ -376,35 +307,16 @@ def test_clear_errors_and_nothing_changed():
     x, g = random_input(b, l, d, seed=61), random_input(b, l, d, seed=62)
     state = make_state(block, b, 5, 63)
     before = [a.tobytes() for a in state_arrays(state)]
-    with raises_naming(ValueError, "lengths"):
-        block.backward(x, g, state, lengths=[6, 6])
-    with raises_naming(ValueError, "lengths"):
-        block.backward(x, g, grad_state={}, lengths=[6, 6])
-    with raises_naming(TypeError, "state"):
-        block.backward(x, g, mojolearn.Mamba2Block(
-            __import__("mojolearn.reference.weights", fromlist=["x"]).mamba2_weights(32, 1)
-        ).allocate_state(b))
-    with raises_naming(ValueError, "grad_state"):
-        block.backward(x, g, state, grad_state={"nope": np.zeros(3, np.float32)})
-    with raises_naming(TypeError, "grad_state"):
-        block.backward(x, g, state, grad_state=[1, 2])
-    with raises_naming(ValueError, "grad_state['h']"):
-        block.backward(x, g, state, grad_state={"h": np.zeros((b, 3, 64, 128), np.float32)})
+    from mojolearn.reference.weights import mamba2_weights
+    checks.check_state_intake_errors(
+        block, x, g, state, mojolearn.Mamba2Block(mamba2_weights(32, 1)).allocate_state(b),
+        "Mamba3State")
     with raises_naming(TypeError, "grad_state['theta']"):
         block.backward(x, g, state, grad_state={"theta": np.zeros((b, 1, 32), np.float64)})
     nh = block.nheads
-    bad = np.zeros((b, 64, nh, 64), np.float32)
-    bad[1, 3, nh - 1, 5] = np.nan
-    with raises_naming(ValueError, "grad_state['buffer_v']"):
-        block.backward(x, g, state, grad_state={"buffer_v": bad})
-    tail_nan = np.ones((b, 64, nh, 64), np.float32)
-    tail_nan[:, 11:] = np.nan  # rows past the final buffered_tokens (11) are not read
-    ok = block.backward(x, g, state, grad_state={"buffer_v": tail_nan})
-    assert all(np.isfinite(np.asarray(v)).all() for v in ok.values())
-    st2 = state.copy()
-    np.asarray(st2.h)[0, 0, 0, 0] = np.inf
-    with raises_naming(ValueError, "state.h"):
-        block.backward(x, g, st2)
+    # rows past the final buffered_tokens (11) are not read
+    checks.check_buffer_cotangent_rows(block, x, g, state, "buffer_v", (b, 64, nh, 64),
+                                       nan_at=(1, 3, nh - 1, 5), rows_read=11)
     st3 = state.copy()
     st3.buffered_tokens = 65
     with raises_naming(ValueError, "state.buffered_tokens"):
@@ -418,22 +330,13 @@ def test_staged_run_gives_the_direct_bytes():
     """A device binary stages every buffer (outputs start as NaN bytes,
     tests/test_device_staging.py): the state gradients' every byte is
     written, so the emulated staging gives the direct run's bytes."""
-    from mojolearn import _loader
     d, b, l = 32, 2, 70
     block = mojolearn.Mamba3Block(mamba3_weights(d, seed=70))
     x, g = random_input(b, l, d, seed=71), random_input(b, l, d, seed=72)
-    lib = _loader.library()
     for n0, pending in ((5, False), (0, True)):
         state = make_state(block, b, n0, 73, pending)
-        cots = make_cotangents(block, b, 74)
-        before = lib.emulate_device
-        try:
-            lib.emulate_device = False
-            direct = block.backward(x, g, state, grad_state=cots)
-            lib.emulate_device = True
-            staged = block.backward(x, g, state, grad_state=cots)
-        finally:
-            lib.emulate_device = before
+        direct, staged = checks.direct_and_staged(block, x, g, state,
+                                                  make_cotangents(block, b, 74))
         assert sorted(direct) == sorted(staged) == sorted(NAMES)
         for n in NAMES:
             assert np.asarray(direct[n]).tobytes() == np.asarray(staged[n]).tobytes(), (n0, n)

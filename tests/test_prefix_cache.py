@@ -101,6 +101,33 @@ def test_a_cached_prefix_gives_the_bits_of_a_cold_run(lm, chunk):
         assert r4.tokens == toks and logits_bytes(r4) == lg
 
 
+@pytest.mark.parametrize("stop", [False, True])
+def test_the_next_turn_of_a_conversation_starts_after_the_reply(lm, stop):
+    """A finished request's state (its prompt and reply but the last token)
+    is cached: the next turn, prompt + reply + new text, prefills only the
+    new part (and the reply's last token), with the bits of a cold run."""
+    first = prompt_of(40, 4)
+    b = lm.batcher(keep_logits=True, prefill_chunk=None, prefix_cache_bytes=1 << 24)
+    b.submit(prompt_of(3, 9), max_new_tokens=8, **KW)  # row 0: the reply is row 1
+    r1 = b.submit(first, max_new_tokens=5, **KW)
+    list(b.run())
+    if stop:  # ended by a stop token, at its third token
+        b = lm.batcher(keep_logits=True, prefill_chunk=None, prefix_cache_bytes=1 << 24)
+        b.submit(prompt_of(3, 9), max_new_tokens=8, **KW)
+        r1 = b.submit(first, max_new_tokens=5, stop_tokens=[r1.tokens[2]], **KW)
+        list(b.run())
+        assert r1.finish_reason == "stop"
+    turn = first + r1.tokens + [7, 8]
+    r2 = b.submit(turn, max_new_tokens=3, **KW)
+    same = b.submit(first + r1.tokens[:-1], max_new_tokens=3, **KW)
+    list(b.run())
+    assert r2.cached_tokens == len(first) + len(r1.tokens) - 1
+    assert same.cached_tokens == len(same.prompt)
+    for r in (r2, same):
+        toks, lg = alone(lm, list(r.prompt), 3, **KW)
+        assert r.tokens == toks and logits_bytes(r) == lg
+
+
 def test_the_cached_state_is_what_a_hit_runs_on(lm):
     """Control: spoil the cached state and a hit's logits change (the cache
     is really used), while a cache-less batcher still gives the cold bits."""

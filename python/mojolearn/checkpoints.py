@@ -1,61 +1,44 @@
 """Loading Mamba, Mamba-2 and Mamba-3 checkpoints (no PyTorch needed).
 
-``load_checkpoint(source)`` turns a Hugging Face ``MambaForCausalLM`` /
-``MambaModel`` or ``Mamba2ForCausalLM`` / ``Mamba2Model`` checkpoint into a
-:class:`Checkpoint`: one weight dict per layer for ``Mamba1Block`` /
-``Mamba2Block``, plus the token embeddings, the final norm and the LM head,
-all float32 ``mojolearn.Array``. Mamba-3 checkpoints use mojolearn's layout
-(model_type 'mamba3', the same keys under ``layers.{i}.mixer.`` as the
-Mamba3Block weights; ``mojolearn.save.save_checkpoint`` writes one).
+``load_checkpoint(source)`` turns a checkpoint into a :class:`Checkpoint`:
+one weight dict per layer for the family's block (``Mamba1Block``,
+``Mamba2Block``, ``Mamba3Block``), plus the token embeddings, the final
+norm, the LM head and the end-of-text ids, all float32 ``mojolearn.Array``.
 
-``source`` is a folder holding ``config.json`` and ``model.safetensors``
-(or a sharded ``model.safetensors.index.json``), or a state_dict (a mapping
-of names to torch tensors, NumPy arrays or float32 buffers) with an optional
-``config``. Safetensors files are parsed here (8-byte little-endian header
-length, JSON header, raw little-endian data); PyTorch is never imported for
-them.
+Formats read (docs/checkpoints.md has the name maps):
+
+- transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` folders
+  (config.json with ``model_type``), and mojolearn's Mamba-3 layout
+  (``model_type`` 'mamba3', what ``mojolearn.save.save_checkpoint`` writes);
+- mamba_ssm's ``MambaLMHeadModel`` folders (config.json with ``d_model``,
+  ``n_layer``, ``ssm_cfg``) for Mamba-1, Mamba-2 and Mamba-3;
+- weights in ``model.safetensors``, a sharded
+  ``model.safetensors.index.json`` or ``pytorch_model.bin`` (read by
+  mojolearn.pytorch_bin's restricted reader, without PyTorch);
+- a state_dict (names to torch tensors, NumPy arrays or float32 buffers);
+- a Hub id "org/name" through huggingface_hub's cache (mojolearn.hub).
 
 Dtypes: F32 is read as is; BF16 and F16 are widened exactly to float32;
 anything else (F64 included: it would have to be rounded) is refused with a
-TypeError naming the tensor.
-
-Configurations the fixed blocks cannot represent are refused with a
-ValueError naming the config field (see ``check_config``).
-
-Key mapping (an optional ``backbone.`` prefix is accepted):
-
-=================================  ===============================================  ===================
-checkpoint key                     Mamba-1 block                                    Mamba-2 block
-=================================  ===============================================  ===================
-layers.{i}.norm.weight             norm.weight                                      block_norm.weight
-layers.{i}.mixer.norm.weight       (none)                                           norm.weight
-layers.{i}.mixer.<name>            <name>                                           <name>
-embeddings.weight                  Checkpoint.embeddings                            (same)
-norm_f.weight                      Checkpoint.final_norm                            (same)
-lm_head.weight                     Checkpoint.lm_head (the embeddings when tied)    (same)
-=================================  ===============================================  ===================
+TypeError naming the tensor. The config is checked before any tensor is
+read (mojolearn.configs), and against the tensor names and shapes before
+anything per layer is allocated; errors name the field or the tensor.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 from pathlib import Path
 
-__all__ = ["load_checkpoint", "read_safetensors", "check_config", "Checkpoint"]
-
-_LAYER_KEY = re.compile(r"^(?:backbone\.)?layers\.(\d+)\.(.+)$")
-_EMBED_KEYS = ("embeddings.weight", "embedding.weight")
-
-_M1_MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
-             "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")
-_M2_MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
-             "norm.weight", "out_proj.weight")
-
+from ._assemble import EMBED_KEYS as _EMBED_KEYS, LAYER_KEY as _LAYER_KEY
+from ._assemble import assemble as _assemble, shape_of as _shape
+from .configs import check_config, config_dict, kind_of, read_json
+from .families import family
 from .safetensors import (  # noqa: F401  (read_safetensors is public here too)
     LazyTensor, _from_raw, _numel, lazy_safetensors, read_safetensors,
 )
+
+__all__ = ["load_checkpoint", "read_safetensors", "check_config", "Checkpoint"]
 
 
 def _to_float32(value, name: str):
@@ -90,141 +73,6 @@ def _to_float32(value, name: str):
     return _from_raw(mv.tobytes(), kind, tuple(mv.shape), name)
 
 
-# --------------------------------------------------------------------------- config
-def _fail(field, value, want):
-    raise ValueError(f"config field {field} = {value!r} cannot be represented: the block "
-                     f"needs {want}")
-
-
-def _get(cfg, field, default=None):
-    return cfg.get(field, default)
-
-
-def _kind_of(cfg: dict, keys=()) -> str:
-    mt = cfg.get("model_type")
-    if mt in ("mamba", "mamba2", "mamba3"):
-        return mt
-    if mt is not None:
-        raise ValueError(f"config field model_type = {mt!r} is not a Mamba, Mamba-2 or "
-                         "Mamba-3 model ('mamba', 'mamba2' or 'mamba3')")
-    for k in keys:
-        if k.endswith("mixer.x_proj.weight"):
-            return "mamba"
-        if k.endswith("mixer.B_norm.weight"):
-            return "mamba3"
-        if k.endswith("mixer.dt_bias"):
-            return "mamba2"
-    raise ValueError("cannot tell whether this is a Mamba, Mamba-2 or Mamba-3 checkpoint: "
-                     "give a config with model_type 'mamba', 'mamba2' or 'mamba3'")
-
-
-def check_config(config) -> dict:
-    """Check that a transformers Mamba / Mamba-2 config fits the fixed blocks.
-
-    Returns a summary dict {kind, d_model, n_layers, vocab_size, tie,
-    dt_limit}; raises ValueError naming the first field the blocks cannot
-    represent (Mamba-1: state_size 16, conv_kernel 4, expand 2,
-    intermediate_size 2 * hidden_size, time_step_rank ceil(hidden_size / 16),
-    use_bias False, use_conv_bias True, hidden_act silu, layer_norm_epsilon
-    1e-5; Mamba-2 additionally hidden_size % 32 == 0, state_size 128,
-    head_dim 64, num_heads 2 * hidden_size / 64, n_groups 1, chunk_size 256,
-    rms_norm True and norm_before_gate False where present, time_step_limit
-    two numbers lo <= hi).
-    """
-    cfg = _config_dict(config)
-    kind = _kind_of(cfg)
-    d = _get(cfg, "hidden_size")
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-        _fail("hidden_size", d, "a positive int")
-    n_layers = _get(cfg, "num_hidden_layers", _get(cfg, "n_layer"))
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        _fail("num_hidden_layers", n_layers, "a positive int")
-    expect = {"conv_kernel": 4, "expand": 2, "use_bias": False, "use_conv_bias": True,
-              "layer_norm_epsilon": 1e-5}
-    if kind == "mamba":
-        expect["state_size"] = 16
-    elif kind == "mamba3":
-        if d % 32:
-            _fail("hidden_size", d, "a multiple of 32 for Mamba-3")
-        expect.update({"state_size": 128, "head_dim": 64, "num_heads": 2 * d // 64,
-                       "chunk_size": 64})
-    else:
-        if d % 32:
-            _fail("hidden_size", d, "a multiple of 32 for Mamba-2")
-        expect.update({"state_size": 128, "head_dim": 64, "n_groups": 1, "chunk_size": 256,
-                       "num_heads": 2 * d // 64})
-    for field, want in expect.items():
-        got = _get(cfg, field, want)
-        if isinstance(want, bool):
-            ok = got is want
-        else:
-            ok = not isinstance(got, bool) and isinstance(got, (int, float)) and got == want
-        if not ok:
-            _fail(field, got, want)
-    act = _get(cfg, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        _fail("hidden_act", act, "'silu'")
-    inter = _get(cfg, "intermediate_size")
-    if inter is not None and inter != 2 * d:
-        _fail("intermediate_size", inter, 2 * d)
-    dt_limit = None
-    if kind == "mamba":
-        r = _get(cfg, "time_step_rank", "auto")
-        if r != "auto" and (isinstance(r, bool) or r != math.ceil(d / 16)):
-            _fail("time_step_rank", r, f"ceil(hidden_size / 16) = {math.ceil(d / 16)}")
-    elif kind == "mamba2":
-        if "rms_norm" in cfg and cfg["rms_norm"] is not True:
-            _fail("rms_norm", cfg["rms_norm"], True)
-        if "norm_before_gate" in cfg and cfg["norm_before_gate"] is not False:
-            _fail("norm_before_gate", cfg["norm_before_gate"], "False (gate before the norm)")
-        lim = _get(cfg, "time_step_limit", (0.0, math.inf))
-        try:
-            lo, hi = (_number(v) for v in lim)
-        except (TypeError, ValueError):
-            _fail("time_step_limit", lim, "two numbers (lo, hi)")
-        if math.isnan(lo) or math.isnan(hi) or lo > hi:
-            _fail("time_step_limit", lim, "lo <= hi, no NaN")
-        dt_limit = (lo, hi)
-    return {"kind": kind, "d_model": d, "n_layers": n_layers,
-            "vocab_size": _get(cfg, "vocab_size"),
-            "tie": bool(_get(cfg, "tie_word_embeddings", kind != "mamba2")),
-            "dt_limit": dt_limit}
-
-
-def _number(v) -> float:
-    """A config number; transformers writes inf as {"__float__": "Infinity"}."""
-    if isinstance(v, dict) and set(v) == {"__float__"}:
-        v = v["__float__"]
-    if isinstance(v, bool):
-        raise TypeError("a bool is not a number")
-    return float(v)
-
-
-def _read_json(path: Path, what: str) -> dict:
-    """A JSON object read from path; ValueError naming the file otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: {what} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _config_dict(config) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, (str, os.PathLike)):
-        return _read_json(Path(config), "config")
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    if hasattr(config, "keys"):
-        return dict(config)
-    raise TypeError(f"config must be a dict, a transformers config or a path to config.json, "
-                    f"got {type(config).__name__}")
-
-
 def _infer_config(tensors: dict) -> dict:
     """A config read off the tensor shapes (for a state_dict without config).
 
@@ -232,7 +80,7 @@ def _infer_config(tensors: dict) -> dict:
     hidden_act) is taken to be the block's fixed value.
     """
     keys = list(tensors)
-    kind = _kind_of({}, keys)
+    kind = kind_of({}, keys)
     shapes = {k: tuple(_shape(v)) for k, v in tensors.items()}
     layer0 = {m.group(2): k for k in keys if (m := _LAYER_KEY.match(k)) and m.group(1) == "0"}
     if "norm.weight" not in layer0:
@@ -250,7 +98,7 @@ def _infer_config(tensors: dict) -> dict:
         cfg["intermediate_size"] = out[1]
         cfg["expand"] = out[1] / d if out[1] % d else out[1] // d
     alog = shapes.get(layer0.get("mixer.A_log"))
-    if kind == "mamba":
+    if family(kind).dt_rank:
         if alog and len(alog) == 2:
             cfg["state_size"] = alog[1]
         dtw = shapes.get(layer0.get("mixer.dt_proj.weight"))
@@ -271,31 +119,27 @@ def _infer_config(tensors: dict) -> dict:
     return cfg
 
 
-def _shape(v):
-    s = getattr(v, "shape", None)
-    if s is None:
-        s = memoryview(v).shape
-    return tuple(int(x) for x in s)
-
-
 # --------------------------------------------------------------------------- checkpoint
 class Checkpoint:
-    """A loaded Mamba / Mamba-2 checkpoint, ready for mojolearn blocks.
+    """A loaded Mamba / Mamba-2 / Mamba-3 checkpoint, ready for mojolearn blocks.
 
     Attributes
     ----------
     kind : {'mamba', 'mamba2', 'mamba3'}
+        The family's canonical kind (mojolearn.families).
+    format : {'transformers', 'mamba_ssm'}
+        The config format read.
     config : dict
-        The transformers config (as read, or inferred from the tensors).
+        The config (as read, or inferred from the tensors).
     d_model : int
         Model dimension.
     n_layers : int
         Number of layers.
     vocab_size : int
-        Rows of the embedding table.
+        Rows of the embedding table (mamba_ssm: the padded vocabulary).
     layers : list of dict
-        One weight dict per layer (float32 mojolearn.Array) under the
-        Mamba1Block / Mamba2Block / Mamba3Block names.
+        One weight dict per layer (float32 mojolearn.Array, or LazyTensor
+        when lazy) under the Mamba1Block / Mamba2Block / Mamba3Block names.
     embeddings : float32 mojolearn.Array, shape (vocab_size, d_model)
     final_norm : float32 mojolearn.Array, shape (d_model,)
         RMSNorm weight (eps 1e-5) applied after the last layer.
@@ -304,27 +148,38 @@ class Checkpoint:
     tie_word_embeddings : bool
     dt_limit : (float, float) or None
         Mamba-2's time_step_limit; None for Mamba-1 and Mamba-3.
+    eos_token_ids : tuple of int
+        End-of-text ids: generation_config.json's eos_token_id, else the
+        config's (an int or a list); () when neither gives one.
     """
 
-    def __init__(self, kind, config, summary, layers, embeddings, final_norm, lm_head):
+    def __init__(self, kind, config, summary, layers, embeddings, final_norm, lm_head,
+                 *, eos_token_ids=(), keys=None):
         self.kind = kind
+        self.format = summary.get("format", "transformers")
         self.config = config
         self.d_model = summary["d_model"]
         self.n_layers = summary["n_layers"]
         self.vocab_size = _shape(embeddings)[0]
         self.tie_word_embeddings = summary["tie"]
         self.dt_limit = summary["dt_limit"]
+        self.eos_token_ids = tuple(eos_token_ids)
         self.layers = layers
         self.embeddings = embeddings
         self.final_norm = final_norm
         self.lm_head = lm_head
+        self._summary = summary
+        self._keys = keys  # per layer: block name -> the checkpoint's key
+
+    @property
+    def family(self):
+        """The mojolearn.families.Family of this checkpoint."""
+        return family(self.kind)
 
     @property
     def block_class(self):
         """Mamba1Block, Mamba2Block or Mamba3Block."""
-        import mojolearn
-        return {"mamba": mojolearn.Mamba1Block, "mamba2": mojolearn.Mamba2Block,
-                "mamba3": mojolearn.Mamba3Block}[self.kind]
+        return self.family.block_class
 
     def blocks(self, *, weight_format: str = "float32", numeric_mode: str = "identical") -> list:
         """One block per layer (Mamba1Block, Mamba2Block with dt_limit, or
@@ -339,15 +194,30 @@ class Checkpoint:
 
     def block(self, i: int, *, weight_format: str = "float32",
               numeric_mode: str = "identical"):
-        """The block of layer i (lazy tensors are read now, and not kept)."""
+        """The block of layer i (lazy tensors are read now, and not kept).
+        An error about one weight names it by its checkpoint key
+        (``backbone.layers.3.mixer.D``)."""
         from . import lowbit
+        fam = self.family
         kw = {"numeric_mode": numeric_mode}
-        if self.kind == "mamba2":
-            kw["dt_limit"] = self.dt_limit
+        kw.update({opt: self._summary[opt] for opt in fam.block_options})
         w = {k: _loaded(v) for k, v in self.layers[i].items()}
-        if weight_format != "float32":
-            w = lowbit.pack(w, weight_format)
-        return self.block_class(w, **kw)
+        try:
+            if weight_format != "float32":
+                w = lowbit.pack(w, weight_format)
+            return fam.block_class(w, **kw)
+        except (ValueError, TypeError) as e:
+            raise type(e)(self._named(i, str(e))) from None
+
+    def _named(self, i: int, msg: str) -> str:
+        """msg with the first block weight name it mentions replaced by the
+        layer's checkpoint key."""
+        keys = self._keys[i] if self._keys else {}
+        for name in sorted(keys, key=len, reverse=True):
+            m = re.search(rf"(?<![\w.]){re.escape(name)}(?![\w.])", msg)
+            if m:
+                return msg[:m.start()] + keys[name] + msg[m.end():]
+        return f"layer {i}: {msg}"
 
     def embed(self, token_ids):
         """Embedding rows for token ids (a (B, L) nested sequence or a 2-D
@@ -381,47 +251,58 @@ def _loaded(v):
 
 
 def _folder_tensors(folder: Path, lazy: bool = False) -> dict:
-    read = lazy_safetensors if lazy else read_safetensors
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
+    binary = folder / "pytorch_model.bin"
     if single.is_file():
-        return read(single)
-    if index.is_file():
-        wmap = _read_json(index, "the shard index").get("weight_map", {})
+        out = lazy_safetensors(single)
+    elif index.is_file():
+        wmap = read_json(index, "the shard index").get("weight_map", {})
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
             raise ValueError(f"{index}: weight_map must map tensor names to file names")
         by_file = {}
         for name, fname in wmap.items():
+            if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+                raise ValueError(f"{index}: weight_map names a file outside the folder: "
+                                 f"{fname!r}")
             by_file.setdefault(fname, []).append(name)
         out = {}
         for fname, names in sorted(by_file.items()):
-            out.update(read(folder / fname, names))
-        return out
-    if (folder / "pytorch_model.bin").is_file():
-        raise ValueError(f"{folder} holds pytorch_model.bin only; reading it needs PyTorch: "
-                         "load it with torch.load(...) and pass the state_dict (and config)")
-    raise ValueError(f"{folder} has no model.safetensors (or model.safetensors.index.json)")
+            out.update(lazy_safetensors(folder / fname, names))
+    elif binary.is_file():
+        from .pytorch_bin import read_pytorch_bin
+        out = read_pytorch_bin(binary)
+    else:
+        raise ValueError(f"{folder} has no model.safetensors, model.safetensors.index.json "
+                         "or pytorch_model.bin")
+    return out if lazy else {k: v.load() for k, v in out.items()}
 
 
-def load_checkpoint(source, config=None, *, lazy: bool = False) -> Checkpoint:
-    """Load a transformers Mamba or Mamba-2 checkpoint for mojolearn blocks.
+def load_checkpoint(source, config=None, *, lazy: bool = False,
+                    download: bool = False) -> Checkpoint:
+    """Load a Mamba, Mamba-2 or Mamba-3 checkpoint for mojolearn blocks.
 
     Parameters
     ----------
     source : str, PathLike or mapping
-        A folder with config.json and model.safetensors (or a sharded
-        model.safetensors.index.json), or a state_dict: a mapping of names to
-        torch tensors, NumPy arrays or float32 buffers (with or without the
-        ``backbone.`` prefix).
+        A folder with config.json and the weights (model.safetensors, a
+        sharded model.safetensors.index.json, or pytorch_model.bin), in
+        transformers' or mamba_ssm's layout; a Hub id "org/name" (read from
+        huggingface_hub's cache, see ``download``); or a state_dict: a
+        mapping of names to torch tensors, NumPy arrays or float32 buffers
+        (with or without the ``backbone.`` prefix).
     config : dict, transformers config, path to config.json, or None
         For a state_dict; None infers the dimensions from the tensor shapes
         (and assumes the block's fixed eps, chunk size and dt limit). For a
         folder, overrides config.json when given.
     lazy : bool, default False
-        For a folder: read only the safetensors headers now; the tensors
-        are :class:`mojolearn.safetensors.LazyTensor` and are read when a
+        For a folder: read only the headers now; the tensors are
+        :class:`mojolearn.safetensors.LazyTensor` and are read when a
         block, the embeddings or a row range is needed (``Checkpoint.block``,
         ``MambaLM``), so a large model is never held twice.
+    download : bool, default False
+        For a Hub id missing from the cache: download it (never when
+        HF_HUB_OFFLINE=1).
 
     Returns
     -------
@@ -430,107 +311,32 @@ def load_checkpoint(source, config=None, *, lazy: bool = False) -> Checkpoint:
     Raises
     ------
     ValueError naming the config field the blocks cannot represent, a
-    missing / unknown / mis-shaped tensor; TypeError naming a tensor of a
-    dtype that cannot be widened exactly to float32.
+    missing / unknown / mis-shaped tensor, a config that disagrees with the
+    weights; TypeError naming a tensor of a dtype that cannot be widened
+    exactly to float32.
     """
+    folder = None
     if isinstance(source, (str, os.PathLike)):
+        from . import hub
         folder = Path(source)
+        if not folder.is_dir() and hub.is_hub_id(source):
+            folder = hub.resolve(source, download=download)
         if not folder.is_dir():
-            hint = ""
-            if not folder.exists() and not folder.is_absolute() and \
-                    len(folder.parts) == 2 and not str(source).startswith("."):
-                hint = (" (Hub ids are not downloaded: fetch the repository first, e.g. with "
-                        "huggingface_hub.snapshot_download, and pass its local folder)")
-            raise ValueError(f"{folder} is not a folder{hint}")
+            raise ValueError(f"{folder} is not a folder")
         if config is None:
             cfg_path = folder / "config.json"
             if not cfg_path.is_file():
                 raise ValueError(f"{folder} has no config.json")
             config = cfg_path
-        cfg = _config_dict(config)
+        cfg = config_dict(config)
         summary = check_config(cfg)  # refuse before reading any tensor
         tensors = _folder_tensors(folder, lazy)
     elif hasattr(source, "keys"):
-        cfg = _config_dict(config) if config is not None else _infer_config(source)
+        cfg = config_dict(config) if config is not None else _infer_config(source)
         summary = check_config(cfg)
         tensors = {k: _to_float32(source[k], k) for k in source.keys()}
     else:
-        raise TypeError(f"source must be a folder path or a state_dict mapping, got "
-                        f"{type(source).__name__}")
-    return _assemble(cfg, summary, tensors)
+        raise TypeError(f"source must be a folder path, a Hub id or a state_dict mapping, "
+                        f"got {type(source).__name__}")
+    return _assemble(cfg, summary, tensors, folder)
 
-
-def _expected_shapes(kind: str, d: int) -> dict:
-    di = 2 * d
-    if kind == "mamba":
-        r = math.ceil(d / 16)
-        return {"norm.weight": (d,), "in_proj.weight": (2 * di, d),
-                "conv1d.weight": (di, 1, 4), "conv1d.bias": (di,),
-                "x_proj.weight": (r + 32, di), "dt_proj.weight": (di, r),
-                "dt_proj.bias": (di,), "A_log": (di, 16), "D": (di,),
-                "out_proj.weight": (d, di)}
-    if kind == "mamba3":
-        from .mamba.mamba3 import mamba3_weight_shapes
-        return mamba3_weight_shapes(d)
-    h, cd = di // 64, di + 256
-    return {"block_norm.weight": (d,), "in_proj.weight": (2 * di + 256 + h, d),
-            "conv1d.weight": (cd, 1, 4), "conv1d.bias": (cd,), "dt_bias": (h,),
-            "A_log": (h,), "D": (h,), "norm.weight": (di,), "out_proj.weight": (d, di)}
-
-
-def _assemble(cfg, summary, tensors) -> Checkpoint:
-    kind, d, n = summary["kind"], summary["d_model"], summary["n_layers"]
-    want = _expected_shapes(kind, d)
-    layers = [dict() for _ in range(n)]
-    top = {}
-    unknown = []
-    for key, value in tensors.items():
-        m = _LAYER_KEY.match(key)
-        if m is None:
-            top[key[len("backbone."):] if key.startswith("backbone.") else key] = (key, value)
-            continue
-        i, rest = int(m.group(1)), m.group(2)
-        if rest == "norm.weight":
-            name = "norm.weight" if kind == "mamba" else "block_norm.weight"  # (mamba2, mamba3)
-        elif rest.startswith("mixer."):
-            name = rest[len("mixer."):]
-        else:
-            name = None
-        if i >= n or name not in want:
-            unknown.append(key)
-            continue
-        shape = _shape(value)
-        if name == "conv1d.weight" and len(shape) == 2:
-            shape = (shape[0], 1, shape[1])
-        if shape != want[name]:
-            raise ValueError(f"tensor {key} has shape {shape}; config (hidden_size {d}) "
-                             f"needs {want[name]}")
-        layers[i][name] = value
-    embed = next((top.pop(k) for k in _EMBED_KEYS if k in top), None)
-    norm_f = top.pop("norm_f.weight", None)
-    head = top.pop("lm_head.weight", None)
-    unknown += [k for k, _ in top.values()]
-    if unknown:
-        raise ValueError(f"checkpoint has tensors the {kind} blocks do not use: "
-                         f"{sorted(unknown)[:20]}")
-    missing = [f"layers.{i}.{k}" for i in range(n) for k in want if k not in layers[i]]
-    if embed is None:
-        missing.append("embeddings.weight")
-    if norm_f is None:
-        missing.append("norm_f.weight")
-    if head is None and not summary["tie"]:
-        missing.append("lm_head.weight")
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {missing[:20]}")
-    emb = embed[1]
-    es = _shape(emb)
-    if len(es) != 2 or es[1] != d:
-        raise ValueError(f"tensor {embed[0]} has shape {es}; needs (vocab_size, {d})")
-    if _shape(norm_f[1]) != (d,):
-        raise ValueError(f"tensor {norm_f[0]} has shape {_shape(norm_f[1])}; needs ({d},)")
-    lm = emb
-    if not summary["tie"]:
-        if _shape(head[1]) != es:
-            raise ValueError(f"tensor {head[0]} has shape {_shape(head[1])}; needs {es}")
-        lm = head[1]
-    return Checkpoint(kind, cfg, summary, layers, emb, norm_f[1], lm)

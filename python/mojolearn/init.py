@@ -27,8 +27,6 @@ from array import array
 
 __all__ = ["init_weights"]
 
-_KINDS = ("mamba1", "mamba2", "mamba3")
-
 
 def init_weights(kind: str, d_model: int, seed: int = 0, *, n_layers: int | None = None,
                  dt_min: float = 0.001, dt_max: float = 0.1) -> dict:
@@ -37,6 +35,7 @@ def init_weights(kind: str, d_model: int, seed: int = 0, *, n_layers: int | None
     Parameters
     ----------
     kind : {'mamba1', 'mamba2', 'mamba3'}
+        A kind of mojolearn.families ('mamba' is the same family as 'mamba1').
     d_model : int
         Model dimension (Mamba-2 and Mamba-3: a multiple of 32).
     seed : int
@@ -59,21 +58,18 @@ def init_weights(kind: str, d_model: int, seed: int = 0, *, n_layers: int | None
     (['A_log', 'D', 'block_norm.weight'], (514, 64))
     """
     from . import _intake
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {list(_KINDS)}, got {kind!r}")
+    from .families import family
+    fam = family(kind)
     d = _intake.as_int(d_model, "d_model")
-    if d < 1 or (kind != "mamba1" and d % 32):
-        raise ValueError(f"d_model must be {'>= 1' if kind == 'mamba1' else 'a positive multiple of 32'}"
-                         f" for {kind}, got {d}")
+    fam.check_d_model(d)
     if n_layers is not None and _intake.as_int(n_layers, "n_layers") < 1:
         raise ValueError(f"n_layers must be >= 1, got {n_layers}")
     if not 0 < dt_min <= dt_max:
         raise ValueError(f"need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
     draw = _Draw(random.Random(_intake.as_int(seed, "seed")))
     out_scale = 1.0 / math.sqrt(n_layers) if n_layers else 1.0
-    make = {"mamba1": _mamba1, "mamba2": _mamba2, "mamba3": _mamba3}[kind]
     return {name: _array(shape, values) for name, (shape, values)
-            in make(d, draw, out_scale, dt_min, dt_max).items()}
+            in fam.initial_weights(d, draw, out_scale, dt_min, dt_max).items()}
 
 
 class _Draw:

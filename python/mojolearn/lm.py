@@ -23,14 +23,17 @@ class MambaLM:
     Parameters
     ----------
     source : str, os.PathLike or mojolearn.checkpoints.Checkpoint
-        A checkpoint folder (config.json and safetensors, as transformers'
-        ``save_pretrained`` writes them for Mamba and Mamba-2; Mamba-3 in
-        the layout of docs/checkpoints.md), or a ``load_checkpoint`` result.
+        A checkpoint folder (transformers' or mamba_ssm's layout, see
+        docs/checkpoints.md), a Hub id "org/name", or a ``load_checkpoint``
+        result.
     weight_format : {'float32', 'bfloat16', 'int8'}, default 'float32'
         Format of every projection, the embedding and the LM head
         (mojolearn.lowbit: the kernels widen packed weights exactly, so the
         model computes on the rounded values).
     numeric_mode : {'identical', 'fast'}, default 'identical'
+    download : bool, default False
+        For a Hub id "org/name" not in huggingface_hub's cache: download it
+        (see ``load_checkpoint``).
 
     Attributes
     ----------
@@ -59,10 +62,15 @@ class MambaLM:
     """
 
     def __init__(self, source, *, weight_format: str = "float32",
-                 numeric_mode: str = "identical"):
+                 numeric_mode: str = "identical", download: bool = False, **unknown):
         from .checkpoints import Checkpoint, load_checkpoint
         from .mamba._base import check_numeric_mode
         from ._loader import library
+        for name in unknown:
+            if name in ("dtype", "torch_dtype"):
+                raise TypeError(f"MambaLM() takes no {name!r} (a transformers argument): use "
+                                f"weight_format= ({', '.join(map(repr, WEIGHT_FORMATS))})")
+            raise TypeError(f"MambaLM() got an unexpected keyword argument {name!r}")
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {list(WEIGHT_FORMATS)}, "
                              f"got {weight_format!r}")
@@ -70,7 +78,7 @@ class MambaLM:
         owned = not isinstance(source, Checkpoint)
         # A folder is read lazily: layer by layer and the vocabulary in row
         # ranges, each dropped once packed, so the model is not held twice.
-        ck = source if not owned else load_checkpoint(source, lazy=True)
+        ck = source if not owned else load_checkpoint(source, lazy=True, download=download)
         self.kind = ck.kind
         self.d_model = ck.d_model
         self.n_layers = ck.n_layers
@@ -363,6 +371,27 @@ class MambaLM:
                 check_not_held(st)
         return restack_rows(self.blocks, parts, consume)
 
+    def check_state(self, state, name: str = "state", *, batch=None) -> list:
+        """Validate a model state (a list of n_layers block states) as the
+        blocks do before a call: each layer's class, array shapes, rows
+        (``batch`` of them, if given), positions and finite values, and not
+        held by an open decode session. Returns it as a list; TypeError or
+        ValueError naming ``name[i]`` otherwise."""
+        if not isinstance(state, (list, tuple)):
+            raise TypeError(f"{name} must be a list of {self.n_layers} layer states "
+                            f"(as allocate_state gives), got {type(state).__name__}")
+        if len(state) != self.n_layers:
+            raise ValueError(f"{name} must hold {self.n_layers} layer states, got {len(state)}")
+        for i, (blk, st) in enumerate(zip(self.blocks, state)):
+            try:
+                blk._check_state_type(st)
+                rows = batch if batch is not None else \
+                    memoryview(getattr(st, type(st)._ARRAYS[0])).shape[0]
+                blk._state_views(st, rows)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}[{i}]: {e}") from None
+        return list(state)
+
     def _check_states(self, states, name):
         if not isinstance(states, (list, tuple)) or len(states) != self.n_layers:
             raise ValueError(f"{name} must be a list of {self.n_layers} layer states")
@@ -374,12 +403,13 @@ class MambaLM:
         return states
 
     # -- generation -------------------------------------------------------
-    def batcher(self, *, keep_logits: bool = False, prefill_chunk=256, prefix_cache_bytes=0):
+    def batcher(self, *, keep_logits: bool = False, prefill_chunk=256, prefix_cache_bytes=0,
+                max_rows=None):
         """A continuous-batching engine over this model
         (mojolearn.generate.Batcher, which describes the arguments)."""
         from .generate import Batcher
         return Batcher(self, keep_logits=keep_logits, prefill_chunk=prefill_chunk,
-                       prefix_cache_bytes=prefix_cache_bytes)
+                       prefix_cache_bytes=prefix_cache_bytes, max_rows=max_rows)
 
     def generate(self, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, stop_tokens=None, stream=None, return_logits: bool = False,

@@ -86,23 +86,15 @@ def start_state(model, state):
     """A checked copy of a batch-1 model state to start a request from."""
     if state is None:
         return None
-    if not isinstance(state, (list, tuple)):
-        raise TypeError(f"state must be a list of {model.n_layers} layer states "
-                        f"(as lm.allocate_state(1) gives), got {type(state).__name__}")
-    if len(state) != model.n_layers:
-        raise ValueError(f"state must hold {model.n_layers} layer states, got {len(state)}")
-    out = []
-    for i, (blk, st) in enumerate(zip(model.blocks, state)):
-        try:
-            blk._check_state_type(st)
-            copy = st.copy()  # refuses a state held by an open decode session
-            blk._state_views(copy, 1)  # shapes, batch 1, positions, finite values
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"state[{i}]: {e}") from None
-        if getattr(copy, "pending", False):
+    model.check_state(state, "state", batch=1)
+    try:
+        out = [st.copy() for st in state]
+    except ValueError as e:  # (check_state refuses a held state first)
+        raise ValueError(f"state: {e}") from None
+    for i, st in enumerate(out):
+        if getattr(st, "pending", False):
             raise ValueError(f"state[{i}] has input states pending (set_input_states): "
                              "a request continues a state that has run")
-        out.append(copy)
     return out
 
 
@@ -156,6 +148,7 @@ class Request:
         self._initial = state  # a private copy of the state to start from, or None
         self._states = None  # the request's own layer states while it prefills
         self._hidden = None  # (array, row) of its last prompt token's output
+        self._cacheable = False  # its prefix states go to the Batcher's cache
         self._cancel = False
         self._lock = lock  # the Batcher's
         self._on_cancel = on_cancel

@@ -15,10 +15,12 @@ import struct
 import sys
 from pathlib import Path
 
-from . import _intake
+from . import _intake, _json
 
 __all__ = ["read_safetensors", "lazy_safetensors", "LazyTensor", "write_safetensors"]
 
+# the format's own bound on the JSON header (a reader must not allocate more)
+MAX_HEADER_BYTES = 100_000_000
 # safetensors dtype -> bytes per element
 _ST_DTYPES = {"F32": 4, "BF16": 2, "F16": 2}
 
@@ -69,8 +71,11 @@ def _safetensors_header(f, path):
     size = os.fstat(f.fileno()).st_size
     if n > size - 8:
         raise ValueError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"{path}: the header length {n} exceeds the format's limit of "
+                         f"{MAX_HEADER_BYTES} bytes")
     try:
-        header = json.loads(f.read(n))
+        header = _json.loads(f.read(n), "header")
     except ValueError as e:
         raise ValueError(f"{path}: not a safetensors file (bad JSON header: {e})") from None
     if not isinstance(header, dict):
@@ -168,11 +173,34 @@ def lazy_safetensors(path, names=None) -> dict:
     missing = [n for n in want if n not in header]
     if missing:
         raise ValueError(f"{path}: no tensors named {missing}")
+    entries = {name: _entry(info, name, path) for name, info in header.items()}
+    _check_tiling(entries, size - base, path)
     out = {}
     for name in want:
         dtype, shape, begin, end = _checked_entry(header[name], name, path, base, size)
         out[name] = LazyTensor(path, name, dtype, shape, begin, base)
     return out
+
+
+def _check_tiling(entries: dict, data_size: int, path) -> None:
+    """The format's rule: the tensors' byte ranges, in offset order, tile the
+    data that follows the header exactly (no overlap, no gap, no tail)."""
+    at, prev = 0, None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda e: e[1][2:]):
+        if begin != at or end < begin:
+            before = f"tensor {prev}" if prev is not None else "the start of the data"
+            what = "ends before it starts" if begin == at else \
+                f"{'overlaps' if begin < at else 'leaves a gap after'} {before} (byte {at})"
+            raise ValueError(f"{path}: tensor {name}'s data_offsets {[begin, end]} {what}; "
+                             "the format needs the tensors to tile the data without "
+                             "overlaps or gaps")
+        at, prev = end, name
+    if at > data_size:
+        raise ValueError(f"{path}: truncated: the tensors' data ends at byte {at} but the "
+                         f"file holds {data_size} data bytes")
+    if at < data_size:
+        raise ValueError(f"{path}: {data_size - at} bytes after the last tensor's data (the "
+                         "format allows no tail)")
 
 
 def _checked_entry(info, name, path, base, size):

@@ -128,43 +128,6 @@ class DecodeSessionBase:
         (buffered_tokens,) for Mamba-2, (buffered_tokens, pending) for Mamba-3."""
         return ()
 
-    # Rows at their own positions (Mamba-2/3: the row_tokens argument, used
-    # by mojolearn.row_decode for continuous batching). The state's scalar
-    # position is then not used or updated; each row's buffered_tokens lives
-    # in an int64 Array the op reads (its row_tokens slot), and
-    # row_positions() reads it back. An int64 Array given as row_tokens is
-    # shared, not copied: the sessions of a model's layers read one array,
-    # and their owner calls advance_rows() once per model step (the
-    # sessions do not advance it).
-    def _use_row_tokens(self, row_tokens):
-        from .._array import Array
-        self._rows_shared = isinstance(row_tokens, Array)
-        if self._rows_shared:
-            if row_tokens.shape != (self._b,) or row_tokens.dtype != "int64":
-                raise ValueError(f"row_tokens must be an int64 Array of shape ({self._b},)")
-            self._rows = row_tokens
-        else:
-            rows = [_intake.as_int(t, "row_tokens") for t in row_tokens]
-            if len(rows) != self._b:
-                raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
-            self._rows = Array((self._b,), "int64", zero=False)
-            memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
-        self._args[self._spec.slot("row_tokens")] = self._rows.address
-
-    def row_positions(self) -> list:
-        """Each row's chunk position (opened with row_tokens; Mamba-2/3)."""
-        if getattr(self, "_rows", None) is None:
-            raise ValueError("row_positions: the session was opened without row_tokens")
-        return memoryview(self._rows).tolist()
-
-    def advance_rows(self):
-        """Move every row's position on by one token (opened with a shared
-        row_tokens Array: the owner calls this once per model step)."""
-        mv = memoryview(self._rows)
-        after = self._row_after
-        for i in range(self._b):
-            mv[i] = after(mv[i])
-
     def close(self):
         """Copy the state back, release the buffers and close. Idempotent.
 
@@ -214,6 +177,52 @@ class DecodeSessionBase:
                     self._open = False
         except AttributeError:
             pass
+
+
+class _RowPositions:
+    """Rows at their own chunk positions: the row_tokens part of the
+    Mamba-2 and Mamba-3 decode sessions (not public)."""
+
+    # Rows at their own positions (Mamba-2/3: the row_tokens argument, used
+    # by mojolearn.row_decode for continuous batching). The state's scalar
+    # position is then not used or updated; each row's buffered_tokens lives
+    # in an int64 Array the op reads (its row_tokens slot), and
+    # row_positions() reads it back. An int64 Array given as row_tokens is
+    # shared, not copied: the sessions of a model's layers read one array,
+    # and their owner calls advance_rows() once per model step (the
+    # sessions do not advance it).
+    def _use_row_tokens(self, row_tokens):
+        from .._array import Array
+        self._rows_shared = isinstance(row_tokens, Array)
+        if self._rows_shared:
+            if row_tokens.shape != (self._b,) or row_tokens.dtype != "int64":
+                raise ValueError(f"row_tokens must be an int64 Array of shape ({self._b},)")
+            self._rows = row_tokens
+        else:
+            rows = [_intake.as_int(t, "row_tokens") for t in row_tokens]
+            if len(rows) != self._b:
+                raise ValueError(f"row_tokens has {len(rows)} entries, the state {self._b} rows")
+            self._rows = Array((self._b,), "int64", zero=False)
+            memoryview(self._rows).cast("B")[:] = array("q", rows).tobytes()
+        self._args[self._spec.slot("row_tokens")] = self._rows.address
+
+    def row_positions(self) -> list:
+        """Each row's chunk position (for a session opened with row_tokens)."""
+        self._check_rows("row_positions")
+        return memoryview(self._rows).tolist()
+
+    def _check_rows(self, what):
+        if self._rows is None:
+            raise ValueError(f"{what}: the session was opened without row_tokens")
+
+    def advance_rows(self):
+        """Move every row's position on by one token (opened with a shared
+        row_tokens Array: the owner calls this once per model step)."""
+        self._check_rows("advance_rows")
+        mv = memoryview(self._rows)
+        after = self._row_after
+        for i in range(self._b):
+            mv[i] = after(mv[i])
 
 
 class Mamba1DecodeSession(DecodeSessionBase):
@@ -285,7 +294,7 @@ class Mamba1DecodeSession(DecodeSessionBase):
         self._work = None
 
 
-class Mamba2DecodeSession(DecodeSessionBase):
+class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
     """Token-by-token decoding on one Mamba2Block and one Mamba2State.
 
     Made by ``Mamba2Block.decode_session(state)``. Every output is byte for
@@ -399,7 +408,7 @@ class Mamba2DecodeSession(DecodeSessionBase):
         self._arrays = self._work = self._cache = None
 
 
-class Mamba3DecodeSession(DecodeSessionBase):
+class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
     """Token-by-token decoding on one Mamba3Block and one Mamba3State.
 
     Made by ``Mamba3Block.decode_session(state)``. Every output is byte for
@@ -419,16 +428,9 @@ class Mamba3DecodeSession(DecodeSessionBase):
     block : Mamba3Block
     state : Mamba3State
     row_tokens : int64 mojolearn.Array of shape (B,), sequence of int, or None
-        Rows at their own chunk positions (continuous batching): row i's
-        buffered-token count. The state's scalar ``buffered_tokens`` is then
-        neither used nor updated; ``row_positions()`` reads the rows' back.
-        An Array is shared, not copied, and not advanced by ``step``: its
-        owner calls ``advance_rows()`` once per token (one array can serve
-        every layer of a model). A sequence is copied and advanced by each
-        step.
     in_place : bool, default False
-        Step on the state's own arrays instead of copies (for an engine that
-        owns the state and does not touch it while the session is open).
+        As for Mamba2DecodeSession (rows at their own chunk positions; step
+        on the state's own arrays).
 
     Examples
     --------

@@ -9,9 +9,7 @@ import math
 
 import torch
 
-from ..mamba.mamba1 import Mamba1Block, mamba1_weight_shapes
-from ..mamba.mamba2 import Mamba2Block, mamba2_weight_shapes
-from ..mamba.mamba3 import Mamba3Block, mamba3_weight_shapes
+from ..families import family
 from ._kernel import _Kernel
 from ._ops import _forward_op, _forward_state_op
 from ._tensors import _as_float32_tensor, _buffer, _contiguous, _tensor
@@ -57,7 +55,8 @@ def _dt_bias(n, g, dt_min=0.001, dt_max=0.1):
 
 
 class _MambaModule(torch.nn.Module):
-    _BLOCK = None           # the mojolearn block class
+    _FAMILY = None          # the mojolearn.families.Family
+    _BLOCK = None           # its block class
     _NORM = "block_norm.weight"  # the weight d_model is read from
 
     def __init__(self, d_model, *, numeric_mode="identical", generator=None, _init=True,
@@ -89,6 +88,9 @@ class _MambaModule(torch.nn.Module):
         self._kernel = _Kernel(self._BLOCK, names, self._block_kwargs)
         if _init:
             self.kernel_block()
+
+    def _shapes(self, d: int) -> dict:
+        return self._FAMILY.weight_shapes(d)
 
     def _param_shapes(self) -> dict:
         """{name: shape} of the parameters: the block's weight shapes, the
@@ -268,7 +270,8 @@ class Mamba1(_MambaModule):
         For the initialisation (mojolearn.reference.weights' distributions).
     """
 
-    _BLOCK = Mamba1Block
+    _FAMILY = family("mamba")
+    _BLOCK = _FAMILY.block_class
     _NORM = "norm.weight"
 
     def __init__(self, d_model, *, numeric_mode="identical", generator=None, _init=True):
@@ -279,8 +282,6 @@ class Mamba1(_MambaModule):
     def _check_d(d):
         if d < 1:
             raise ValueError(f"d_model must be >= 1, got {d}")
-
-    _shapes = staticmethod(mamba1_weight_shapes)
 
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes
@@ -328,7 +329,8 @@ class Mamba2(_MambaModule):
     generator : torch.Generator or None
     """
 
-    _BLOCK = Mamba2Block
+    _FAMILY = family("mamba2")
+    _BLOCK = _FAMILY.block_class
 
     def __init__(self, d_model, *, dt_limit=(0.0, math.inf), numeric_mode="identical",
                  generator=None, _init=True):
@@ -340,11 +342,9 @@ class Mamba2(_MambaModule):
         if d < 32 or d % 32:
             raise ValueError(f"Mamba-2 needs d_model a positive multiple of 32, got {d}")
 
-    _shapes = staticmethod(mamba2_weight_shapes)
-
     @staticmethod
     def _advance(values, tokens):
-        return {"buffered_tokens": (values["buffered_tokens"] + tokens) % Mamba2Block._CHUNK}
+        return {"buffered_tokens": (values["buffered_tokens"] + tokens) % family("mamba2").block_class._CHUNK}
 
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes
@@ -394,7 +394,8 @@ class Mamba3(_MambaModule):
     generator : torch.Generator or None
     """
 
-    _BLOCK = Mamba3Block
+    _FAMILY = family("mamba3")
+    _BLOCK = _FAMILY.block_class
 
     def __init__(self, d_model, *, numeric_mode="identical", generator=None, _init=True):
         super().__init__(d_model, numeric_mode=numeric_mode, generator=generator,
@@ -405,12 +406,10 @@ class Mamba3(_MambaModule):
         if d < 32 or d % 32:
             raise ValueError(f"Mamba-3 needs d_model a positive multiple of 32, got {d}")
 
-    _shapes = staticmethod(mamba3_weight_shapes)
-
     @staticmethod
     def _advance(values, tokens):
         # the input states (pending) are consumed by the first token
-        return {"buffered_tokens": Mamba3Block._count_after(values["buffered_tokens"], tokens),
+        return {"buffered_tokens": family("mamba3").block_class._count_after(values["buffered_tokens"], tokens),
                 "pending": False}
 
     def _init_values(self, g):

@@ -1,0 +1,97 @@
+"""mojolearn.families: one registry entry per family, read by checkpoints,
+init, save and mojolearn.torch; kind aliases; importing it loads nothing."""
+import re
+
+import pytest
+
+import mojolearn
+from mojolearn import families
+from mojolearn.families import FAMILIES, family
+
+from .child import ROOT, run_python
+from .errors import raises_naming
+
+
+
+def test_importing_the_registry_loads_no_block_binary_or_torch():
+    code = ("import sys, mojolearn.families as f\n"
+            "fam = [x.kind for x in f.FAMILIES]\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('mojolearn.mamba')\n"
+            "       or m.startswith('mojolearn._native') or m == 'mojolearn._loader']\n"
+            "print(bad)\n")
+    assert run_python(code, timeout=120).strip() == "[]"
+
+
+def test_kind_names_and_aliases():
+    assert [f.kind for f in FAMILIES] == ["mamba", "mamba2", "mamba3"]
+    assert family("mamba1") is family("mamba")
+    assert family("mamba1").block_class is mojolearn.Mamba1Block
+    for bad in ("Mamba", "mamba4", None, 1):
+        with raises_naming(ValueError, "kind", "mamba1"):
+            family(bad)
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.kind)
+def test_entries_agree_with_the_blocks(fam):
+    block = fam.block_class
+    shapes = fam.weight_shapes(64)
+    assert set(shapes) == set(block._WEIGHT_ORDER)
+    assert fam.input_norm in shapes
+    assert fam.state_class.__name__ == block.__name__.replace("Block", "State")
+    assert fam.session_class.__name__ == block.__name__.replace("Block", "DecodeSession")
+    assert fam.row_positions == (fam.kind != "mamba")
+    # the saved weight names round-trip through the checkpoint name map
+    for name in shapes:
+        assert fam.block_name(fam.checkpoint_name(name)) == name
+    # the initializer draws exactly the block's weights in the block's shapes
+    w = mojolearn.init_weights(fam.kind, 64, seed=0)
+    assert {k: v.shape for k, v in w.items()} == {
+        k: (s[0] if isinstance(s[0], tuple) else s) for k, s in shapes.items()}
+
+
+def test_aliases_give_the_same_bytes():
+    a = mojolearn.init_weights("mamba", 32, seed=4)
+    b = mojolearn.init_weights("mamba1", 32, seed=4)
+    assert all(bytes(memoryview(a[k])) == bytes(memoryview(b[k])) for k in a)
+    c = mojolearn.init_weights("mamba1", 32, seed=5)  # control
+    assert any(bytes(memoryview(a[k])) != bytes(memoryview(c[k])) for k in a)
+
+
+def test_save_accepts_both_spellings(tmp_path):
+    from mojolearn.save import save_checkpoint
+    ws = [mojolearn.init_weights("mamba", 32, seed=0)]
+    emb = mojolearn.Array((8, 32))
+    for kind in ("mamba", "mamba1"):
+        ck = mojolearn.load_checkpoint(save_checkpoint(tmp_path / kind, kind, ws, emb,
+                                                       ws[0]["norm.weight"]))
+        assert ck.kind == "mamba" and ck.family is family("mamba1")
+
+
+def test_torch_modules_come_from_the_registry():
+    pytest.importorskip("torch")
+    for fam in FAMILIES:
+        cls = fam.torch_class
+        assert cls._FAMILY is fam and cls._BLOCK is fam.block_class
+
+
+def test_no_other_kind_to_class_map_in_the_loading_modules():
+    """Only families.py maps kinds to classes: the loading modules hold no
+    dict keyed by a kind name and import no block module."""
+    kind_key = re.compile(r"""[{,]\s*["']mamba[123]?["']\s*:""")
+    block_import = re.compile(r"(from|import)\s+[.\w]*mamba\.(mamba[123]|sessions)\b")
+    for rel in ("checkpoints.py", "configs.py", "_assemble.py", "_mamba_ssm_config.py",
+                "init.py", "save.py", "torch/modules.py"):
+        text = (ROOT / "python" / "mojolearn" / rel).read_text()
+        assert not kind_key.search(text), rel
+        assert not block_import.search(text), rel
+    # control: the patterns find the old forms
+    assert kind_key.search('{"mamba": x}') and block_import.search("from ..mamba.mamba1 import")
+
+
+def test_reference_is_reachable_from_the_registry():
+    pytest.importorskip("numpy")
+    fam = family("mamba2")
+    w = fam.reference_weight_maker(32, 0)
+    assert set(w) == set(fam.weight_shapes(32))
+    assert callable(fam.reference_forward)
+    assert families.by_ssm_layer("Mamba3") is family("mamba3")
