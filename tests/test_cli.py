@@ -132,3 +132,20 @@ def test_a_hub_id_is_resolved_and_download_passed_through(text_folder, monkeypat
         assert rc == 0
     assert calls == [("org/tiny", False), ("org/tiny", True)]
     assert "stopped: length" in capsys.readouterr().out
+
+
+def test_serve_errors_before_serving_are_one_line_with_status_2(text_folder, tmp_path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, names in [([tmp_path / "missing_model"], "missing_model"),
+                            ([text_folder, "--max-rows", "0"], "--max-rows"),
+                            ([text_folder, "--prefill-chunk", "-1"], "--prefill-chunk"),
+                            ([text_folder, "--port", port], f"127.0.0.1:{port}")]:
+            r = run_cli("serve", *args, *([] if "--port" in args else ["--port", 0]))
+            assert r.returncode == 2, r.stderr
+            lines = r.stderr.splitlines()
+            assert len(lines) == 1 and lines[0].startswith("python -m mojolearn serve: error: ")
+            assert names in lines[0], lines

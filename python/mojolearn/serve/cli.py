@@ -83,6 +83,19 @@ def _check(args):
         raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
     if not args.prefix_cache_mb >= 0:
         raise ValueError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    _check_address(args.host, args.port)
+
+
+def _check_address(host, port):
+    """Bind once before the model loads, so a taken port fails at once."""
+    import socket
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _run(args) -> int:
