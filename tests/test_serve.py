@@ -371,6 +371,7 @@ def test_memory_is_stable_over_rounds_of_requests(server, client):
         for _ in range(3):
             list(pool.map(one, range(200)))
             rss.append(proc.memory_info().rss)
+    print("server RSS after each round:", [f"{r / 2**20:.1f} MiB" for r in rss])
     assert rss[2] - rss[0] < 16 * 2**20, [f"{r / 2**20:.1f} MiB" for r in rss]
 
 
@@ -389,6 +390,8 @@ def test_sigterm_lets_requests_in_flight_finish_and_exits_0(text_folder, text_lm
             if len(got) == 1:
                 srv.proc.terminate()  # SIGTERM with the request in flight
         assert srv.proc.wait(60) == 0, srv.log()
+        lines = [ln for ln in srv.log().splitlines() if "/v1/completions status=" in ln]
+        assert len(lines) == 1 and "status=200" in lines[0] and "completion_tokens=" in lines[0]
         assert got == _alone(text_lm, [3, 4, 5], 2000, temperature=0.0)
         assert reasons[-1] in ("length", "stop")
         with pytest.raises(OSError):
