@@ -1,7 +1,9 @@
 """python -m mojolearn info: version, binaries found, which would be used,
 threads, and the CPU features the binary needs.
-python -m mojolearn generate FOLDER --prompt-ids 1,2,3 ...: generate tokens
-(see mojolearn/_generate_cli.py, or --help)."""
+python -m mojolearn generate MODEL --prompt-ids 1,2,3 ...: generate tokens
+(see mojolearn/_generate_cli.py, or --help).
+python -m mojolearn serve MODEL ...: an OpenAI-compatible HTTP server
+(mojolearn.serve; needs the `serve` extra)."""
 import sys
 
 
@@ -52,8 +54,11 @@ def main(argv=None) -> int:
     if argv[0] == "generate":
         from ._generate_cli import main as generate_main
         return generate_main(argv[1:])
-    print("usage: python -m mojolearn info | generate FOLDER --prompt-ids 1,2,3 [...]",
-          file=sys.stderr)
+    if argv[0] == "serve":
+        from .serve.cli import main as serve_main
+        return serve_main(argv[1:])
+    print("usage: python -m mojolearn info | generate MODEL --prompt-ids 1,2,3 [...] | "
+          "serve MODEL [...]", file=sys.stderr)
     return 2
 
 
