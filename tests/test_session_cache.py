@@ -196,3 +196,16 @@ def test_session_cache_bytes_refuses_bad_rows(lm):
         lm.session_cache_bytes(0)
     with pytest.raises(TypeError, match="rows"):
         lm.session_cache_bytes("2")
+
+
+def test_auto_without_a_budget_takes_half_the_available_memory(tmp_path, monkeypatch):
+    from mojolearn import batcher as batcher_module
+    lm = tiny_lm(tiny_folder(tmp_path, "mamba2"))
+    need, two = lm.session_cache_bytes(3), lm.session_cache_bytes(2)
+    for avail, expect in [(2 * need, {need, two}), (2 * need - 2, {0, two}),
+                          (None, {need, two})]:  # unreadable: keep it
+        monkeypatch.setattr(batcher_module, "_available_memory", lambda: avail)
+        _, seen = _generate(lm)
+        assert set(seen) - {lm.session_cache_bytes(1)} == expect, (avail, seen)
+    monkeypatch.undo()
+    assert batcher_module._available_memory() > 0  # this system reports it
