@@ -22,7 +22,7 @@ Per (kind, format, B), mojolearn:
   read bandwidth measured in the same run (bench/limits.weight_read_seconds
   on a buffer of that size), and ours / floor;
 - peak RSS against the weights' bytes plus the states, and per stream:
-  (peak RSS - RSS after loading) / B;
+  (peak RSS - RSS right after loading) / B (0 when loading was the peak);
 - for Mamba-2, each of --session-cache (the Batcher's session_cache: 'on'
   keeps the decode sessions' speed cache, 'off' does not), each in its own
   child (the cache's bytes are in the table).
@@ -84,6 +84,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _rss_now_mb() -> float:
+    """This process's RSS now (VmRSS), or its peak where that is unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return _peak_rss_mb()
+
+
 def _ours(spec: dict) -> dict:
     import mojolearn
     mojolearn.set_num_threads(spec["threads"])
@@ -91,7 +103,7 @@ def _ours(spec: dict) -> dict:
     lm = mojolearn.MambaLM(spec["folder"], weight_format=spec["format"])
     load_s = time.perf_counter() - t0
     rss_loaded = _peak_rss_mb()
-    out = {"load_s": load_s, "rss_after_load_mb": rss_loaded}
+    out = {"load_s": load_s, "rss_after_load_mb": rss_loaded, "rss_loaded_now_mb": _rss_now_mb()}
     prompt = [(7 * i + 3) % VOCAB for i in range(spec["prompt"])]
     best = float("inf")
     for _ in range(2):
@@ -218,7 +230,7 @@ def main(argv=None) -> int:
             t = theirs.get(B) if fmt == "float32" else None
             raw.append({"kind": kind, "format": fmt, "B": B, "session_cache": cache,
                         "ours": ours, "theirs": t})
-            per_stream = (ours["peak_rss_mb"] - ours["rss_after_load_mb"]) / B
+            per_stream = (ours["peak_rss_mb"] - ours["rss_loaded_now_mb"]) / B
             rows.append(
                 f"| {kind} | {fmt} | {B} | {cache} | {ours['prefill_tok_s']:.0f} | "
                 f"{ours['decode_tok_s']:.1f} | {ours['decode_step_s'] * 1e3:.2f} | "
