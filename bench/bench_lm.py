@@ -69,31 +69,33 @@ def model_folder(kind: str, quick: bool) -> Path:
     return folder
 
 
+def _status_mb(field: str):
+    """A /proc/self/status field in MiB (VmHWM, VmRSS), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def _peak_rss_mb() -> float:
     """This process image's peak RSS (VmHWM: ru_maxrss would include the
     parent's RSS at the fork, which can be the benchmark driver's whole
     transformers model)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mb("VmHWM")
+    if peak is None:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak
 
 
 def _rss_now_mb() -> float:
     """This process's RSS now (VmRSS), or its peak where that is unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return _peak_rss_mb()
+    now = _status_mb("VmRSS")
+    return _peak_rss_mb() if now is None else now
 
 
 def _ours(spec: dict) -> dict:
