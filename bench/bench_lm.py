@@ -3,7 +3,8 @@ and against the machine's floor, on a 130M-shaped model.
 
     PYTHONPATH=python:. python bench/bench_lm.py [--kinds mamba,mamba2]
         [--formats float32,bfloat16,int8] [--batches 1,8,32] [--threads 2]
-        [--decode-steps 32] [--prompt 512] [--quick] [--out bench/out/lm.json]
+        [--decode-steps 32] [--prompt 512] [--session-cache on,off]
+        [--quick] [--out bench/out/lm.json]
 
 The model: 24 layers, d_model 768, vocabulary 50280 (tied), transformers'
 random initialisation, written once with save_pretrained into
@@ -20,7 +21,11 @@ Per (kind, format, B), mojolearn:
   format, the head, the B rows' states read and written) over the DRAM
   read bandwidth measured in the same run (bench/limits.weight_read_seconds
   on a buffer of that size), and ours / floor;
-- peak RSS against the weights' bytes plus the states.
+- peak RSS against the weights' bytes plus the states, and per stream:
+  (peak RSS - RSS right after loading) / B (0 when loading was the peak);
+- for Mamba-2, each of --session-cache (the Batcher's session_cache: 'on'
+  keeps the decode sessions' speed cache, 'off' does not), each in its own
+  child (the cache's bytes are in the table).
 transformers (float32 only, B = 1 and 8): prefill (a forward of the
 prompt) and decode (generate with max_new_tokens = steps + 1 minus
 generate with 1, greedy, no stop token).
@@ -64,19 +69,33 @@ def model_folder(kind: str, quick: bool) -> Path:
     return folder
 
 
+def _status_mb(field: str):
+    """A /proc/self/status field in MiB (VmHWM, VmRSS), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def _peak_rss_mb() -> float:
     """This process image's peak RSS (VmHWM: ru_maxrss would include the
     parent's RSS at the fork, which can be the benchmark driver's whole
     transformers model)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mb("VmHWM")
+    if peak is None:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak
+
+
+def _rss_now_mb() -> float:
+    """This process's RSS now (VmRSS), or its peak where that is unknown."""
+    now = _status_mb("VmRSS")
+    return _peak_rss_mb() if now is None else now
 
 
 def _ours(spec: dict) -> dict:
@@ -86,7 +105,7 @@ def _ours(spec: dict) -> dict:
     lm = mojolearn.MambaLM(spec["folder"], weight_format=spec["format"])
     load_s = time.perf_counter() - t0
     rss_loaded = _peak_rss_mb()
-    out = {"load_s": load_s, "rss_after_load_mb": rss_loaded}
+    out = {"load_s": load_s, "rss_after_load_mb": rss_loaded, "rss_loaded_now_mb": _rss_now_mb()}
     prompt = [(7 * i + 3) % VOCAB for i in range(spec["prompt"])]
     best = float("inf")
     for _ in range(2):
@@ -97,13 +116,15 @@ def _ours(spec: dict) -> dict:
         best = min(best, time.perf_counter() - t)
     out["prefill_tok_s"] = len(prompt) / best
     B, steps = spec["B"], spec["steps"]
+    cache = {"on": True, "off": False, "auto": "auto"}[spec.get("cache", "on")]
     times = []
     for _ in range(2):
-        b = lm.batcher(prefill_chunk=None)  # whole prompts in the first step, as timed
+        b = lm.batcher(prefill_chunk=None, session_cache=cache)  # whole prompts first, as timed
         for r in range(B):
             b.submit([(11 * r + 5 * i + 1) % VOCAB for i in range(SHORT)], max_new_tokens=steps + 2)
         b.step()  # prefill
         b.step()  # the groups' sessions open
+        out["session_cache_bytes"] = b.stats.session_cache_bytes
         t = time.perf_counter()
         for _ in range(steps):
             b.step()
@@ -172,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--session-cache", default="on,off",
+                    help="Mamba-2's decode sessions' speed cache: on, off or both (on,off)")
     ap.add_argument("--quick", action="store_true", help="2 layers, B=1, float32: a smoke run")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", default=None)
@@ -196,31 +219,37 @@ def main(argv=None) -> int:
                 theirs[B] = _child({"side": "theirs", "folder": folder, "B": B,
                                     "steps": max(4, a.decode_steps // 4), "prompt": a.prompt,
                                     "threads": a.threads})
-        for fmt in formats:
-            for B in batches:
-                ours = _child({"side": "ours", "folder": folder, "format": fmt, "B": B,
-                               "steps": a.decode_steps, "prompt": a.prompt,
-                               "threads": a.threads})
-                step_bytes = ours["weight_bytes"] + 2 * ours["state_bytes"]
-                floor = _floor_s(step_bytes, a.threads)
-                ours["floor_step_s"] = floor["seconds"]
-                ours["read_gbps"] = floor["gbps"]
-                ours["step_bytes"] = step_bytes
-                t = theirs.get(B) if fmt == "float32" else None
-                raw.append({"kind": kind, "format": fmt, "B": B, "ours": ours, "theirs": t})
-                rows.append(
-                    f"| {kind} | {fmt} | {B} | {ours['prefill_tok_s']:.0f} | "
-                    f"{ours['decode_tok_s']:.1f} | {ours['decode_step_s'] * 1e3:.2f} | "
-                    f"{floor['seconds'] * 1e3:.2f} ({floor['gbps']:.1f} GB/s) | "
-                    f"{ours['decode_step_s'] / floor['seconds']:.2f} | "
-                    + (f"{t['prefill_tok_s']:.0f} / {t['decode_tok_s']:.1f} | "
-                       f"{ours['decode_tok_s'] / t['decode_tok_s']:.1f}x | " if t else "- | - | ")
-                    + f"{ours['peak_rss_mb']:.0f} / {(ours['weight_bytes'] + ours['state_bytes']) / 2**20:.0f} |")
-                print(rows[-1], flush=True)
-    header = ("| kind | format | B | prefill tok/s | decode tok/s (all rows) | ms/step | "
-              "floor ms/step (read GB/s) | step / floor | transformers prefill / decode tok/s | "
-              "decode vs transformers | peak RSS MB / weights+states MB |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|")
+        caches = a.session_cache.split(",") if kind == "mamba2" else ["-"]
+        for fmt, B, cache in [(f, B, c) for f in formats for B in batches for c in caches]:
+            ours = _child({"side": "ours", "folder": folder, "format": fmt, "B": B,
+                           "steps": a.decode_steps, "prompt": a.prompt,
+                           "threads": a.threads, "cache": "on" if cache == "-" else cache})
+            step_bytes = ours["weight_bytes"] + 2 * ours["state_bytes"]
+            floor = _floor_s(step_bytes, a.threads)
+            ours["floor_step_s"] = floor["seconds"]
+            ours["read_gbps"] = floor["gbps"]
+            ours["step_bytes"] = step_bytes
+            t = theirs.get(B) if fmt == "float32" else None
+            raw.append({"kind": kind, "format": fmt, "B": B, "session_cache": cache,
+                        "ours": ours, "theirs": t})
+            per_stream = (ours["peak_rss_mb"] - ours["rss_loaded_now_mb"]) / B
+            rows.append(
+                f"| {kind} | {fmt} | {B} | {cache} | {ours['prefill_tok_s']:.0f} | "
+                f"{ours['decode_tok_s']:.1f} | {ours['decode_step_s'] * 1e3:.2f} | "
+                f"{floor['seconds'] * 1e3:.2f} ({floor['gbps']:.1f} GB/s) | "
+                f"{ours['decode_step_s'] / floor['seconds']:.2f} | "
+                + (f"{t['prefill_tok_s']:.0f} / {t['decode_tok_s']:.1f} | "
+                   f"{ours['decode_tok_s'] / t['decode_tok_s']:.1f}x | " if t else "- | - | ")
+                + f"{ours['peak_rss_mb']:.0f} / "
+                f"{(ours['weight_bytes'] + ours['state_bytes']) / 2**20:.0f} | "
+                f"{per_stream:.1f} / {ours['state_bytes'] / B / 2**20:.1f} / "
+                f"{ours['session_cache_bytes'] / B / 2**20:.1f} |")
+            print(rows[-1], flush=True)
+    header = ("| kind | format | B | session cache | prefill tok/s | decode tok/s (all rows) | "
+              "ms/step | floor ms/step (read GB/s) | step / floor | "
+              "transformers prefill / decode tok/s | decode vs transformers | "
+              "peak RSS MB / weights+states MB | per stream MB: peak RSS / states / cache |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     table = header + "\n" + "\n".join(rows)
     print(table)
     if a.out:

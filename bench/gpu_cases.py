@@ -6,7 +6,7 @@ returns {case name: output bytes}; `digests(mojolearn)` gives their SHA-256.
 The cases: the own transcendentals (OP_MATH_EVAL, every function and SIMD
 width), the finiteness check op, and for all three blocks forward, the
 reports (h_last_, ...), ragged rows, prefill + decode steps, a prefill split
-in two and continued, decode sessions, batch-8 steps, the state arrays after
+in two and continued, decode sessions (with and without the speed cache), batch-8 steps, the state arrays after
 prefill and after decode, backward (every gradient; Mamba-1 also a ragged
 forward from a state and a backward from a state with final-state
 cotangents and ragged rows; Mamba-2 a backward from a state with an open
@@ -162,17 +162,9 @@ def _shape_cases(mojolearn, kind, d, b, l, lengths):
             yield f"{tag} ragged state", _reports(kind, block)
     # decode session from a prefill ending 2 tokens before a chunk boundary:
     # its steps cross it; a sync_state halfway, the state after close
-    q = CHUNK[kind]
-    p = l - SESSION_STEPS if q is None else max(1, min(q - 2, l - SESSION_STEPS))
-    state = block.allocate_state(b)
-    ys = [_bytes(block.forward(x[:, :p], state))]
-    with block.decode_session(state) as s:
-        for i, t in enumerate(range(p, p + SESSION_STEPS)):
-            xt = x[:, t] if i == SESSION_STEPS - 1 else np.ascontiguousarray(x[:, t])
-            ys.append(_bytes(s.step(xt)))  # the last, strided: the fallback intake
-            if i == 1:
-                ys.append(_state_bytes(kind, s.sync_state()))
-    yield f"{tag} session", b"".join(ys) + _state_bytes(kind, state)
+    yield f"{tag} session", _session_bytes(block, kind, x, b, l)
+    if kind != 1:  # without the sessions' speed cache (the uncached step path)
+        yield f"{tag} session no cache", _session_bytes(block, kind, x, b, l, cache=False)
     if kind == 3:  # a reference Input_States continuation (the pending path)
         rng = np.random.default_rng(11)
         h = block.nheads
@@ -211,6 +203,24 @@ def _shape_cases(mojolearn, kind, d, b, l, lengths):
         yield f"{tag} backward state", b"".join(_bytes(grads[k]) for k in sorted(grads))
         grads = block.backward(x, g, lengths=lengths)
         yield f"{tag} backward ragged", b"".join(_bytes(grads[k]) for k in sorted(grads))
+
+
+def _session_bytes(block, kind, x, b, l, **kw) -> bytes:
+    """A decode session from a prefill ending 2 tokens before a chunk
+    boundary: its steps cross it; a sync_state halfway, the state after
+    close (kw: the session's options)."""
+    import numpy as np
+    q = CHUNK[kind]
+    p = l - SESSION_STEPS if q is None else max(1, min(q - 2, l - SESSION_STEPS))
+    state = block.allocate_state(b)
+    ys = [_bytes(block.forward(x[:, :p], state))]
+    with block.decode_session(state, **kw) as s:
+        for i, t in enumerate(range(p, p + SESSION_STEPS)):
+            xt = x[:, t] if i == SESSION_STEPS - 1 else np.ascontiguousarray(x[:, t])
+            ys.append(_bytes(s.step(xt)))  # the last, strided: the fallback intake
+            if i == 1:
+                ys.append(_state_bytes(kind, s.sync_state()))
+    return b"".join(ys) + _state_bytes(kind, state)
 
 
 def run_case(mojolearn, kind, d, b, l, lengths) -> dict:

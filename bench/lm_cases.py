@@ -57,13 +57,16 @@ def lm_cases(mojolearn, perturb: bool = False):
                      + b"".join(_bytes(x) for x in r.logits) for r in reqs]
             yield f"{tag} generate", b"".join(parts)
             if kind != 1 and fmt == "float32":  # rows folding at different steps
-                yield f"{tag} chunk ends", _chunk_ends(lm, {2: 256, 3: 64}[kind])
+                q = {2: 256, 3: 64}[kind]
+                yield f"{tag} chunk ends", _chunk_ends(lm, q, True)
+                yield f"{tag} chunk ends no cache", _chunk_ends(lm, q, False)
 
 
-def _chunk_ends(lm, q: int) -> bytes:
-    """Rows whose chunks end at different decode steps, in one batch."""
+def _chunk_ends(lm, q: int, cache: bool) -> bytes:
+    """Rows whose chunks end at different decode steps, in one batch (with
+    or without the decode sessions' speed cache)."""
     import numpy as np
-    b = lm.batcher(keep_logits=True)
+    b = lm.batcher(keep_logits=True, session_cache=cache)
     reqs = [b.submit([(3 * j + i) % VOCAB for j in range(n)], max_new_tokens=6)
             for i, n in enumerate([q - 4, q - 1, 2, 2 * q - 2])]
     list(b.run())

@@ -9,6 +9,7 @@ comparison: the ratios in RESULTS.md come from the bench_*.py scripts.
 Usage (from the repository root)::
 
     PYTHONPATH=python:. python bench/phases.py [--d 768] [--batch 8] [--steps 200]
+        [--no-session-cache]
 """
 from __future__ import annotations
 
@@ -30,14 +31,16 @@ BLOCKS = {1: (mamba1_weights, "Mamba1Block"), 2: (mamba2_weights, "Mamba2Block")
 
 
 
-def step_phases(kind: int, d: int, b: int, steps: int, rounds: int) -> list[dict]:
+def step_phases(kind: int, d: int, b: int, steps: int, rounds: int,
+                cache: bool = True) -> list[dict]:
     make, cls = BLOCKS[kind]
     block = getattr(mojolearn, cls)(make(d, seed=1))
     x = random_input(b, steps, d, seed=2)
     best = None
     for _ in range(rounds):
         state = block.allocate_state(b)
-        with block.decode_session(state) as s:
+        opts = {} if kind == 1 else {"cache": cache}  # (Mamba-1 sessions have no cache)
+        with block.decode_session(state, **opts) as s:
             for t in range(min(steps, 20)):  # warm the caches and the pool
                 s.step(np.ascontiguousarray(x[:, t]))
             with debug.timing_phases() as timing:
@@ -90,6 +93,8 @@ def main(argv=None):
     p.add_argument("--blocks", default="1,2,3")
     p.add_argument("--prefill", type=int, default=0, metavar="L",
                    help="time the stages of a B x L prefill instead of decode steps")
+    p.add_argument("--no-session-cache", action="store_true",
+                   help="Mamba-2/3 sessions without their speed cache (decode_session(cache=False))")
     a = p.parse_args(argv)
     mojolearn.set_num_threads(a.threads)
     info = mojolearn._loader.describe(mojolearn._loader.library())
@@ -103,7 +108,7 @@ def main(argv=None):
             for name, v in ms.items():
                 print(f"  {name:<16}{v:>9.1f}")
             continue
-        rows = step_phases(kind, a.d, a.batch, a.steps, a.rounds)
+        rows = step_phases(kind, a.d, a.batch, a.steps, a.rounds, not a.no_session_cache)
         print(f"\nMamba-{kind} decode step (mean us per step):")
         print(debug.format_phase_times(rows))
         print(f"{'total':<42}{sum(r['seconds'] for r in rows) / a.steps * 1e6:>10.1f}")

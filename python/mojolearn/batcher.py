@@ -71,6 +71,18 @@ class Batcher:
         Requests decoding at once at most (one row each); further ones wait,
         first come first served, before their prefill starts. None: no
         limit.
+    session_cache : True, False or 'auto', default 'auto'
+        Whether the decoding rows' sessions keep their speed cache
+        (Mamba-2: ``MambaLM.session_cache_bytes(rows)``, about as large as
+        the rows' states; Mamba-1 and Mamba-3 keep none). It makes a
+        batched step faster and costs memory per row; the tokens and
+        logits are the same bits either way. 'auto' decides each time the
+        set of decoding rows changes: on while the cache of those rows
+        takes at most ``session_cache_budget`` bytes.
+    session_cache_budget : int >= 0 or None, default None
+        The bytes 'auto' allows the cache. None: half of the memory the
+        system reports available (MemAvailable) when the rows open, or no
+        limit where that cannot be read.
 
     Attributes
     ----------
@@ -78,6 +90,8 @@ class Batcher:
     keep_logits : bool
     prefill_chunk : int or None
     max_rows : int or None
+    session_cache : bool or 'auto'
+    session_cache_budget : int or None
     prefix_cache : mojolearn.prefix_cache.PrefixCache or None
     dropped : list of Request
         The requests that ended in the last step without a token
@@ -112,13 +126,19 @@ class Batcher:
     """
 
     def __init__(self, model, *, keep_logits: bool = False, prefill_chunk=256,
-                 prefix_cache_bytes=0, max_rows=None):
+                 prefix_cache_bytes=0, max_rows=None, session_cache="auto",
+                 session_cache_budget=None):
         self.model = model
         self.keep_logits = bool(keep_logits)
         self.prefill_chunk = None if prefill_chunk is None else \
             _req.count(prefill_chunk, "prefill_chunk", 1)
         self.max_rows = None if max_rows is None else _req.count(max_rows, "max_rows", 1)
         cache_bytes = _req.count(prefix_cache_bytes, "prefix_cache_bytes", 0)
+        if not (isinstance(session_cache, bool) or session_cache == "auto"):
+            raise ValueError(f"session_cache must be True, False or 'auto', got {session_cache!r}")
+        self.session_cache = session_cache
+        self.session_cache_budget = None if session_cache_budget is None else \
+            _req.count(session_cache_budget, "session_cache_budget", 0)
         self.prefix_cache = PrefixCache(cache_bytes) if cache_bytes else None
         self._lock = threading.Lock()
         self._pending = []  # submitted, not yet taken by a step (under _lock)
@@ -220,6 +240,8 @@ class Batcher:
         st.steps += 1
         st.tokens_generated += len(out)
         st.active_rows = len(self._rows.requests)
+        if not self._rows.requests:
+            st.session_cache_bytes = 0
         st.prefilling_requests = len(self._queue)
         if self.prefix_cache is not None:
             c = self.prefix_cache
@@ -275,7 +297,8 @@ class Batcher:
             x = m.embed_ids([r.tokens[-1] for r in g.requests])
             x = x.reshape((len(g.requests), 1, m.d_model))
             if g.decoder is None:
-                g.decoder = m.open_rows(g.states, g.pos)
+                g.decoder = m.open_rows(g.states, g.pos, cache=self._use_cache(len(g.requests)))
+                self._stats.session_cache_bytes = g.decoder.cache_bytes
             x = self._last_x = g.decoder.step(x)
         except Exception as e:  # the batched step itself: no row is sound
             for r in g.requests:
@@ -284,6 +307,22 @@ class Batcher:
             g.requests, g.states, g.pos = [], None, []
             return []
         return [(r, x, i) for i, r in enumerate(g.requests)]
+
+    def _use_cache(self, rows: int) -> bool:
+        """Whether `rows` decoding rows keep the sessions' speed cache (the
+        session_cache rule)."""
+        if self.session_cache != "auto":
+            return self.session_cache
+        need = self.model.session_cache_bytes(rows)
+        if need == 0:
+            return True  # (nothing to allocate)
+        budget = self.session_cache_budget
+        if budget is None:
+            avail = _available_memory()
+            if avail is None:
+                return True
+            budget = avail // 2
+        return need <= budget
 
     def _prefill(self) -> list:
         """Prefill joining requests, first come first served, up to
@@ -481,6 +520,23 @@ class Batcher:
         g.states, g.pos = states, pos
         for r in joining:
             r._states = None
+
+
+def _available_memory():
+    """Bytes the system reports available for new allocations
+    (/proc/meminfo's MemAvailable; else free physical pages), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import os
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _row(a, i, n):

@@ -341,15 +341,36 @@ class MambaLM:
         from .row_decode import row_position
         return row_position(self._check_states(states, "states"))
 
-    def open_rows(self, states, positions):
+    def open_rows(self, states, positions, *, cache: bool = True):
         """Start decoding rows together: a mojolearn.row_decode.RowDecoder
         over `states` (one per layer, B rows each) with each row at its own
         chunk position (``positions``, B ints). Close it before the states
-        are used otherwise."""
+        are used otherwise. cache: whether its decode sessions keep their
+        speed cache (``session_cache_bytes(B)`` bytes; the same bits
+        either way)."""
+        from .mamba.sessions import DecodeSessionBase
         from .row_decode import RowDecoder
+        cache = DecodeSessionBase._check_cache(cache)
         states = self._check_states(states, "states")
         positions = [_intake.as_int(p, f"positions[{i}]") for i, p in enumerate(positions)]
-        return RowDecoder(self, states, positions)
+        return RowDecoder(self, states, positions, cache=cache)
+
+    def session_cache_bytes(self, rows: int = 1) -> int:
+        """Bytes of the decode sessions' speed caches of ``rows`` rows
+        decoded together, all layers (what ``open_rows(..., cache=True)``
+        allocates on top of the states; 0 for Mamba-1 and Mamba-3, whose
+        sessions keep none).
+
+        Examples
+        --------
+        >>> lm = mojolearn.MambaLM(lm_folder)  # a Mamba-1 model: no session cache
+        >>> lm.session_cache_bytes(8)
+        0
+        """
+        rows = _intake.as_int(rows, "rows")
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        return sum(blk._session_cache_bytes(rows) for blk in self.blocks)
 
     def restack_states(self, parts, *, consume: bool = False) -> list:
         """A new model state of len(parts) rows: row i is row r of the model
@@ -404,12 +425,14 @@ class MambaLM:
 
     # -- generation -------------------------------------------------------
     def batcher(self, *, keep_logits: bool = False, prefill_chunk=256, prefix_cache_bytes=0,
-                max_rows=None):
+                max_rows=None, session_cache="auto", session_cache_budget=None):
         """A continuous-batching engine over this model
         (mojolearn.generate.Batcher, which describes the arguments)."""
         from .generate import Batcher
         return Batcher(self, keep_logits=keep_logits, prefill_chunk=prefill_chunk,
-                       prefix_cache_bytes=prefix_cache_bytes, max_rows=max_rows)
+                       prefix_cache_bytes=prefix_cache_bytes, max_rows=max_rows,
+                       session_cache=session_cache,
+                       session_cache_budget=session_cache_budget)
 
     def generate(self, prompts, *, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, stop_tokens=None, stream=None, return_logits: bool = False,

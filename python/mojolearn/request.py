@@ -203,6 +203,9 @@ class BatcherStats:
         What the cache holds now.
     active_rows : int
         Requests decoding (one row each).
+    session_cache_bytes : int
+        Bytes of the decode sessions' speed cache of the decoding rows as
+        last opened (0: none, or no rows; Batcher's session_cache).
     pending_requests : int
         Submitted, not yet seen by a step.
     prefilling_requests : int
@@ -224,6 +227,7 @@ class BatcherStats:
     prefix_cache_bytes: int = 0
     prefix_cache_entries: int = 0
     active_rows: int = 0
+    session_cache_bytes: int = 0
     pending_requests: int = 0
     prefilling_requests: int = 0
     last_step_seconds: float = 0.0

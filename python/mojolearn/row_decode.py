@@ -36,9 +36,12 @@ class RowDecoder:
     positions : sequence of int
         Each row's position in its blocks' chunks (``MambaLM.row_position``
         of the row's own state; ignored for Mamba-1).
+    cache : bool, default True
+        Whether the sessions keep their speed cache (Mamba-2:
+        ``MambaLM.session_cache_bytes``; the same bits either way).
     """
 
-    def __init__(self, model, states, positions):
+    def __init__(self, model, states, positions, cache=True):
         from ._array import Array
         from .families import family
         if len(states) != model.n_layers:
@@ -58,10 +61,16 @@ class RowDecoder:
             try:
                 cls = fam.session_class
                 for blk, st in zip(model.blocks, states):
-                    self._layers.append(cls(blk, st, row_tokens=rows, in_place=True))
+                    self._layers.append(cls(blk, st, row_tokens=rows, in_place=True,
+                                            cache=cache))
             except BaseException:
                 self.close()
                 raise
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the sessions' speed caches (0 without them)."""
+        return sum(getattr(layer, "cache_bytes", 0) for layer in self._layers)
 
     def step(self, x):
         """x (B, 1, d_model) through every layer; then each row's position

@@ -237,6 +237,11 @@ class _MambaBase:
             w[n] = p if self.weight_format == "float32" else p.to_float32()
         return w
 
+    def _session_cache_bytes(self, batch_size: int) -> int:
+        """Bytes of a decode session's speed cache for batch_size rows: none
+        here (Mamba-2 keeps one)."""
+        return 0
+
     def _held_bytes(self) -> int:
         """Bytes of the weight copies and the prepared blob the block holds
         (and the projections and transposed panels a float32 block keeps

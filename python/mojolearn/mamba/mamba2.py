@@ -350,10 +350,18 @@ class Mamba2Block(_MambaBase):
             self._h_last, self._h_last_src = h_last, None
         return self._h_last
 
-    def decode_session(self, state):
+    def decode_session(self, state, *, cache: bool = True):
         """Open a Mamba2DecodeSession: token-by-token decoding that gives the
-        bytes of ``step`` without re-validating the state at every token."""
-        return Mamba2DecodeSession(self, state)
+        bytes of ``step`` without re-validating the state at every token.
+        cache=False: without the session's speed cache (less memory, the
+        same bits; Mamba2DecodeSession describes it)."""
+        return Mamba2DecodeSession(self, state, cache=cache)
+
+    def _session_cache_bytes(self, batch_size: int) -> int:
+        """Bytes of a decode session's speed cache for batch_size rows (the
+        op's buffer table gives the size: mamba2/layout.mojo)."""
+        args = self._args(batch_size, 1, 0, 0, None, 0, 0, 0, False)
+        return _abi.slot_bytes(self._lib, self._FWD_OP, args, "cache")
 
     def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         """Gradients of a forward (a vector-Jacobian product).

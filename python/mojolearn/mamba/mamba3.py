@@ -384,10 +384,12 @@ class Mamba3Block(_MambaBase):
             if lock is not None:
                 lock.release()
 
-    def decode_session(self, state):
+    def decode_session(self, state, *, cache: bool = True):
         """Open a Mamba3DecodeSession: token-by-token decoding that gives the
-        bytes of ``step`` without re-validating the state at every token."""
-        return Mamba3DecodeSession(self, state)
+        bytes of ``step`` without re-validating the state at every token.
+        cache: as for Mamba-2's sessions; a Mamba-3 session keeps no speed
+        cache, so it changes nothing."""
+        return Mamba3DecodeSession(self, state, cache=cache)
 
     def _args(self, b, l, xaddr, yaddr, views, nb, pending, lens_addr, mode, reports=None):
         named = {n: views[n] for n in _STATE_BUFFERS}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from array import array
 
-from .. import _abi, _intake
+from .. import _intake
 from ._base import copy_bytes, workspace_floats
 from ._state import array_view, check_not_held
 
@@ -42,6 +42,14 @@ class DecodeSessionBase:
         self._x_slot, self._y_slot = self._spec.slot("x"), self._spec.slot("y")
 
     _thread_work = False  # the op's workspace is the calling thread's (scratch only)
+    cache_bytes = 0  # bytes of the session's speed cache (none: 0)
+
+    @staticmethod
+    def _check_cache(cache) -> bool:
+        """The sessions' `cache` argument: True or False (TypeError else)."""
+        if not isinstance(cache, bool):
+            raise TypeError(f"cache must be True or False, got {cache!r}")
+        return cache
 
     def _use_thread_workspace(self):
         """Steps run on the calling thread's shared workspace (the blocks'
@@ -323,6 +331,13 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
     in_place : bool, default False
         Step on the state's own arrays instead of copies (for an engine that
         owns the state and does not touch it while the session is open).
+    cache : bool, default True
+        Keep the speed cache: per row, copies of the state laid out for the
+        one-token step (each head's h transposed, the open chunk's B rows
+        transposed, its dt and dA rows and head-major x rows;
+        ``cache_bytes``, 2.54 MB per row at d_model = 768). False allocates
+        none and steps the way ``block.step`` does. The bits are the same
+        either way.
 
     Examples
     --------
@@ -333,8 +348,9 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, *, row_tokens=None, in_place=False):
+    def __init__(self, block, state, *, row_tokens=None, in_place=False, cache=True):
         from .._array import Array
+        cache = self._check_cache(cache)
         views = block._state_views(state, None)
         self._bind(block, state, views[0].shape[0])
         # in_place (an engine that owns the state and never touches it
@@ -358,11 +374,18 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
         # and head-major x rows, rebuilt by the kernel whenever a marker or
         # count says so: same chains, vectorized or read contiguously
         # (mamba2/layout.mojo, cache_floats_per_row; its size read from the
-        # op's buffer table)
-        nbytes = _abi.slot_bytes(self._lib, self._op, self._args, "cache")
-        self._cache = Array((nbytes // 4,), zero=True)
-        self._args[self._spec.slot("cache")] = self._cache.address
+        # op's buffer table). Without it (slot 0) the kernel takes
+        # block.step's path: the same chains from the state's own rows.
+        self._cache = None
+        if cache:
+            self._cache = Array((block._session_cache_bytes(self._b) // 4,), zero=True)
+            self._args[self._spec.slot("cache")] = self._cache.address
         self._activate()
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the session's speed cache (0: opened with cache=False)."""
+        return 0 if self._cache is None else self._cache.nbytes
 
     def _copy_in(self, views):
         for a, v in zip(self._arrays, views):
@@ -401,7 +424,8 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
         views = self._unheld_views(lambda: self._block._state_views(self._state, self._b))
         self._copy_in(views)
         self._s = _intake.as_int(self._state.buffered_tokens, "state.buffered_tokens")
-        memoryview(self._cache).cast("B")[:] = bytes(self._cache.nbytes)  # all stale
+        if self._cache is not None:
+            memoryview(self._cache).cast("B")[:] = bytes(self._cache.nbytes)  # all stale
         return self._state
 
     def _release(self):
@@ -431,6 +455,10 @@ class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
     in_place : bool, default False
         As for Mamba2DecodeSession (rows at their own chunk positions; step
         on the state's own arrays).
+    cache : bool, default True
+        Accepted for the same call as Mamba2DecodeSession's; a Mamba-3
+        session keeps no speed cache (its state's buffers are already laid
+        out for the one-token step), so nothing is allocated either way.
 
     Examples
     --------
@@ -441,8 +469,9 @@ class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    def __init__(self, block, state, *, row_tokens=None, in_place=False):
+    def __init__(self, block, state, *, row_tokens=None, in_place=False, cache=True):
         from .._array import Array
+        self._check_cache(cache)
         self._bind(block, state, 0)
         views, nb = self._validated()
         self._b = views["h"].shape[0]
