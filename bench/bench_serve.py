@@ -13,8 +13,8 @@ chunked prefill and the prefix-state cache.
         --long-prompt 256
 
 Without --model a random model of the given shape is written once into
-bench/out/serve_<kind>_<d>_<layers>/. Per configuration (chunked prefill
-256 or whole prompts; prefix cache 256 MiB or none) one server runs in a
+bench/out/serve_<kind>_<d>_<layers>/. Per configuration (prefill chunks of
+256, 'auto' or whole prompts; prefix cache 256 MiB or none) one server runs in a
 child process on 127.0.0.1; per concurrency level N, N client threads keep
 N streams open (--streams-per-level requests in all, random prompt lengths,
 each prompt starting with a shared --shared-prefix so the cache can hit),
@@ -41,8 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
-CONFIGS = [("chunked+cache", 256, 256), ("chunked", 256, 0), ("whole+cache", 0, 256),
-           ("whole", 0, 0)]
+CONFIGS = [("auto+cache", "auto", 256), ("auto", "auto", 0), ("chunked+cache", 256, 256),
+           ("chunked", 256, 0), ("whole+cache", 0, 256), ("whole", 0, 0)]
 
 
 def make_model(kind, d, layers, vocab) -> Path:

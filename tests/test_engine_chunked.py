@@ -23,9 +23,10 @@ def reference(lm):
     return prompts, [alone(lm, p, 5, **kw) for p, kw in zip(prompts, KW)]
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 256, None])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 256, None, "auto"])
 def test_chunked_prefill_keeps_the_bits_and_bounds_each_step(lm, reference, chunk):
     prompts, ref = reference
+    bound = 256 if chunk == "auto" else chunk  # 'auto': PrefillPacer's high
     b = lm.batcher(keep_logits=True, prefill_chunk=chunk)
     early = b.submit(prompts[2], max_new_tokens=12, **KW[2])  # decoding while the rest join
     b.step()
@@ -35,14 +36,16 @@ def test_chunked_prefill_keeps_the_bits_and_bounds_each_step(lm, reference, chun
         decoding = len(b.active)
         out = b.step()
         s = b.stats
-        assert chunk is None or s.prompt_tokens - done <= chunk
+        assert bound is None or s.prompt_tokens - done <= bound
         done = s.prompt_tokens
         assert len(out) >= min(decoding, 1)  # the running rows are never stalled
     for r, (toks, lg) in zip(reqs, ref):
         assert r.tokens == toks and logits_bytes(r) == lg
     assert early.finish_reason == "length"
-    if chunk is not None and chunk < len(prompts[0]):  # the long prompt was split
+    if isinstance(chunk, int) and chunk < len(prompts[0]):  # the long prompt was split
         assert b.stats.steps > len(prompts[0]) // chunk
+    if chunk == "auto":  # it starts at 8 tokens a step while a request decodes
+        assert b.stats.steps > len(prompts[0]) // 256 + 1
     # control: one prompt token changed gives other logits bytes
     other = list(prompts[0])
     other[len(other) // 2] = (other[len(other) // 2] + 1) % lm.vocab_size

@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 from . import request as _req
+from .prefill_pacer import PrefillPacer
 from .prefix_cache import PrefixCache, copy_states
 from .request import BatcherStats, Request
 
@@ -57,10 +58,14 @@ class Batcher:
     model : MambaLM
     keep_logits : bool, default False
         Keep the logits each token was chosen from (``Request.logits``).
-    prefill_chunk : int >= 1 or None, default 256
+    prefill_chunk : int >= 1, 'auto' or None, default 256
         Prompt tokens prefilled per step at most (all joining requests
         together), so that a long prompt does not stall the running ones;
-        None prefills every joining prompt whole in its first step.
+        None prefills every joining prompt whole in its first step. 'auto'
+        sizes it as the engine runs (mojolearn.prefill_pacer): 8 to 256
+        tokens, so that a step's prefill takes about 1.5 times its decode
+        while requests decode, and 256 while none does. Any chunking gives
+        the same bits.
     prefix_cache_bytes : int >= 0, default 0
         Bytes of model states kept in a prefix cache (0: no cache). The
         state after each prompt, at each chunk end and after each finished
@@ -88,7 +93,7 @@ class Batcher:
     ----------
     model : MambaLM
     keep_logits : bool
-    prefill_chunk : int or None
+    prefill_chunk : int, 'auto' or None
     max_rows : int or None
     session_cache : bool or 'auto'
     session_cache_budget : int or None
@@ -130,8 +135,16 @@ class Batcher:
                  session_cache_budget=None):
         self.model = model
         self.keep_logits = bool(keep_logits)
-        self.prefill_chunk = None if prefill_chunk is None else \
-            _req.count(prefill_chunk, "prefill_chunk", 1)
+        self._pacer = None
+        if prefill_chunk is None:
+            self.prefill_chunk = None
+        elif isinstance(prefill_chunk, str):
+            if prefill_chunk != "auto":
+                raise ValueError(f"prefill_chunk must be an int >= 1, 'auto' or None, "
+                                 f"got {prefill_chunk!r}")
+            self.prefill_chunk, self._pacer = "auto", PrefillPacer()
+        else:
+            self.prefill_chunk = _req.count(prefill_chunk, "prefill_chunk", 1)
         self.max_rows = None if max_rows is None else _req.count(max_rows, "max_rows", 1)
         cache_bytes = _req.count(prefix_cache_bytes, "prefix_cache_bytes", 0)
         if not (isinstance(session_cache, bool) or session_cache == "auto"):
@@ -232,8 +245,14 @@ class Batcher:
         self._last_x = None  # this step's decode outputs (row i: request i)
         if self._cancels:
             self._retire_cancelled()
+        t1 = time.perf_counter()
         rows = self._decode()
+        t2 = time.perf_counter()
+        prompt_tokens = self._stats.prompt_tokens
         first = self._prefill()
+        if self._pacer is not None and rows:
+            self._pacer.observe(self._stats.prompt_tokens - prompt_tokens,
+                                time.perf_counter() - t2, t2 - t1)
         out = self._choose(rows + first)
         self._regroup([r for r, _, _ in first])
         st = self._stats
@@ -330,6 +349,8 @@ class Batcher:
         whose prompt is complete."""
         m = self.model
         budget = self.prefill_chunk
+        if self._pacer is not None:
+            budget = self._pacer.budget(bool(self._rows.requests))
         cache = self.prefix_cache
         complete = []
         st = self._stats

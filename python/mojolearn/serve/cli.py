@@ -28,9 +28,10 @@ def _parser():
                     help="requests waiting for a row; beyond, 503 with Retry-After")
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=1024, help="tokens generated per request")
-    ap.add_argument("--prefill-chunk", type=int, default=256,
+    ap.add_argument("--prefill-chunk", type=_chunk, default="auto",
                     help="prompt tokens prefilled per step, so that a long prompt does not "
-                    "stall the running streams (0: each prompt whole in one step)")
+                    "stall the running streams ('auto': sized as the engine runs so that a "
+                    "step's prefill takes about 1.5x its decode; 0: each prompt whole)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256,
                     help="MiB of prefix states kept for reuse (0: no cache)")
     ap.add_argument("--download", action="store_true",
@@ -72,9 +73,14 @@ def _draining_server_class():
     return DrainingServer
 
 
+def _chunk(text: str):
+    """--prefill-chunk: 'auto' or an int (checked by _check)."""
+    return text if text == "auto" else int(text)
+
+
 def _check(args):
-    if args.prefill_chunk < 0:
-        raise ValueError(f"--prefill-chunk must be >= 0, got {args.prefill_chunk}")
+    if args.prefill_chunk != "auto" and args.prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be 'auto' or >= 0, got {args.prefill_chunk}")
     for name in ("max_rows", "max_queue", "max_prompt_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
