@@ -161,7 +161,7 @@ def run_level(port, n, args, rng):
         for (t1, _), (t2, k) in zip(ev, ev[1:]):
             gap = (t2 - t1) / k
             itl.append(gap)
-            if a <= t2 <= b:
+            if t2 >= a and t1 <= b:  # the gap overlaps the long prompt's prefill
                 itl_join.append(gap)
     tokens = sum(k for _, ev in results for _, k in ev)
     med = pct(itl, 50)
