@@ -35,7 +35,7 @@ def test_kind_names_and_aliases():
 def test_entries_agree_with_the_blocks(fam):
     block = fam.block_class
     shapes = fam.weight_shapes(64)
-    assert set(shapes) == set(block._WEIGHT_ORDER)
+    assert set(shapes) == set(block._runner.spec.weight_order)
     assert fam.input_norm in shapes
     assert fam.state_class.__name__ == block.__name__.replace("Block", "State")
     assert fam.session_class.__name__ == block.__name__.replace("Block", "DecodeSession")

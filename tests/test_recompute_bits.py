@@ -86,11 +86,11 @@ class Ran:
 
 
 def _backward(blk, x, g, probe):
-    return Ran(blk, blk._BWD_OP, lambda: blk.backward(x, g), probe)
+    return Ran(blk, blk._runner.spec.backward_op, lambda: blk.backward(x, g), probe)
 
 
 def _forward(blk, x, probe, state=None):
-    return Ran(blk, blk._FWD_OP, lambda: blk.forward(x, state), probe)
+    return Ran(blk, blk._runner.spec.forward_op, lambda: blk.forward(x, state), probe)
 
 
 def _head(x, n):

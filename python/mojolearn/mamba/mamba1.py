@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import _abi, _intake
 from ._base import _MambaBase, weight_views
+from ._runner import BlockSpec, Runner
 from ._state import StateBase
 from .sessions import Mamba1DecodeSession
 
@@ -76,6 +77,46 @@ _WEIGHT_ORDER = ("norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias"
                  "out_proj.weight")
 
 
+def _state_shapes(block, b):
+    return {"conv_window": (b, block.d_inner, D_CONV), "h": (b, block.d_inner, D_STATE)}
+
+
+def _state_views(block, state, batch, check_finite=True):
+    """(conv_window, h) views of a Mamba1State validated for batch rows (None:
+    the state's own); check_finite False skips the finiteness checks."""
+    block._check_state(state)
+    views = block._state_arrays(state, ndim=True)
+    cw, h = views.values()
+    b = cw.shape[0] if batch is None else batch
+    if cw.shape[0] != b or h.shape[0] != b:
+        raise ValueError(f"batch mismatch: x has B={b}, state.conv_window has "
+                         f"{cw.shape[0]} rows and state.h {h.shape[0]}")
+    block._check_state_shapes(views, b)
+    if check_finite:
+        _intake.check_finite(block._lib, cw)
+        _intake.check_finite(block._lib, h)
+    _intake.refuse_overlap((cw, h))
+    return cw, h
+
+
+def _launch(block, xv, y, b, l, state, sv, lens, kind):
+    cw, h = sv if sv is not None else (None, None)
+    args = _abi.op_spec(block._lib, _abi.OP_M1_FORWARD).pack(
+        b=b, l=l, d=block.d_model, x=xv, y=y, blob=block._blob, conv_window=cw, h=h,
+        lengths=lens[1])
+    block._runner.run(block, args)
+    if state is not None:
+        state.absolute_position += l
+
+
+_SPEC = BlockSpec(
+    state_class=Mamba1State, forward_op=_abi.OP_M1_FORWARD, prepare_op=_abi.OP_M1_PREPARE,
+    backward_op=_abi.OP_M1_BACKWARD, weight_order=_WEIGHT_ORDER,
+    projections=("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight"),
+    state_shapes=_state_shapes, state_views=_state_views, launch=_launch,
+    ragged_state=True)  # a ragged forward leaves each row's state at its length
+
+
 class Mamba1Block(_MambaBase):
     """One Mamba-1 block: RMSNorm, selective-scan mixer and residual.
 
@@ -137,13 +178,7 @@ class Mamba1Block(_MambaBase):
     >>> y_next = block.step(x[:, -1], state)
     """
 
-    _packed_names = ("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight")
-    _STATE_CLASS = Mamba1State
-    _FWD_OP = _abi.OP_M1_FORWARD
-    _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M1_PREPARE, _WEIGHT_ORDER
-    _BWD_OP = _abi.OP_M1_BACKWARD
-    _BWD_STATE = True  # backward takes state, grad_state and lengths
-    _RAGGED_STATE = True  # a ragged forward leaves each row's state at its length
+    _runner = Runner(_SPEC)
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
@@ -163,25 +198,10 @@ class Mamba1Block(_MambaBase):
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba1State:
         """Return a zero Mamba1State for batch_size sequences."""
-        return self._allocate(batch_size)
+        return self._runner.allocate(self, batch_size)
 
-    def _state_shapes(self, b):
-        return {"conv_window": (b, self.d_inner, D_CONV), "h": (b, self.d_inner, D_STATE)}
-
-    def _state_views(self, state, batch, check_finite=True):
-        self._check_state(state)
-        views = self._state_arrays(state, ndim=True)
-        cw, h = views.values()
-        b = cw.shape[0] if batch is None else batch
-        if cw.shape[0] != b or h.shape[0] != b:
-            raise ValueError(f"batch mismatch: x has B={b}, state.conv_window has "
-                             f"{cw.shape[0]} rows and state.h {h.shape[0]}")
-        self._check_state_shapes(views, b)
-        if check_finite:
-            _intake.check_finite(self._lib, cw)
-            _intake.check_finite(self._lib, h)
-        _intake.refuse_overlap((cw, h))
-        return cw, h
+    _state_shapes = _state_shapes
+    _state_views = _state_views
 
     # -- compute ------------------------------------------------------------
     def forward(self, x, state=None, *, lengths=None):
@@ -204,7 +224,7 @@ class Mamba1Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, L, d_model)
         """
-        return self._forward(x, state, lengths)
+        return self._runner.forward(self, x, state, lengths)
 
     def step(self, x, state):
         """Run one decode token: forward at L = 1 with the state carried.
@@ -218,14 +238,7 @@ class Mamba1Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, 1, d_model)
         """
-        return self._step(x, state)
-
-    def _launch(self, xv, y, b, l, state, sv, lens, kind):
-        cw, h = sv if sv is not None else (None, None)
-        self._run(self._fwd_spec().pack(b=b, l=l, d=self.d_model, x=xv, y=y, blob=self._blob,
-                                        conv_window=cw, h=h, lengths=lens[1]))
-        if state is not None:
-            state.absolute_position += l
+        return self._runner.step(self, x, state)
 
     def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         """Gradients of ``forward(x, state)`` (a vector-Jacobian product).
@@ -268,7 +281,7 @@ class Mamba1Block(_MambaBase):
             grad_state also 'state.conv_window' (B, d_inner, 4) and 'state.h'
             (B, d_inner, 16), the gradients of the start state.
         """
-        return self._backward(x, grad_output, state, grad_state, lengths)
+        return self._runner.backward(self, x, grad_output, state, grad_state, lengths)
 
     def decode_session(self, state):
         """Open a Mamba1DecodeSession for fast token-by-token decoding."""
