@@ -26,7 +26,7 @@ def test_kind_names_and_aliases():
     assert [f.kind for f in FAMILIES] == ["mamba", "mamba2", "mamba3"]
     assert family("mamba1") is family("mamba")
     assert family("mamba1").block_class is mojolearn.Mamba1Block
-    for bad in ("Mamba", "mamba4", None, 1):
+    for bad in ("Mamba", "mamba0", None, 1):
         with raises_naming(ValueError, "kind", "mamba1"):
             family(bad)
 
@@ -95,3 +95,21 @@ def test_reference_is_reachable_from_the_registry():
     assert set(w) == set(fam.weight_shapes(32))
     assert callable(fam.reference_forward)
     assert families.by_ssm_layer("Mamba3") is family("mamba3")
+
+
+def test_public_class_names_come_from_the_registry():
+    """mojolearn and mojolearn.mamba export each family's block, its
+    forward-only block, state and decode session, read from the registry
+    (a new family's classes are exported by its entry alone)."""
+    names = families.exported_classes()
+    assert len(names) == 4 * len(FAMILIES)
+    for fam in FAMILIES:
+        for cls in (fam.block_class, fam.state_class, fam.session_class):
+            assert getattr(mojolearn, cls.__name__) is cls
+            assert getattr(mojolearn.mamba, cls.__name__) is cls
+        inference = getattr(mojolearn, fam.block_class.__name__ + "Inference")
+        assert issubclass(inference, fam.block_class)
+    assert set(names) <= set(mojolearn.__all__)
+    assert set(names) == set(mojolearn.mamba.__all__)
+    with pytest.raises(AttributeError):  # control: a name no family has
+        mojolearn.mamba.Mamba0Block
