@@ -9,37 +9,22 @@ import pytest
 
 import mojolearn
 from mojolearn.families import FAMILIES
+from tests.native_calls import watching_runs
 
 # Block.forward, Runner.forward, the family's launch, Runner.run
 MAX_FRAMES = 4
-
-
-class _Recorder:
-    """The block's binary, recording the Python stack at each run()."""
-
-    def __init__(self, lib):
-        self.lib, self.stacks = lib, []
-
-    def __getattr__(self, name):
-        return getattr(self.lib, name)
-
-    def run(self, *args):
-        self.stacks.append(len(inspect.stack(0)) - 1)  # the frames above this one
-        return self.lib.run(*args)
 
 
 def frames_to_native(block, call):
     """Python frames from call()'s callee to the frame that calls the
     binary's run (the forward op: the last run of the call)."""
     base = len(inspect.stack(0))
-    rec = _Recorder(block._lib)
-    block._lib = rec
-    try:
+    stacks = []
+    # the frames above on_run and the watching binary's run
+    with watching_runs(block, lambda op, args: stacks.append(len(inspect.stack(0)) - 2)):
         call()
-    finally:
-        block._lib = rec.lib
-    assert rec.stacks, "the call never reached the binary"
-    return rec.stacks[-1] - base - 1  # less the call lambda itself
+    assert stacks, "the call never reached the binary"
+    return stacks[-1] - base - 1  # less the call lambda itself
 
 
 @pytest.fixture(params=[f.kind for f in FAMILIES])

@@ -129,6 +129,10 @@ class Runner:
         spec.launch(block, xv, y, b, 1, state, sv, (None, 0), "step")
         return y
 
+    def forward_slots(self, block):
+        """The forward op's OpSpec (its slots by name) in the block's binary."""
+        return _abi.op_spec(block._lib, self.spec.forward_op)
+
     def run(self, block, args, op=None):
         """Run op (default: the forward op) with the calling thread's
         workspace in its work slot; a workspace over the spec's

@@ -101,7 +101,7 @@ def _state_views(block, state, batch, check_finite=True):
 
 def _launch(block, xv, y, b, l, state, sv, lens, kind):
     cw, h = sv if sv is not None else (None, None)
-    args = _abi.op_spec(block._lib, _abi.OP_M1_FORWARD).pack(
+    args = block._runner.forward_slots(block).pack(
         b=b, l=l, d=block.d_model, x=xv, y=y, blob=block._blob, conv_window=cw, h=h,
         lengths=lens[1])
     block._runner.run(block, args)

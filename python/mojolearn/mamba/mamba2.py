@@ -343,7 +343,7 @@ class Mamba2Block(_MambaBase):
 
     def _args(self, b, l, x_addr, y_addr, sv, s, lens_addr, hlast_addr, save):
         named = dict(zip(Mamba2State._ARRAYS, sv)) if sv is not None else {}
-        return _abi.op_spec(self._lib, _abi.OP_M2_FORWARD).pack(
+        return self._runner.forward_slots(self).pack(
             named, b=b, l=l, d=self.d_model, x=x_addr, y=y_addr, blob=self._blob,
             buffered_tokens=s, lengths=lens_addr, h_last=hlast_addr, save=1 if save else 0)
 

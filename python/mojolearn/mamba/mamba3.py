@@ -404,7 +404,7 @@ class Mamba3Block(_MambaBase):
         named = {n: views[n] for n in _STATE_BUFFERS}
         if reports:
             named.update({f"report:{k}": v for k, v in reports.items()})
-        return _abi.op_spec(self._lib, _abi.OP_M3_FORWARD).pack(
+        return self._runner.forward_slots(self).pack(
             named, b=b, l=l, d=self.d_model, x=xaddr, y=yaddr, blob=self._blob,
             lengths=lens_addr, buffered_tokens=nb, pending=1 if pending else 0, mode=mode)
 

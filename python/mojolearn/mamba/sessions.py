@@ -38,7 +38,7 @@ class DecodeSessionBase:
         self._state = state
         self._b = b
         self._d = block.d_model
-        self._spec = _abi.op_spec(self._lib, self._op)  # the forward op's slots by name
+        self._spec = block._runner.forward_slots(block)  # the forward op's slots by name
         self._x_slot, self._y_slot = self._spec.slot("x"), self._spec.slot("y")
 
     _thread_work = False  # the op's workspace is the calling thread's (scratch only)
