@@ -113,3 +113,18 @@ def test_public_class_names_come_from_the_registry():
     assert set(names) == set(mojolearn.mamba.__all__)
     with pytest.raises(AttributeError):  # control: a name no family has
         mojolearn.mamba.Mamba0Block
+
+
+def test_torch_exports_each_family_module_named_by_the_registry(monkeypatch):
+    """mojolearn.torch lists every family's module, and one that lives in a
+    module of its own (a new family's) resolves through the registry."""
+    import dataclasses
+    pytest.importorskip("torch")
+    import mojolearn.torch as mt
+    assert mt.__all__ == [f.torch_module.rpartition(".")[2] for f in FAMILIES]
+    elsewhere = dataclasses.replace(family("mamba2"),
+                                    torch_module="mojolearn.torch.modules.Mamba2")
+    monkeypatch.setitem(mt._BY_NAME, "Mamba2Elsewhere", elsewhere)
+    assert mt.Mamba2Elsewhere is mt.Mamba2
+    with pytest.raises(AttributeError):  # control: no family names it
+        mt.Mamba0

@@ -211,8 +211,11 @@ class _MambaModule(torch.nn.Module):
 
     @classmethod
     def _advance(cls, values, tokens) -> dict:
-        """The state's plain values after a forward of `tokens` tokens."""
-        return {}
+        """The state's plain values after a forward of `tokens` tokens: its
+        chunk position, where the block's state has one."""
+        after = cls._BLOCK._runner.spec.position_after
+        return {} if after is None else {"buffered_tokens": after(values["buffered_tokens"],
+                                                                  tokens)}
 
     def step(self, x, state):
         """One decode token: forward at L = 1 with the state carried (x of
@@ -338,11 +341,6 @@ class Mamba2(_MambaModule):
         if d < 32 or d % 32:
             raise ValueError(f"Mamba-2 needs d_model a positive multiple of 32, got {d}")
 
-    @classmethod
-    def _advance(cls, values, tokens):
-        after = cls._BLOCK._runner.spec.position_after
-        return {"buffered_tokens": after(values["buffered_tokens"], tokens)}
-
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes
         d, di, h, cd = self.d_model, s["norm.weight"][0], s["D"][0], s["conv1d.bias"][0]
@@ -406,9 +404,7 @@ class Mamba3(_MambaModule):
     @classmethod
     def _advance(cls, values, tokens):
         # the input states (pending) are consumed by the first token
-        after = cls._BLOCK._runner.spec.position_after
-        return {"buffered_tokens": after(values["buffered_tokens"], tokens),
-                "pending": False}
+        return dict(super()._advance(values, tokens), pending=False)
 
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes
