@@ -1,6 +1,10 @@
 """Mamba-1: Mamba1Block, Mamba1BlockInference and Mamba1State."""
 from __future__ import annotations
 
+import math
+import numbers
+import struct
+
 from .. import _abi, _intake
 from ._base import _MambaBase, weight_views
 from ._runner import BlockSpec, Runner
@@ -25,6 +29,30 @@ def mamba1_weight_shapes(d: int) -> dict:
         "D": (di,),
         "out_proj.weight": (d, di),
     }
+
+
+def check_bcdt_rms_eps(eps):
+    """The B/C/dt norms' eps as a Python float, or None (no norms).
+    TypeError for a non-number, ValueError for one that is not finite and
+    positive in float32 (the kernels use float32(eps))."""
+    if eps is None:
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"bcdt_rms_eps must be None or a positive number, got "
+                        f"{type(eps).__name__} {eps!r}")
+    v = float(eps)
+    if not math.isfinite(v) or v <= 0 or _f32(v) == 0.0 or math.isinf(_f32(v)):
+        raise ValueError(f"bcdt_rms_eps must be a finite number > 0 that float32 can hold, "
+                         f"got {eps!r}")
+    return v
+
+
+def _f32(v: float) -> float:
+    """v rounded to float32 (inf beyond its range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:
+        return math.inf
 
 
 class Mamba1State(StateBase):
@@ -109,11 +137,20 @@ def _launch(block, xv, y, b, l, state, sv, lens, kind):
         state.absolute_position += l
 
 
+def _prepare_scalars(block) -> dict:
+    # recorded in the prepared blob: every op on it (forward, step,
+    # sessions, backward) reads the option from there
+    eps = block.bcdt_rms_eps
+    bits = 0 if eps is None else struct.unpack("<i", struct.pack("<f", eps))[0]
+    return {"bcdt_eps_bits": bits}
+
+
 _SPEC = BlockSpec(
     state_class=Mamba1State, forward_op=_abi.OP_M1_FORWARD, prepare_op=_abi.OP_M1_PREPARE,
     backward_op=_abi.OP_M1_BACKWARD, weight_order=_WEIGHT_ORDER,
     projections=("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight"),
     state_shapes=_state_shapes, state_views=_state_views, launch=_launch,
+    prepare_scalars=_prepare_scalars,
     ragged_state=True)  # a ragged forward leaves each row's state at its length
 
 
@@ -126,6 +163,9 @@ class Mamba1Block(_MambaBase):
 
     Fixed by the block: d_state 16, d_conv 4, expand 2, dt_rank
     ceil(d_model / 16), convolution bias on, projection bias off, SiLU.
+    With ``bcdt_rms_eps`` it is the Falcon-Mamba block (Hugging Face's
+    ``FalconMambaBlock``): the same weights, and x_proj's dt, B and C
+    outputs each go through a weightless RMS norm before use.
 
     Parameters
     ----------
@@ -145,6 +185,13 @@ class Mamba1Block(_MambaBase):
         - ``A_log`` (2d, 16)
         - ``D`` (2d,)
         - ``out_proj.weight`` (d, 2d)
+    bcdt_rms_eps : float or None, default None
+        None: plain Mamba-1 (the bits of a block built without it). A
+        number > 0: Falcon-Mamba's norms, ``v / sqrt(mean(v^2) + eps)``
+        over each of dt (R values), B (16) and C (16) of every token, with
+        this eps rounded to float32 (transformers' ``mixer_rms_eps``,
+        1e-6 in the published Falcon-Mamba configs). The norms have no
+        weights.
     numeric_mode : {'identical', 'fast'}, default 'identical'
         'identical': every output bit is a pure function of the inputs (any
         thread count, batch composition, prefill or decode).
@@ -159,6 +206,8 @@ class Mamba1Block(_MambaBase):
         Rank of the dt projection, ceil(d_model / 16).
     weight_format : str
         Format the weights were given in ('float32', 'bfloat16' or 'int8').
+    bcdt_rms_eps : float or None
+        The B/C/dt norms' eps as given (None: no such norms).
 
     Notes
     -----
@@ -179,8 +228,10 @@ class Mamba1Block(_MambaBase):
     """
 
     _runner = Runner(_SPEC)
+    _param_names = ("weights", "numeric_mode", "bcdt_rms_eps")
 
-    def __init__(self, weights, *, numeric_mode: str = "identical"):
+    def __init__(self, weights, *, bcdt_rms_eps=None, numeric_mode: str = "identical"):
+        self.bcdt_rms_eps = check_bcdt_rms_eps(bcdt_rms_eps)
         self._setup_common(numeric_mode)
         if not hasattr(weights, "keys") or "norm.weight" not in weights:
             weight_views(weights, mamba1_weight_shapes(1), self._lib)  # names the problem
@@ -194,6 +245,12 @@ class Mamba1Block(_MambaBase):
         self.d_inner = 2 * d
         self.dt_rank = -(-d // 16)
         self._blob = self._make_blob(prep)
+
+    def get_params(self, deep: bool = True) -> dict:
+        """Constructor parameters: weights (copies), numeric_mode, bcdt_rms_eps."""
+        p = super().get_params(deep)
+        p["bcdt_rms_eps"] = self.bcdt_rms_eps
+        return p
 
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba1State:
