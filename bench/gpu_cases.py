@@ -12,7 +12,9 @@ forward from a state and a backward from a state with final-state
 cotangents and ragged rows; Mamba-2 a backward from a state with an open
 chunk and final-state cotangents, and a ragged one), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
-backward), and whole language models (bench/lm_cases.py). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
+backward), and whole language models (bench/lm_cases.py); last, the block
+options (VARIANTS: Falcon-Mamba's B/C/dt norms), through the same shape,
+packed and batch-8 cases under their own names. Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
 256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
 
 Users: tests/test_cpu_variants.py (every CPU binary against the file),
@@ -61,6 +63,15 @@ PACKED = [(1, 64, 2, 20), (2, 64, 2, 20), (3, 64, 2, 20)]
 BATCH8 = [(1, 64), (2, 64), (3, 64)]
 B8_PREFILL, B8_STEPS = 5, 3
 
+# Block options, each with its own cases (names "m<kind>-<variant> ..."),
+# appended after every case above so that the older names keep their order:
+# variant -> (kind, constructor options, shapes, packed, batch8).
+VARIANTS = {
+    "falcon": (1, {"bcdt_rms_eps": 1e-6},
+               [(1, 40, 2, 30, [30, 9]), (1, 64, 3, 100, [100, 37, 1])],
+               [(1, 64, 2, 20)], [(1, 64)]),
+}
+
 MATH_FUNCTIONS = 15  # math_eval.mojo MATH_EVAL_COUNT: exp, ..., mod2pi, sincos's sin, cos
 
 # Negative control (--perturb): every element of every block input x and
@@ -98,9 +109,17 @@ def _bytes(a) -> bytes:
     return np.ascontiguousarray(np.asarray(a)).tobytes()
 
 
-def block_for(mojolearn, kind: int, d: int):
+def _options(variant) -> dict:
+    return {} if variant is None else VARIANTS[variant][1]
+
+
+def _tag(kind, variant) -> str:
+    return f"m{kind}" if variant is None else f"m{kind}-{variant}"
+
+
+def block_for(mojolearn, kind: int, d: int, variant=None):
     cls = {1: mojolearn.Mamba1Block, 2: mojolearn.Mamba2Block, 3: mojolearn.Mamba3Block}[kind]
-    return cls(_weights(kind, d))
+    return cls(_weights(kind, d), **_options(variant))
 
 
 # State fields in a fixed order; ints/bools are hashed as "name=value".
@@ -131,12 +150,12 @@ def _reports(kind, block) -> bytes:
     return b""
 
 
-def _shape_cases(mojolearn, kind, d, b, l, lengths):
+def _shape_cases(mojolearn, kind, d, b, l, lengths, variant=None):
     """(name, bytes) of one shape, in a fixed order."""
     import numpy as np
-    block = block_for(mojolearn, kind, d)
+    block = block_for(mojolearn, kind, d, variant)
     x = _input(b, l, d, seed=7)
-    tag = f"m{kind} d{d} B{b} L{l}"
+    tag = f"{_tag(kind, variant)} d{d} B{b} L{l}"
     yield f"{tag} forward", _bytes(block.forward(x))
     if kind != 1:
         yield f"{tag} forward state", _reports(kind, block)
@@ -223,23 +242,23 @@ def _session_bytes(block, kind, x, b, l, **kw) -> bytes:
     return b"".join(ys) + _state_bytes(kind, state)
 
 
-def run_case(mojolearn, kind, d, b, l, lengths) -> dict:
+def run_case(mojolearn, kind, d, b, l, lengths, variant=None) -> dict:
     """Output bytes of one shape: forward (+ reports), prefill + decode steps
     and the states, a continued split prefill, ragged rows, a decode
     session, Mamba-3's input states, backward (every gradient)."""
-    return dict(_shape_cases(mojolearn, kind, d, b, l, lengths))
+    return dict(_shape_cases(mojolearn, kind, d, b, l, lengths, variant))
 
 
-def _packed_cases(mojolearn, kind, d, b, l):
+def _packed_cases(mojolearn, kind, d, b, l, variant=None):
     import numpy as np
     cls = {1: mojolearn.Mamba1Block, 2: mojolearn.Mamba2Block, 3: mojolearn.Mamba3Block}[kind]
     x = _input(b, l, d, seed=9)
     for fmt in ("bfloat16", "int8"):
-        tag = f"m{kind} d{d} B{b} L{l} {fmt}"
+        tag = f"{_tag(kind, variant)} d{d} B{b} L{l} {fmt}"
         # the codes (OP_LOWBIT_PACK), read back from the blob (OP_PANELS_EXTRACT)
         # and expanded (OP_LOWBIT_UNPACK)
         packed = mojolearn.lowbit.pack(_weights(kind, d), fmt)
-        block = cls(packed)
+        block = cls(packed, **_options(variant))
         back = block.get_params()["weights"]
         parts = []
         for n in sorted(packed):
@@ -260,16 +279,16 @@ def _packed_cases(mojolearn, kind, d, b, l):
         yield f"{tag} backward", b"".join(_bytes(np.asarray(grads[k])) for k in sorted(grads))
 
 
-def run_packed(mojolearn, kind, d, b, l) -> dict:
+def run_packed(mojolearn, kind, d, b, l, variant=None) -> dict:
     """A block built on bfloat16 and int8 packed weights (the blob keeps them
     packed; the GEMM widens them on load): its codes, forward, decode and
     backward."""
-    return dict(_packed_cases(mojolearn, kind, d, b, l))
+    return dict(_packed_cases(mojolearn, kind, d, b, l, variant))
 
 
-def _batch8_cases(mojolearn, kind, d):
+def _batch8_cases(mojolearn, kind, d, variant=None):
     import numpy as np
-    block = block_for(mojolearn, kind, d)
+    block = block_for(mojolearn, kind, d, variant)
     x = _input(8, B8_PREFILL + B8_STEPS, d, seed=12)
     for via in ("steps", "session"):
         state = block.allocate_state(8)
@@ -281,7 +300,7 @@ def _batch8_cases(mojolearn, kind, d):
         else:
             with block.decode_session(state) as s:
                 ys += [_bytes(s.step(np.ascontiguousarray(x[:, t]))) for t in steps]
-        yield f"m{kind} d{d} B8 {via}", b"".join(ys) + _state_bytes(kind, state)
+        yield f"{_tag(kind, variant)} d{d} B8 {via}", b"".join(ys) + _state_bytes(kind, state)
 
 
 def _math_input():
@@ -355,6 +374,14 @@ def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8, lm=True):
     if lm:
         from bench.lm_cases import lm_cases
         yield from lm_cases(mojolearn, perturb=_PERTURB)
+    for variant, (kind, _opts, v_shapes, v_packed, v_batch8) in VARIANTS.items():
+        for s in v_shapes:
+            assert s[0] == kind
+            yield from _shape_cases(mojolearn, *s, variant=variant)
+        for s in v_batch8:
+            yield from _batch8_cases(mojolearn, *s, variant=variant)
+        for s in v_packed:
+            yield from _packed_cases(mojolearn, *s, variant=variant)
 
 
 def run_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8) -> dict:

@@ -26,7 +26,7 @@ def test_kind_names_and_aliases():
     assert [f.kind for f in FAMILIES] == ["mamba", "mamba2", "mamba3"]
     assert family("mamba1") is family("mamba")
     assert family("mamba1").block_class is mojolearn.Mamba1Block
-    for bad in ("Mamba", "mamba4", None, 1):
+    for bad in ("Mamba", "mamba0", None, 1):
         with raises_naming(ValueError, "kind", "mamba1"):
             family(bad)
 
@@ -35,7 +35,7 @@ def test_kind_names_and_aliases():
 def test_entries_agree_with_the_blocks(fam):
     block = fam.block_class
     shapes = fam.weight_shapes(64)
-    assert set(shapes) == set(block._WEIGHT_ORDER)
+    assert set(shapes) == set(block._runner.spec.weight_order)
     assert fam.input_norm in shapes
     assert fam.state_class.__name__ == block.__name__.replace("Block", "State")
     assert fam.session_class.__name__ == block.__name__.replace("Block", "DecodeSession")
@@ -95,3 +95,36 @@ def test_reference_is_reachable_from_the_registry():
     assert set(w) == set(fam.weight_shapes(32))
     assert callable(fam.reference_forward)
     assert families.by_ssm_layer("Mamba3") is family("mamba3")
+
+
+def test_public_class_names_come_from_the_registry():
+    """mojolearn and mojolearn.mamba export each family's block, its
+    forward-only block, state and decode session, read from the registry
+    (a new family's classes are exported by its entry alone)."""
+    names = families.exported_classes()
+    assert len(names) == 4 * len(FAMILIES)
+    for fam in FAMILIES:
+        for cls in (fam.block_class, fam.state_class, fam.session_class):
+            assert getattr(mojolearn, cls.__name__) is cls
+            assert getattr(mojolearn.mamba, cls.__name__) is cls
+        inference = getattr(mojolearn, fam.block_class.__name__ + "Inference")
+        assert issubclass(inference, fam.block_class)
+    assert set(names) <= set(mojolearn.__all__)
+    assert set(names) == set(mojolearn.mamba.__all__)
+    with pytest.raises(AttributeError):  # control: a name no family has
+        mojolearn.mamba.Mamba0Block
+
+
+def test_torch_exports_each_family_module_named_by_the_registry(monkeypatch):
+    """mojolearn.torch lists every family's module, and one that lives in a
+    module of its own (a new family's) resolves through the registry."""
+    import dataclasses
+    pytest.importorskip("torch")
+    import mojolearn.torch as mt
+    assert mt.__all__ == [f.torch_module.rpartition(".")[2] for f in FAMILIES]
+    elsewhere = dataclasses.replace(family("mamba2"),
+                                    torch_module="mojolearn.torch.modules.Mamba2")
+    monkeypatch.setitem(mt._BY_NAME, "Mamba2Elsewhere", elsewhere)
+    assert mt.Mamba2Elsewhere is mt.Mamba2
+    with pytest.raises(AttributeError):  # control: no family names it
+        mt.Mamba0

@@ -75,7 +75,7 @@ def test_n_layers_rescales_out_proj_only():
 
 
 @pytest.mark.parametrize("args, names", [
-    (("mamba4", 64), ["kind", "mamba4"]),
+    (("mamba0", 64), ["kind", "mamba0"]),
     (("mamba2", 48), ["d_model", "48"]),
     (("mamba1", 0), ["d_model", "0"]),
 ])

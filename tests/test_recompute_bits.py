@@ -25,6 +25,7 @@ from mojolearn.reference.weights import (
     mamba1_weights, mamba2_weights, mamba3_weights, random_input,
 )
 from tests.bits import assert_same_bits, assert_bits_differ, nudge
+from tests.native_calls import watching_runs
 
 # probe.mojo's activation ids
 (PR_TOKENS, PR_XN, PR_HG, PR_U, PR_DBC, PR_DL, PR_YG, PR_WIN, PR_H, PR_DA, PR_CB,
@@ -41,33 +42,15 @@ def probe():
     return fn
 
 
-class _Recorder:
-    """A block's library that records the (op, args) of each run."""
-
-    def __init__(self, lib):
-        self._lib = lib
-        self.calls = []
-
-    def run(self, op, args):
-        self.calls.append((op, list(args)))
-        return self._lib.run(op, args)
-
-    def __getattr__(self, name):
-        return getattr(self._lib, name)
-
-
 class Ran:
     """One op run through the public API: its workspace bytes afterwards and
     the offsets of its activations (probe.mojo)."""
 
     def __init__(self, blk, op, call, probe):
-        rec = _Recorder(blk._lib)
-        blk._lib = rec
-        try:
+        calls = []
+        with watching_runs(blk, lambda o, args: calls.append((o, list(args)))):
             call()
-        finally:
-            blk._lib = rec._lib
-        runs = [args for o, args in rec.calls if o == op]
+        runs = [args for o, args in calls if o == op]
         assert len(runs) == 1, f"op {op} ran {len(runs)} times"
         self.args = (ctypes.c_int64 * len(runs[0]))(*runs[0])
         self.op, self.probe = op, probe
@@ -86,11 +69,11 @@ class Ran:
 
 
 def _backward(blk, x, g, probe):
-    return Ran(blk, blk._BWD_OP, lambda: blk.backward(x, g), probe)
+    return Ran(blk, blk._runner.spec.backward_op, lambda: blk.backward(x, g), probe)
 
 
 def _forward(blk, x, probe, state=None):
-    return Ran(blk, blk._FWD_OP, lambda: blk.forward(x, state), probe)
+    return Ran(blk, blk._runner.spec.forward_op, lambda: blk.forward(x, state), probe)
 
 
 def _head(x, n):

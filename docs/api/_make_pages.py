@@ -8,14 +8,13 @@ import inspect
 import os
 
 import mojolearn
+from mojolearn.families import FAMILIES, exported_classes, kinds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CLASSES = ["Array",
-           "Mamba1Block", "Mamba1BlockInference", "Mamba1State", "Mamba1DecodeSession",
-           "Mamba2Block", "Mamba2BlockInference", "Mamba2State", "Mamba2DecodeSession",
-           "Mamba3Block", "Mamba3BlockInference", "Mamba3State", "Mamba3DecodeSession",
-           "MambaLM"]
+# every family's block, forward-only block, state and decode session come
+# from the family registry
+CLASSES = ["Array"] + list(exported_classes()) + ["MambaLM"]
 FUNCTIONS = ["load_checkpoint", "read_safetensors", "set_num_threads", "get_num_threads",
              "vendor_used", "numeric_mode_used"]
 EXCEPTIONS = ["BinaryNotFoundError"]
@@ -40,14 +39,19 @@ def public_members(cls):
 # each page gives them the weights of its block (docs/conf.py builds them).
 # The class docstring's example makes them in plain sight (init_weights); the
 # setup repeats that for the pages' other examples (methods read top to bottom).
-SETUP = {"Mamba1": ("mamba1", "Mamba1Block"), "Mamba2": ("mamba2", "Mamba2Block"),
-         "Mamba3": ("mamba3", "Mamba3Block")}
+# {class name prefix ('Mamba2'): (kind spelling, block class name)}
+SETUP = {}
+for _f in FAMILIES:
+    _prefix = _f.block.rpartition(".")[2][:-len("Block")]
+    SETUP[_prefix] = (_prefix.lower() if _prefix.lower() in kinds() else _f.kind,
+                      f"{_prefix}Block")
 
 
 def testsetup(name):
-    if name[:6] not in SETUP:
+    prefix = next((p for p in SETUP if name.startswith(p)), None)
+    if prefix is None:
         return []
-    kind, block = SETUP[name[:6]]
+    kind, block = SETUP[prefix]
     return [".. testsetup::", "", f"   weights = mojolearn.init_weights({kind!r}, 32, seed=0)",
             f"   block = mojolearn.{block}(weights)",
             "   x = random_input(2, 16, 32, seed=1)", ""]

@@ -2,8 +2,10 @@
 
 Canonical order for a row v of n values with weight w:
     s = 0; for j in 0..n-1: s = fma(v_j, v_j, s)      (sequential)
-    r = 1 / sqrt(s / n + 1e-5)                          (own sqrt, exact div)
+    r = 1 / sqrt(s / n + eps)                           (own sqrt, exact div)
     out_j = w_j * (v_j * r)
+The weightless form (Falcon-Mamba's norms of B, C and dt, with their own
+eps) is out_j = v_j * r: the weighted one at w = 1, bit for bit.
 """
 from .abi import F32Ptr
 from .numerics import sqrt_f32
@@ -12,7 +14,8 @@ comptime RMS_EPS: Float32 = 1e-5
 
 
 @always_inline
-def rms_scales[R: Int](v: F32Ptr, stride: Int, n: Int) -> SIMD[DType.float32, R]:
+def rms_scales[R: Int](v: F32Ptr, stride: Int, n: Int,
+                       eps: Float32 = RMS_EPS) -> SIMD[DType.float32, R]:
     """Lane r = 1 / sqrt(mean(row_r^2) + eps) of the rows v + r * stride, in
     the canonical order: each row is one sequential chain; R rows' chains
     advance side by side, which hides the fma latency one chain alone is
@@ -24,7 +27,7 @@ def rms_scales[R: Int](v: F32Ptr, stride: Int, n: Int) -> SIMD[DType.float32, R]
             vj[r] = v[unsafe_offset=r * stride + j]
         s = vj.fma(vj, s)
     var ms = s / SIMD[DType.float32, R](Float32(n))
-    return SIMD[DType.float32, R](1.0) / sqrt_f32[R](ms + SIMD[DType.float32, R](RMS_EPS))
+    return SIMD[DType.float32, R](1.0) / sqrt_f32[R](ms + SIMD[DType.float32, R](eps))
 
 
 @always_inline
@@ -40,9 +43,9 @@ def rms_scales_of[R: Int](v: F32Ptr, stride: Int, n: Int, count: Int) -> SIMD[DT
 
 
 @always_inline
-def rms_scale(v: F32Ptr, n: Int) -> Float32:
+def rms_scale(v: F32Ptr, n: Int, eps: Float32 = RMS_EPS) -> Float32:
     """1 / sqrt(mean(v^2) + eps), in the canonical order (one row of rms_scales)."""
-    return rms_scales[1](v, 0, n)[0]
+    return rms_scales[1](v, 0, n, eps)[0]
 
 
 def scale_row(v: F32Ptr, n: Int, r: Float32, w: F32Ptr, dst: F32Ptr):
@@ -85,3 +88,24 @@ def rmsnorm_row_vjp[ADD_G: Bool](v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr, g: 
         else:
             dv[unsafe_offset=j] = t
         pw[unsafe_offset=j] = gxn * (vj * rs)
+
+
+def rmsnorm_plain_row(v: F32Ptr, n: Int, eps: Float32, dst: F32Ptr):
+    """dst = v * r, r = rms_scale(v, n, eps): the weightless norm (dst may
+    be v: each element is read before it is written)."""
+    var r = rms_scale(v, n, eps)
+    for j in range(n):
+        dst[unsafe_offset=j] = v[unsafe_offset=j] * r
+
+
+def rmsnorm_plain_vjp(v: F32Ptr, n: Int, eps: Float32, dout: F32Ptr, dv: F32Ptr):
+    """VJP of rmsnorm_plain_row (rmsnorm_row_vjp's formula at w = 1; dv may
+    be dout): dot = fma chain over j of dout_j v_j from +0.0;
+    coef = (dot ((r r) r)) / n; dv_j = fma(-v_j, coef, r dout_j)."""
+    var rs = rms_scale(v, n, eps)
+    var dot: Float32 = 0.0
+    for j in range(n):
+        dot = dout[unsafe_offset=j].fma(v[unsafe_offset=j], dot)
+    var coef = (dot * ((rs * rs) * rs)) / Float32(n)
+    for j in range(n):
+        dv[unsafe_offset=j] = (-v[unsafe_offset=j]).fma(coef, rs * dout[unsafe_offset=j])

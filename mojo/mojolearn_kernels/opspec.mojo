@@ -197,6 +197,7 @@ def _m1_prepare[S: SlotSink](mut s: S):
     s.slot("exp:x_proj.weight", m1.PREP_X_EXP, K_I32, BUF_IN, 0)
     s.slot("exp:dt_proj.weight", m1.PREP_DT_EXP, K_I32, BUF_IN, 0)
     s.slot("exp:out_proj.weight", m1.PREP_OUT_EXP, K_I32, BUF_IN, 0)
+    _int(s, "bcdt_eps_bits", m1.PREP_BCDT_EPS)
 
 
 def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):

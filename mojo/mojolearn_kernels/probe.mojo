@@ -9,11 +9,13 @@ No op calls this.
 """
 from .abi import (
     I64Ptr, OP_M1_FORWARD, OP_M1_BACKWARD, OP_M2_FORWARD, OP_M2_BACKWARD,
-    OP_M3_FORWARD, OP_M3_BACKWARD, arg_int,
+    OP_M3_FORWARD, OP_M3_BACKWARD, arg_int, arg_f32,
 )
-from .mamba1.forward import M1Dims, M1Work, forward_dims as m1_forward_dims
+from .mamba1.forward import M1Work, forward_dims as m1_forward_dims, dims_of_blob as m1_dims_of_blob
 from .mamba1.forward import FWD_B as M1_FWD_B, FWD_L as M1_FWD_L
-from .mamba1.backward_layout import BWork, BW_B as M1_BW_B, BW_L as M1_BW_L, BW_D as M1_BW_D
+from .mamba1.backward_layout import (
+    BWork, BW_B as M1_BW_B, BW_L as M1_BW_L, BW_D as M1_BW_D, BW_BLOB as M1_BW_BLOB,
+)
 from .mamba2.layout import M2Call
 from .mamba2.backward_layout import BW2
 from .mamba3.layout import M3Dims, M3Work
@@ -51,7 +53,8 @@ def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
             return wk.tc
         return _pick(which, -1, wk.o_hg, wk.o_u, wk.o_dbc, wk.o_dl, wk.o_yg, wk.o_win, wk.o_ht)
     if op == OP_M1_BACKWARD:
-        var bw = BWork(M1Dims(arg_int(args, M1_BW_D)), arg_int(args, M1_BW_B),
+        var bw = BWork(m1_dims_of_blob(arg_int(args, M1_BW_D), arg_f32(args, M1_BW_BLOB)),
+                       arg_int(args, M1_BW_B),
                        arg_int(args, M1_BW_L))
         if which == PR_TOKENS:
             return bw.tc

@@ -33,6 +33,10 @@ def pow2_f32(e: Int) -> Float32:
 
 comptime O_FORMAT = 0  # blob word holding the weight format
 comptime O_SECTIONS = 1  # blob words 1 + i: float offset of projection i
+# The last header word: a block option the prepare op records, so every op
+# on the blob sees the same value (Mamba-1: the float32 eps of the B/C/dt
+# norms, +0.0 for none). Zero in every blob that has no option.
+comptime O_OPTION = 15
 
 # OP_PANELS_EXTRACT slots
 comptime EX_BLOB = 0  # a prepared blob (any weight format)
@@ -59,6 +63,19 @@ def set_blob_format(blob: F32Ptr, wf: Int):
 
 def set_blob_section(blob: F32Ptr, i: Int, offset: Int):
     _set_word(blob, O_SECTIONS + i, offset)
+
+
+def set_blob_option(blob: F32Ptr, bits: Int):
+    """Record the block option (its 32 bits) in the header."""
+    _set_word(blob, O_OPTION, bits)
+
+
+def blob_option_f32(blob: F32Ptr) -> Float32:
+    """The block option a prepare op recorded, as a float32 (+0.0 for a
+    null blob or none)."""
+    if Int(blob) == 0:
+        return 0.0
+    return blob[unsafe_offset=O_OPTION]
 
 
 def blob_format(blob: F32Ptr) -> Int:

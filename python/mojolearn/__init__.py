@@ -7,22 +7,12 @@ results against (it needs NumPy, imported only when a reference is used).
 """
 from importlib import import_module
 
+from .families import exported_classes as _exported_classes
+
 __version__ = "0.1.0"
 
 _LAZY = {
     "Array": "._array",
-    "Mamba1Block": ".mamba",
-    "Mamba1BlockInference": ".mamba",
-    "Mamba1State": ".mamba",
-    "Mamba1DecodeSession": ".mamba",
-    "Mamba2Block": ".mamba",
-    "Mamba2BlockInference": ".mamba",
-    "Mamba2State": ".mamba",
-    "Mamba2DecodeSession": ".mamba",
-    "Mamba3DecodeSession": ".mamba",
-    "Mamba3Block": ".mamba",
-    "Mamba3BlockInference": ".mamba",
-    "Mamba3State": ".mamba",
     "mamba": None,
     "set_num_threads": "._loader",
     "get_num_threads": "._loader",
@@ -41,6 +31,9 @@ _LAZY = {
     "generate": None,          # generation and continuous batching over a MambaLM
     "read_safetensors": ".checkpoints",
 }
+# every family's block, forward-only block, state and decode session (from
+# the family registry, which imports nothing), through mojolearn.mamba
+_LAZY.update(dict.fromkeys(_exported_classes(), ".mamba"))
 
 # mojolearn.torch stays out of __all__: `from mojolearn import *` must not import PyTorch.
 __all__ = sorted(n for n in _LAZY if n != "torch") + ["__version__"]

@@ -271,6 +271,19 @@ def family(kind, argument: str = "kind") -> Family:
     return f
 
 
+def exported_classes() -> dict:
+    """{public class name: dotted module} of every family's block, its
+    forward-only ``<Block>Inference``, state and decode session: the names
+    ``mojolearn`` and ``mojolearn.mamba`` export (imported when first used)."""
+    out = {}
+    for f in FAMILIES:
+        for path, extra in ((f.block, ("Inference",)), (f.state, ()), (f.session, ())):
+            module, _, name = path.rpartition(".")
+            for n in (name,) + tuple(name + e for e in extra):
+                out[n] = module
+    return out
+
+
 def by_model_type(model_type):
     """The Family whose transformers model_type this is, or None."""
     return next((f for f in FAMILIES if f.model_type == model_type), None)

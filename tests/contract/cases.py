@@ -44,11 +44,15 @@ class Case:
     restored state moves the continuation's bits (elsewhere a small change
     is needed: one ulp of h rounds away);
     batch_words(name, rows): how a batch-mismatch message names state.<name>
-    having `rows` rows.
+    having `rows` rows; options: constructor options every block of the
+    case is built with (the Falcon-Mamba variant of Mamba-1: bcdt_rms_eps),
+    named in the case's label.
     """
 
-    def __init__(self, name, **fields):
+    def __init__(self, name, options=None, **fields):
         self.name = name
+        self.options = dict(options or {})
+        self.label = name + "".join(f"[{k}={v}]" for k, v in self.options.items())
         self.__dict__.update(fields)
         self.block_kind = f"mamba{self.kind}"
         self.inference = name.endswith("Inference")
@@ -56,17 +60,21 @@ class Case:
         self.session_name = f"Mamba{self.kind}DecodeSession"
 
     def __repr__(self):
-        return self.name
+        return self.label
+
+    def _with_options(self, cls):
+        return functools.partial(cls, **self.options) if self.options else cls
 
     @property
     def cls(self):
-        return getattr(mojolearn, self.name)
+        """The block class (with the case's options bound)."""
+        return self._with_options(getattr(mojolearn, self.name))
 
     @property
     def sibling(self):
-        """The other class of the pair (Block <-> BlockInference)."""
+        """The other class of the pair (Block <-> BlockInference), options bound."""
         other = self.name[:-len("Inference")] if self.inference else self.name + "Inference"
-        return getattr(mojolearn, other)
+        return self._with_options(getattr(mojolearn, other))
 
     def weights(self, seed=3, d=None):
         return self.maker(d or self.d, seed=seed)
@@ -125,8 +133,10 @@ _M3_BUFFERS = ("buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt", "buffer_si
 
 _KINDS = [
     dict(kind=1, maker=mamba1_weights, d=20, chunk=32, norm="norm.weight", small_d=8,
-         attrs=("d_model", "d_inner", "dt_rank", "weight_format", "numeric_mode"),
-         params={"weights", "numeric_mode"}, reports=(), buffers=(), unread=(), inert=(),
+         attrs=("d_model", "d_inner", "dt_rank", "weight_format", "numeric_mode",
+                "bcdt_rms_eps"),
+         params={"weights", "numeric_mode", "bcdt_rms_eps"}, reports=(), buffers=(), unread=(),
+         inert=(),
          position=None, ulp_moves=(),
          batch_words=lambda name, rows: (f"state.conv_window has {rows} rows"
                                          if name == "conv_window" else f"state.h {rows}")),
@@ -147,6 +157,10 @@ _KINDS = [
 
 CASES = [Case(f"Mamba{k['kind']}{suffix}", **k) for k in _KINDS
          for suffix in ("Block", "BlockInference")]
+# Falcon-Mamba: Mamba-1 with the weightless norms of dt, B and C (its own
+# kernel stage and backward stage), through every contract.
+CASES[2:2] = [Case(f"Mamba1{suffix}", options={"bcdt_rms_eps": 1e-6}, **_KINDS[0])
+              for suffix in ("Block", "BlockInference")]
 
 
 # ------------------------------------------------------------ helpers

@@ -4,7 +4,7 @@ import pytest
 from tests.contract.cases import CASES
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.label)
 def case(request):
     """One of the six block classes (tests/contract/cases.py)."""
     yield request.param

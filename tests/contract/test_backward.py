@@ -20,7 +20,7 @@ from tests.errors import assert_not_names
 TRAINABLE = [c for c in CASES if not c.inference]
 
 
-@pytest.fixture(scope="module", params=TRAINABLE, ids=lambda c: c.name)
+@pytest.fixture(scope="module", params=TRAINABLE, ids=lambda c: c.label)
 def case(request):
     """One of the three trainable block classes (overrides conftest's six)."""
     yield request.param
@@ -137,7 +137,7 @@ def test_thread_count_does_not_change_bits(case, threads, shape):
         assert_same_grads(case, grad_arrays(blk.backward(x, g)), ref, f"{n} threads vs 1")
     nudged = grad_arrays(blk.backward(x, nudge(g, index=g.size - 1)))
     assert_bits_differ(nudged["x"], ref["x"], "nudged grad_output")
-    assert_reordered_backward_differs(type(blk), case.weights(seed=21), x, g, case.block_kind,
+    assert_reordered_backward_differs(case.cls, case.weights(seed=21), x, g, case.block_kind,
                                       ref)
 
 

@@ -29,7 +29,7 @@ __all__ = ["build", "load", "check_finite", "NonFiniteTensorError", "OWN_INIT"]
 
 #: Methods that initialise a mixer's S4D parameters (transformers' ``_init_weights``
 #: calls them for every mixer of a whole model).
-OWN_INIT = ("init_mamba_weights", "init_mamba2_weights")
+OWN_INIT = ("init_mamba_weights", "init_mamba2_weights", "init_falcon_mamba_weights")
 
 _EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
 

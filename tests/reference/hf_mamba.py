@@ -66,7 +66,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformers import DynamicCache, Mamba2Config, MambaConfig
+from transformers import DynamicCache, FalconMambaConfig, Mamba2Config, MambaConfig
+from transformers.models.falcon_mamba import modeling_falcon_mamba as _hf_fm
 from transformers.models.mamba import modeling_mamba as _hf_m1
 from transformers.models.mamba2 import modeling_mamba2 as _hf_m2
 
@@ -224,15 +225,20 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- Mamba-1
-def _mamba1_config(d: int, residual_in_fp32: bool) -> MambaConfig:
-    return MambaConfig(
+def _mamba1_config(d: int, residual_in_fp32: bool, bcdt_eps=None):
+    # bcdt_eps: Falcon-Mamba (FalconMambaConfig: the mixer's weightless RMS
+    # norms of B, C and dt, with eps mixer_rms_eps)
+    common = dict(
         hidden_size=d, state_size=16, expand=2, conv_kernel=4, time_step_rank=math.ceil(d / 16),
         use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5, hidden_act="silu",
         use_mambapy=False, use_associative_scan=False, residual_in_fp32=residual_in_fp32,
         num_hidden_layers=1)
+    if bcdt_eps is None:
+        return MambaConfig(**common)
+    return FalconMambaConfig(mixer_rms_eps=float(bcdt_eps), **common)
 
 
-def _mamba1_block(weights: dict, residual_in_fp32: bool):
+def _mamba1_block(weights: dict, residual_in_fp32: bool, bcdt_eps=None):
     names = ("norm.weight",) + _M1_MIXER_NAMES
     _check_names(weights, names)
     d = int(np.asarray(weights["norm.weight"]).shape[0])
@@ -243,16 +249,23 @@ def _mamba1_block(weights: dict, residual_in_fp32: bool):
     state = {("norm.weight" if k == "norm.weight" else f"mixer.{k}"): _as64(weights[k], k, s)
              for k, s in shapes.items()}
     state["mixer.conv1d.weight"] = _conv_weight(weights["conv1d.weight"], di)
-    cfg = _mamba1_config(d, residual_in_fp32)
-    block = build(_hf_m1.MambaBlock, cfg, layer_idx=0, seed=0).to(torch.float64).eval()
+    cfg = _mamba1_config(d, residual_in_fp32, bcdt_eps)
+    cls = _hf_m1.MambaBlock if bcdt_eps is None else _hf_fm.FalconMambaBlock
+    block = build(cls, cfg, layer_idx=0, seed=0).to(torch.float64).eval()
     block.load_state_dict(state, strict=True)
+    if bcdt_eps is not None:
+        mixer = block.mixer
+        assert mixer.rms_eps == bcdt_eps and mixer.b_layernorm.eps == bcdt_eps
     for p in block.parameters():
         assert p.dtype == torch.float64
     return block, cfg, d, di
 
 
-def mamba1_reference(weights: dict, x, conv_state=None, ssm_state=None, *, _neutralise: bool = True):
-    """transformers' ``MambaBlock.forward`` in verified float64.
+def mamba1_reference(weights: dict, x, conv_state=None, ssm_state=None, *, bcdt_rms_eps=None,
+                     _neutralise: bool = True):
+    """transformers' ``MambaBlock.forward`` in verified float64 (with
+    ``bcdt_rms_eps``: ``FalconMambaBlock.forward``, whose mixer applies
+    weightless RMS norms with that eps to dt, B and C after x_proj).
 
     Parameters
     ----------
@@ -288,7 +301,9 @@ def mamba1_reference(weights: dict, x, conv_state=None, ssm_state=None, *, _neut
       (``causal_conv1d_update`` + ``mamba_selective_state_update``).
     """
     neutral = bool(_neutralise)
-    block, cfg, d, di = _mamba1_block(weights, residual_in_fp32=not neutral)
+    block, cfg, d, di = _mamba1_block(weights, residual_in_fp32=not neutral,
+                                      bcdt_eps=bcdt_rms_eps)
+    module, name = (_hf_m1, "MambaBlock") if bcdt_rms_eps is None else (_hf_fm, "FalconMambaBlock")
     x64 = _x64(x, d)
     B, L, _ = x64.shape
     carried = conv_state is not None or ssm_state is not None
@@ -297,7 +312,7 @@ def mamba1_reference(weights: dict, x, conv_state=None, ssm_state=None, *, _neut
             else torch.zeros(B, di, 4, dtype=torch.float64)
         ss = _as64(ssm_state, "ssm_state", (B, di, 16)) if ssm_state is not None \
             else torch.zeros(B, di, 16, dtype=torch.float64)
-    with _float64_run("MambaBlock", _hf_m1, _M1_KERNEL_NAMES, neutral) as report:
+    with _float64_run(name, module, _M1_KERNEL_NAMES, neutral) as report:
         cache = DynamicCache(config=cfg)
         if not carried:
             report["path"] = "prefill"

@@ -22,9 +22,14 @@ import torch.nn.functional as F
 STATE = ("conv_window", "h")
 
 
-def forward(W: dict, x, conv_window, h, lengths=None):
+def _plain_rmsnorm(v, eps):
+    return v * torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
+
+
+def forward(W: dict, x, conv_window, h, lengths=None, bcdt_rms_eps=None):
     """(y (B, L, d), final conv window (B, di, 4), final h (B, di, 16)),
-    float64 torch tensors; W: {name: float64 tensor}. Padded outputs are 0."""
+    float64 torch tensors; W: {name: float64 tensor}. Padded outputs are 0.
+    bcdt_rms_eps: Falcon-Mamba's weightless norms of dt, B and C (None: none)."""
     b, l, d = x.shape
     di, r, n = 2 * d, math.ceil(d / 16), 16
     conv_w = W["conv1d.weight"].reshape(di, 4)
@@ -40,6 +45,8 @@ def forward(W: dict, x, conv_window, h, lengths=None):
         u = F.silu((nwin * conv_w).sum(2) + W["conv1d.bias"])
         xdbl = u @ W["x_proj.weight"].T
         dtr, bv, cv = xdbl[:, :r], xdbl[:, r:r + n], xdbl[:, r + n:]
+        if bcdt_rms_eps is not None:
+            dtr, bv, cv = (_plain_rmsnorm(v, bcdt_rms_eps) for v in (dtr, bv, cv))
         delta = F.softplus(dtr @ W["dt_proj.weight"].T + W["dt_proj.bias"])  # threshold 20
         nh = (torch.exp(delta[:, :, None] * a) * hs
               + (delta[:, :, None] * bv[:, None, :]) * u[:, :, None])
@@ -52,7 +59,8 @@ def forward(W: dict, x, conv_window, h, lengths=None):
     return torch.stack(ys, 1), win, hs
 
 
-def grads(weights: dict, x, g, conv_window, h, g_conv_window, g_h, lengths=None) -> dict:
+def grads(weights: dict, x, g, conv_window, h, g_conv_window, g_h, lengths=None,
+          bcdt_rms_eps=None) -> dict:
     """Autograd of sum(y * g) + sum(final window * g_conv_window) +
     sum(final h * g_h), all float64: {'x', each weight, 'state.conv_window',
     'state.h'} as NumPy arrays (weights in their given shapes)."""
@@ -61,7 +69,7 @@ def grads(weights: dict, x, g, conv_window, h, g_conv_window, g_h, lengths=None)
     W = {k: leaf(v) for k, v in weights.items()}
     xs, cw, hh = leaf(x), leaf(conv_window), leaf(h)
     with torch.enable_grad():
-        y, wf, hf = forward(W, xs, cw, hh, lengths)
+        y, wf, hf = forward(W, xs, cw, hh, lengths, bcdt_rms_eps)
         loss = ((y * torch.as_tensor(np.asarray(g, np.float64))).sum()
                 + (wf * torch.as_tensor(np.asarray(g_conv_window, np.float64))).sum()
                 + (hf * torch.as_tensor(np.asarray(g_h, np.float64))).sum())

@@ -42,18 +42,18 @@ from ..weight_panels import blob_format
 from ..linear_grad import gemm_ntasks, gemm_task
 from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
-from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK
+from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK, dims_of_blob
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
 from .backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_W_IN, BW_W_X, BW_W_DT, BW_W_OUT,
     BW_G_NORM, BW_G_IN, BW_G_X, BW_G_DT, BW_G_ALOG, BW_G_OUT, LANES, ROWS_PER_TASK,
-    CH_PER_TASK, F_NORM, NF, B_OUT, B_SCAN, B_RED, B_XPROJ, B_CONV, B_INPROJ, B_NORM,
+    CH_PER_TASK, F_NORM, NF, B_OUT, B_SCAN, B_RED, B_BCDT, B_XPROJ, B_CONV, B_INPROJ, B_NORM,
     B_NORMW, NB, BWork, BW_CONV_WINDOW, BW_H, BW_GS_CONV, BW_GS_H, BW_LENGTHS,
     BW_G_CONV0, BW_G_H0, row_length,
 )
 from .backward_stages import (
     scan_backward, reduce_bc, column_sums, conv_backward, window_cotangent,
-    norm_backward,
+    norm_backward, bcdt_backward,
 )
 
 
@@ -74,6 +74,8 @@ def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int) -> Int:
     if stage == B_RED:
         return (ceil_div(rows, ROWS_PER_TASK) + matmul_ntasks(rows, dims.r)
                 + gemm_ntasks(di, dims.r) + wk.nblk)
+    if stage == B_BCDT:
+        return 0 if dims.bcdt_eps == 0.0 else ceil_div(rows, ROWS_PER_TASK)
     if stage == B_XPROJ:
         return matmul_ntasks(rows, di) + gemm_ntasks(dims.nx, di)
     if stage == B_CONV:
@@ -88,7 +90,7 @@ def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int) -> Int:
 def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
     if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
         return -3  # backward reads float32 panels; blocks on packed weights expand them
-    var dims = M1Dims(arg_int(args, BW_D))
+    var dims = dims_of_blob(arg_int(args, BW_D), arg_f32(args, BW_BLOB))
     var b = arg_int(args, BW_B)
     var wk = BWork(dims, b, arg_int(args, BW_L))
     if phase == PLAN_WORKSPACE:
@@ -119,7 +121,7 @@ def _wants_state_grads(args: I64Ptr) -> Bool:
 
 
 def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
-    var dims = M1Dims(arg_int(args, BW_D))
+    var dims = dims_of_blob(arg_int(args, BW_D), arg_f32(args, BW_BLOB))
     var b = arg_int(args, BW_B)
     var wk = BWork(dims, b, arg_int(args, BW_L))
     var work = arg_f32(args, BW_WORK)
@@ -229,6 +231,7 @@ def _forward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         m1_stage[RUN_A](dims, arg_f32(args, BW_BLOB), ch, stage, task)
         return
     ch.pre = work.unsafe_offset(wk.o_pre)
+    ch.dbc_raw = work.unsafe_offset(wk.o_dbcr)
     ch.v = work.unsafe_offset(wk.o_v)
     ch.y = work.unsafe_offset(wk.o_y)
     ch.hs = work.unsafe_offset(wk.o_hs)
@@ -291,6 +294,8 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
                           arg_f32(args, BW_G_DT), r_, di, r_, True)
         else:
             column_sums(args, dims, wk, work, nc, task - n1 - n2 - n3)
+    elif stage == B_BCDT:
+        bcdt_backward(dims, wk, work, nc, task)
     elif stage == B_XPROJ:
         var n1 = matmul_ntasks(rows, di)
         if task < n1:  # dpre = (du + ddbc @ W_x) * silu'(pre)

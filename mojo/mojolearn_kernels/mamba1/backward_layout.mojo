@@ -58,18 +58,20 @@ comptime F_NORM = 0
 comptime F_INPROJ = 1
 comptime F_CONV = 2
 comptime F_XPROJ = 3
-comptime F_DTPROJ = 4
-comptime F_SCAN = 5
-comptime NF = 6
-comptime B_OUT = 6  # dyg = g @ W_out; dW_out
-comptime B_SCAN = 7  # selective scan VJP
-comptime B_RED = 8  # dB/dC partials -> ddbc; ddtr; dW_dt; d dt_bias, dD, dA
-comptime B_XPROJ = 9  # du += ddbc @ W_x, dpre; dW_x
-comptime B_CONV = 10  # dhid; dconv weight and bias
-comptime B_INPROJ = 11  # dxn = dhg @ W_in; dW_in
-comptime B_NORM = 12  # dx; norm weight contributions
-comptime B_NORMW = 13  # d norm.weight
-comptime NB = 14
+comptime F_BCDT = 4  # the B/C/dt norms (when the block has them)
+comptime F_DTPROJ = 5
+comptime F_SCAN = 6
+comptime NF = 7
+comptime B_OUT = 7  # dyg = g @ W_out; dW_out
+comptime B_SCAN = 8  # selective scan VJP
+comptime B_RED = 9  # dB/dC partials -> ddbc; ddtr; dW_dt; d dt_bias, dD, dA
+comptime B_BCDT = 10  # ddbc through the B/C/dt norms, in place (when the block has them)
+comptime B_XPROJ = 11  # du += ddbc @ W_x, dpre; dW_x
+comptime B_CONV = 12  # dhid; dconv weight and bias
+comptime B_INPROJ = 13  # dxn = dhg @ W_in; dW_in
+comptime B_NORM = 14  # dx; norm weight contributions
+comptime B_NORMW = 15  # d norm.weight
+comptime NB = 16
 
 
 struct BWork(ImplicitlyCopyable):
@@ -89,6 +91,7 @@ struct BWork(ImplicitlyCopyable):
     var o_pre: Int  # (rows, di) conv output before SiLU
     var o_u: Int
     var o_dbc: Int  # (rows, nx)
+    var o_dbcr: Int  # (rows, nx) dbc before the B/C/dt norms (none without them)
     var o_v: Int  # (rows, di) softplus input
     var o_dl: Int
     var o_y: Int
@@ -140,6 +143,9 @@ struct BWork(ImplicitlyCopyable):
         o += round_up(rows * di, ALIGN_FLOATS)
         self.o_dbc = o
         o += round_up(rows * dims.nx, ALIGN_FLOATS)
+        self.o_dbcr = o
+        if dims.bcdt_eps != 0.0:
+            o += round_up(rows * dims.nx, ALIGN_FLOATS)
         self.o_v = o
         o += round_up(rows * di, ALIGN_FLOATS)
         self.o_dl = o

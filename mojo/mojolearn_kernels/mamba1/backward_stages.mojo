@@ -6,7 +6,7 @@ and docs/backward.md, "Mamba-1").
 from std.collections import Array
 from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32
 from ..lane_tree import tree16  # the one fixed 16-lane halving tree
-from ..norms import rmsnorm_row_vjp
+from ..norms import rmsnorm_row_vjp, rmsnorm_plain_vjp
 from ..numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
 from ..lanes import ld16, st16
 from .forward import M1Dims, NSTATE, KCONV
@@ -122,6 +122,25 @@ def reduce_bc(dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int, task: Int):
             for qb in range(1, wk.nblk):
                 acc = acc + part[unsafe_offset=base + qb * 2 * NSTATE + kk]
             ddbc[unsafe_offset=r * nx + dims.r + kk] = acc
+
+
+def bcdt_backward(dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int, task: Int):
+    """ddbc through the B/C/dt norms, in place: each row's dtr, B and C
+    segments get rmsnorm_plain_vjp of their values before the norms (kept
+    by pass B's forward stage)."""
+    var nx = dims.nx
+    var r0 = task * ROWS_PER_TASK
+    var raw = work.unsafe_offset(wk.o_dbcr)
+    var ddbc = work.unsafe_offset(wk.o_ddbc)
+    for r in range(r0, min(wk.b * nc, r0 + ROWS_PER_TASK)):
+        var o = r * nx
+        rmsnorm_plain_vjp(raw.unsafe_offset(o), dims.r, dims.bcdt_eps,
+                          ddbc.unsafe_offset(o), ddbc.unsafe_offset(o))
+        rmsnorm_plain_vjp(raw.unsafe_offset(o + dims.r), NSTATE, dims.bcdt_eps,
+                          ddbc.unsafe_offset(o + dims.r), ddbc.unsafe_offset(o + dims.r))
+        rmsnorm_plain_vjp(raw.unsafe_offset(o + dims.r + NSTATE), NSTATE, dims.bcdt_eps,
+                          ddbc.unsafe_offset(o + dims.r + NSTATE),
+                          ddbc.unsafe_offset(o + dims.r + NSTATE))
 
 
 def column_sums(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, nc: Int,

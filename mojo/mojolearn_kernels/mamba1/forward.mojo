@@ -7,6 +7,9 @@ batch, the chunking of tokens into workspace rows, or the thread split:
     hg  = in_proj @ xn          [hid | gate]      (linear.mojo)
     u   = silu(conv(hid))                          (conv.mojo)
     dbc = x_proj @ u            [dtr | B | C]
+    (optional, Falcon-Mamba) dtr, B, C each = v * r, r = 1 / sqrt(mean(v^2)
+        + eps): the weightless RMS norm (norms.mojo) with the eps the
+        prepare op records in the blob (+0.0: no norms, the stage is empty)
     dl  = softplus(dt_proj @ dtr + dt_bias)
     per channel c, state n = 0..15 (sequential):
         h_n = fma(exp(dl * A_n), h_n, (dl * B_n) * u)
@@ -26,6 +29,7 @@ from ..abi import (
 from ..linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
+    set_blob_option, blob_option_f32,
 )
 from ..numerics import exp_f32
 from ..lanes import copy_floats, transpose_in, transpose_out
@@ -52,6 +56,7 @@ comptime PREP_IN_EXP = 13  # int8: int32 exponents, one per row
 comptime PREP_X_EXP = 14
 comptime PREP_DT_EXP = 15
 comptime PREP_OUT_EXP = 16
+comptime PREP_BCDT_EPS = 17  # float32 bits of the B/C/dt norms' eps; 0: no norms
 
 # OP_M1_FORWARD argument slots.
 comptime FWD_B = 0
@@ -77,10 +82,11 @@ comptime ST_NORM = 0
 comptime ST_INPROJ = 1
 comptime ST_CONV = 2
 comptime ST_XPROJ = 3
-comptime ST_DTPROJ = 4
-comptime ST_SCAN = 5
-comptime ST_OUTPROJ = 6
-comptime NSTAGES = 7
+comptime ST_BCDT = 4  # the B/C/dt norms (no tasks when the block has none)
+comptime ST_DTPROJ = 5
+comptime ST_SCAN = 6
+comptime ST_OUTPROJ = 7
+comptime NSTAGES = 8
 
 comptime NORM_ROWS_PER_TASK = 16
 comptime CONV_CHANNELS_PER_TASK = 64
@@ -106,9 +112,11 @@ struct M1Dims(ImplicitlyCopyable):
     var o_out: Int
     var blob: Int  # floats
     var wf: Int  # format of the projection panels (linear.WF_*)
+    var bcdt_eps: Float32  # eps of the B/C/dt norms; +0.0: none (read from the blob)
 
     def __init__(out self, d: Int, wf: Int = WF_F32):
         self.d = d
+        self.bcdt_eps = 0.0
         self.di = 2 * d
         self.r = ceil_div(d, 16)
         self.nx = self.r + 2 * NSTATE
@@ -227,6 +235,7 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
                 blob[unsafe_offset=dims.o_convw + k * di + c] = cw[unsafe_offset=c * KCONV + k]
     else:
         set_blob_format(blob, wf)
+        set_blob_option(blob, arg_int(args, PREP_BCDT_EPS))
         set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
         set_blob_section(blob, 1, dims.o_x)
         set_blob_section(blob, 2, dims.o_dt)
@@ -240,9 +249,16 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
 # ---------------------------------------------------------------- forward
 
 
+def dims_of_blob(d: Int, blob: F32Ptr) -> M1Dims:
+    """The block's sizes and blob layout, in the weight format and with the
+    B/C/dt norms' eps its blob records."""
+    var dims = M1Dims(d, blob_format(blob))
+    dims.bcdt_eps = blob_option_f32(blob)
+    return dims
+
+
 def forward_dims(args: I64Ptr) -> M1Dims:
-    """The block's sizes and blob layout, in the format its blob records."""
-    return M1Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
+    return dims_of_blob(arg_int(args, FWD_D), arg_f32(args, FWD_BLOB))
 
 
 def m1_forward_plan(args: I64Ptr, phase: Int) -> Int:

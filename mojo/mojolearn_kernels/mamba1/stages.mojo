@@ -19,12 +19,12 @@ next chunk start); it never changes an operation or its order.
 from std.collections import Array
 from ..abi import F32Ptr, I64Ptr, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
-from ..norms import rmsnorm_row
+from ..norms import rmsnorm_row, rmsnorm_plain_row
 from ..conv import conv_silu
 from ..lanes import LANES, LV, ld_lanes, st_lanes
 from ..numerics import exp_f32, exp_f32_in_range, EXP_FAST_LO, EXP_FAST_HI, softplus_f32, silu_f32
 from .forward import (
-    M1Dims, NSTATE, KCONV, ST_NORM, ST_INPROJ, ST_CONV, ST_XPROJ, ST_DTPROJ,
+    M1Dims, NSTATE, KCONV, ST_NORM, ST_INPROJ, ST_CONV, ST_XPROJ, ST_BCDT, ST_DTPROJ,
     NORM_ROWS_PER_TASK, CONV_CHANNELS_PER_TASK, SCAN_LANES,
 )
 
@@ -47,7 +47,7 @@ struct M1Chunk(ImplicitlyCopyable):
     var xn: F32Ptr  # (B nc, d)
     var hg: F32Ptr  # (B nc, 2 di) hidden | gate
     var u: F32Ptr  # (B nc, di)
-    var dbc: F32Ptr  # (B nc, nx) dt_raw | B | C
+    var dbc: F32Ptr  # (B nc, nx) dt_raw | B | C (normalised in place if the block norms them)
     var dl: F32Ptr  # (B nc, di) softplus(dt)
     var yg: F32Ptr  # (B nc, di)
     var win_in: F32Ptr  # (B, 4, di) conv window at the chunk start
@@ -55,6 +55,7 @@ struct M1Chunk(ImplicitlyCopyable):
     var h_in: F32Ptr  # (B, 16, di) SSM state at the chunk start
     var h_out: F32Ptr  # at its end (may be h_in); not RUN_B
     var pre: F32Ptr  # RUN_B: (B nc, di) conv output before the SiLU
+    var dbc_raw: F32Ptr  # RUN_B with B/C/dt norms: (B nc, nx) dbc before them
     var v: F32Ptr  # RUN_B: (B nc, di) softplus input
     var y: F32Ptr  # RUN_B: (B nc, di) scan output before the gate
     var hs: F32Ptr  # RUN_B: (B, nblk, hs_tokens, 16, 16) h after each token
@@ -80,6 +81,7 @@ struct M1Chunk(ImplicitlyCopyable):
         self.h_in = unused
         self.h_out = unused
         self.pre = unused
+        self.dbc_raw = unused
         self.v = unused
         self.y = unused
         self.hs = unused
@@ -106,6 +108,8 @@ def m1_stage_ntasks(dims: M1Dims, stage: Int, b: Int, nc: Int) -> Int:
         return ceil_div(dims.di, CONV_CHANNELS_PER_TASK)
     if stage == ST_XPROJ:
         return matmul_ntasks(rows, dims.nx)
+    if stage == ST_BCDT:
+        return 0 if dims.bcdt_eps == 0.0 else ceil_div(rows, NORM_ROWS_PER_TASK)
     if stage == ST_DTPROJ:
         return matmul_ntasks(rows, dims.di)
     return b * ceil_div(dims.di, SCAN_LANES)  # ST_SCAN
@@ -152,6 +156,19 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
     elif stage == ST_XPROJ:
         _ = matmul_task_wf(dims.wf, task, ch.u, di, rows, blob.unsafe_offset(dims.o_x), di,
                            dims.nx, ch.dbc, dims.nx)
+    elif stage == ST_BCDT:  # in place, each of dtr, B, C over its own row segment
+        var nx = dims.nx
+        var r0 = task * NORM_ROWS_PER_TASK
+        for r in range(r0, min(rows, r0 + NORM_ROWS_PER_TASK)):
+            var v = ch.dbc.unsafe_offset(r * nx)
+            comptime if RUN == RUN_B:  # the VJP needs the values before the norms
+                for j in range(nx):
+                    ch.dbc_raw[unsafe_offset=r * nx + j] = v[unsafe_offset=j]
+            rmsnorm_plain_row(v, dims.r, dims.bcdt_eps, v)
+            rmsnorm_plain_row(v.unsafe_offset(dims.r), NSTATE, dims.bcdt_eps,
+                              v.unsafe_offset(dims.r))
+            rmsnorm_plain_row(v.unsafe_offset(dims.r + NSTATE), NSTATE, dims.bcdt_eps,
+                              v.unsafe_offset(dims.r + NSTATE))
     elif stage == ST_DTPROJ:
         var raw = ch.v if RUN == RUN_B else ch.dl  # the dt_proj product, then
         var t = matmul_task_wf(dims.wf, task, ch.dbc, dims.nx, rows,

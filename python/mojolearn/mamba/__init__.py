@@ -22,13 +22,11 @@ Examples
 """
 from importlib import import_module
 
-_LAZY = {
-    "Mamba1Block": ".mamba1", "Mamba1BlockInference": ".mamba1", "Mamba1State": ".mamba1",
-    "Mamba2Block": ".mamba2", "Mamba2BlockInference": ".mamba2", "Mamba2State": ".mamba2",
-    "Mamba3Block": ".mamba3", "Mamba3BlockInference": ".mamba3", "Mamba3State": ".mamba3",
-    "Mamba1DecodeSession": ".sessions", "Mamba2DecodeSession": ".sessions",
-    "Mamba3DecodeSession": ".sessions",
-}
+from ..families import exported_classes
+
+# every family's block, forward-only block, state and decode session, by
+# the module that defines it (the family registry names them)
+_LAZY = exported_classes()
 
 __all__ = sorted(_LAZY)
 
@@ -36,7 +34,7 @@ __all__ = sorted(_LAZY)
 def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(f"module 'mojolearn.mamba' has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name], __name__), name)
+    value = getattr(import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 

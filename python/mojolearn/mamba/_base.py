@@ -1,7 +1,7 @@
-"""What every Mamba block shares: construction checks, numeric modes, the
-binary it runs on, params, the intake of x and lengths, and the sequence of
-forward, step, backward and allocate_state, driven by each block's
-description (class attributes and a few methods, listed in _MambaBase)."""
+"""What every Mamba block shares besides its runner (mamba/_runner.py):
+construction checks, numeric modes, the binary it runs on, the weights it
+keeps and their prepared blob, params, the intake of x and the state
+checks every family's state views use."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +9,6 @@ import threading
 from .. import _abi, _intake
 from .._loader import available_modes, describe, library
 from ._state import array_view, check_not_held
-from . import _grad_state
 
 NUMERIC_MODES = ("identical", "fast")
 
@@ -97,39 +96,20 @@ def workspace_floats(lib, op, args) -> int:
     return max(1, -(-lib.workspace_bytes(op, args) // 4))
 
 
-# The calling thread's workspace (_MambaBase._workspace).
+# The calling thread's workspace (_MambaBase._workspace, Runner.run).
 _THREAD_WORK = threading.local()
 
 
 class _MambaBase:
     """Shared behaviour of the Mamba block estimators.
 
-    A block describes itself with class attributes: ``_STATE_CLASS``; the
-    forward op ``_FWD_OP``; the prepare op ``_PREPARE_OP`` and the weight
-    names ``_WEIGHT_ORDER`` (the constructor's, and the gradients'); the
-    backward op ``_BWD_OP``, the
-    gradients it writes in full ``_BWD_WRITTEN``, whether it takes the
-    transposed panels ``_BWD_PANELS``, whether its backward takes a start
-    state, the final state's cotangents and ragged lengths ``_BWD_STATE``
-    (every block now; mojolearn.torch's dict states need it); whether forward takes lengths with a state
-    ``_RAGGED_STATE`` (each row's state is left at its length);
-    ``_KEEP_WORK_BYTES`` (forward and
-    backward workspaces over it are not kept; None: always kept). And with
-    methods: ``_state_shapes(b)`` ({array name: shape}, in the state's
-    ``_ARRAYS`` order), ``_state_views(state, batch)`` (the validated state,
-    in the block's form), ``_written_views(sv)`` (its arrays), and
-    ``_launch(...)`` (the op's arguments, the run and the state's advance).
+    A block class sets ``_runner``, a Runner made from its family's
+    BlockSpec (mamba/_runner.py): the ops, weight names, state class and
+    the family's own functions. Its public calls go to the runner.
     """
 
     _param_names: tuple = ("weights", "numeric_mode")
-    _STATE_CLASS = None
-    _FWD_OP = _PREPARE_OP = _BWD_OP = None
-    _WEIGHT_ORDER: tuple = ()
-    _BWD_WRITTEN: tuple = ()
-    _BWD_PANELS = False
-    _BWD_STATE = False
-    _RAGGED_STATE = False  # forward takes lengths with a state
-    _KEEP_WORK_BYTES = None
+    _runner = None
 
     def _setup_common(self, numeric_mode):
         self.numeric_mode = check_numeric_mode(numeric_mode)
@@ -145,8 +125,6 @@ class _MambaBase:
     # of its projections, and a packed block about 1/2 (bfloat16) or 1/4
     # (int8) of that, giving the bits of the block on unpack(weights). The
     # small weights (norms, biases, ...) are kept as float32 copies.
-    _packed_names: tuple = ()  # the projections (panels), in blob section order
-
     def _keep_weights(self, views) -> dict:
         """Keep private float32 copies of the small weights in self._weights;
         return the weights for the prepare op (the projections as given, or
@@ -161,14 +139,14 @@ class _MambaBase:
         prep = {}
         for name, v in views.items():
             p = views.packed.get(name)
-            if p is not None and name in self._packed_names:
+            if p is not None and name in self._runner.spec.projections:
                 self._packed_shapes[name] = p.shape
                 prep[name] = p
                 continue
             a = Array(v.shape, zero=False)
             copy_bytes(a, v.mv)
             prep[name] = a
-            if name in self._packed_names:
+            if name in self._runner.spec.projections:
                 self._packed_shapes[name] = tuple(v.shape)
             else:
                 self._weights[name] = a
@@ -187,7 +165,7 @@ class _MambaBase:
         if rows * cols:
             op = _abi.OP_PANELS_EXTRACT
             self._lib.run(op, _abi.op_spec(self._lib, op).pack(
-                blob=self._blob, section=self._packed_names.index(name), rows=rows,
+                blob=self._blob, section=self._runner.spec.projections.index(name), rows=rows,
                 cols=cols, dst=data, exponents=ex))
         return data if fmt == "float32" else PackedWeight._wrap(fmt, (rows, cols), data, ex)
 
@@ -196,22 +174,20 @@ class _MambaBase:
         packed in it)."""
         from .._array import Array
         fmt = "float32"
-        for n in self._packed_names:
+        for n in self._runner.spec.projections:
             if _is_packed(w[n]):
                 fmt = w[n].format
-        named = {n: weight_address(w[n]) for n in self._WEIGHT_ORDER}
-        named.update({f"exp:{n}": _exponent_address(w[n]) for n in self._packed_names})
-        named.update(self._prepare_extra())
-        spec = _abi.op_spec(self._lib, self._PREPARE_OP)
+        bs = self._runner.spec
+        named = {n: weight_address(w[n]) for n in bs.weight_order}
+        named.update({f"exp:{n}": _exponent_address(w[n]) for n in bs.projections})
+        named.update(bs.prepare_scalars(self))
+        op = bs.prepare_op
+        spec = _abi.op_spec(self._lib, op)
         args = spec.pack(named, d=self.d_model, wfmt=_WF_ID[fmt])
-        blob = Array((self._lib.workspace_bytes(self._PREPARE_OP, args) // 4,), zero=True)
+        blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
         args[spec.slot("blob")] = blob.address
-        self._lib.run(self._PREPARE_OP, args)
+        self._lib.run(op, args)
         return blob
-
-    def _prepare_extra(self) -> dict:
-        """The prepare op's block-specific scalar slots, by name."""
-        return {}
 
     def _backward_weights(self):
         """(float32 weights, blob of float32 panels) for backward. A float32
@@ -313,114 +289,10 @@ class _MambaBase:
         """The self-description of the binary in use."""
         return describe(self._lib)
 
-    # -- the shared sequence of the public calls ---------------------------
-    def _allocate(self, batch_size):
-        """allocate_state: a zero state for batch_size sequences."""
-        from .._array import Array
-        b = _intake.as_int(batch_size, "batch_size")
-        if b < 1:
-            raise ValueError(f"batch_size must be >= 1, got {b}")
-        shapes = self._state_shapes(b)
-        return self._STATE_CLASS(*(Array(shapes[n]) for n in self._STATE_CLASS._ARRAYS))
-
-    def _forward(self, x, state, lengths):
-        """forward: intake of x and lengths, the state's views, overlap and
-        finiteness checks, the output, then _launch."""
-        from .._array import Array
-        xv = self._x_view(x)
-        b, l, d = xv.shape
-        lens = self._lengths(lengths, state, b, l)
-        sv = None
-        if state is not None:
-            sv = self._state_views(state, b)
-            _intake.refuse_read_of_written(xv, self._written_views(sv))
-        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens[1])
-        y = Array((b, l, d), zero=False)
-        self._launch(xv, y, b, l, state, sv, lens, "forward")
-        return y
-
-    def _step(self, x, state):
-        """step: forward at L = 1 with a state (required)."""
-        from .._array import Array
-        if state is None:
-            raise ValueError("step needs a state (use allocate_state)")
-        xv, b = self._step_x_view(x)
-        sv = self._state_views(state, b)
-        _intake.refuse_read_of_written(xv, self._written_views(sv))
-        _intake.check_finite(self._lib, xv)
-        y = Array((b, 1, self.d_model), zero=False)
-        self._launch(xv, y, b, 1, state, sv, (None, 0), "step")
-        return y
-
-    def _launch(self, xv, y, b, l, state, sv, lens, kind):
-        """Run the forward op on validated views (state None: a zero-state
-        prefill) and advance the state. lens: (keep-alive, address) of the
-        lengths; kind: 'forward' or 'step'."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _written_views(sv):
-        """The state arrays among _state_views' result."""
-        return sv
-
-    def _fwd_spec(self):
-        """The forward op's OpSpec (its slots by name)."""
-        return _abi.op_spec(self._lib, self._FWD_OP)
-
-    def _run(self, args):
-        """Run the forward op with the thread's workspace in its work slot."""
-        # a big prefill's workspace is not kept (if _KEEP_WORK_BYTES is set)
-        self._run_op(self._FWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
-
-    def _backward(self, x, grad_output, state=None, grad_state=None, lengths=None):
-        """backward: the gradients of forward(x, state) (zeros if state is
-        None) for the loss sum(y * grad_output) + the sum over the final
-        state's arrays of array * grad_state[name]. The op takes x,
-        grad_output, the blob, the float32 projections, the gradient arrays
-        under 'grad:<weight name>', if _BWD_PANELS the transposed panels,
-        and (only when given) the start state, the cotangents, the lengths
-        and the start state's gradient arrays. (Mamba-2 and Mamba-3 call it
-        only for the zero-state backward: they have their own intake of
-        the state arguments.)"""
-        xv, gv, lens = self._backward_views(x, grad_output, lengths)
-        b = xv.shape[0]
-        sv = {} if state is None else _grad_state.start_state_views(self, state, b)
-        gsv = {} if grad_state is None else _grad_state.cotangent_views(self, grad_state, b)
-        named, shapes = {}, None
-        if state is not None or grad_state is not None:
-            all_shapes = self._state_shapes(b)
-            shapes = {n: all_shapes[n] for n in self._bwd_state_arrays()}
-            named.update(self._backward_state_args(state, sv))
-            named.update({f"grad_state:{n}": v for n, v in gsv.items()})
-        return self._run_backward(xv, gv, lens, named, shapes)
-
-    def _run_backward(self, xv, gv, lens, named, state_shapes=None, **scalars):
-        """Run the backward op on views xv, gv (B, L, d) and the ragged
-        lengths lens, with `named` holding the block's state and cotangent
-        slots; allocate the gradients (the kernel writes the _BWD_WRITTEN
-        ones and every 'state.<name>' of state_shapes in full: no memset)
-        and return them. `scalars` go to the op's other named slots."""
-        from .._array import Array
-        b, l, d = xv.shape
-        w, blob = self._backward_weights()
-        grads = self._grad_arrays((b, l, d), w, self._WEIGHT_ORDER, written=self._BWD_WRITTEN)
-        for n, shape in (state_shapes or {}).items():
-            grads[f"state.{n}"] = named[f"grad:state.{n}"] = Array(shape, zero=False)
-        named.update({n: w[n] for n in self._packed_names})
-        named.update({f"grad:{n}": grads[n] for n in self._WEIGHT_ORDER})
-        if lens[1]:
-            named["lengths"] = lens[1]
-        if self._BWD_PANELS:
-            named["panels"] = self._backward_panels(w)  # `named` holds it until the op returns
-        args = _abi.op_spec(self._lib, self._BWD_OP).pack(
-            named, b=b, l=l, d=d, x=xv, grad_output=gv, blob=blob, dx=grads["x"], **scalars)
-        self._run_op(self._BWD_OP, args, keep_bytes=self._KEEP_WORK_BYTES)
-        return grads
-
     # -- state views --------------------------------------------------------
     def _check_state_type(self, state):
-        """TypeError for a state of another class than _STATE_CLASS."""
-        cls = self._STATE_CLASS
+        """TypeError for a state of another class than the spec's."""
+        cls = self._runner.spec.state_class
         if not isinstance(state, cls):
             raise TypeError(f"state must be a {cls.__name__}, got {type(state).__name__}")
 
@@ -432,12 +304,12 @@ class _MambaBase:
     def _state_arrays(self, state, ndim=False) -> dict:
         """{name: view} of the state's arrays, in _ARRAYS order (ndim: each
         must have as many dimensions as its shape)."""
-        shapes = self._state_shapes(1) if ndim else None
+        shapes = self._runner.spec.state_shapes(self, 1) if ndim else None
         return {n: array_view(state, n, (len(shapes[n]),) if ndim else None)
                 for n in state._ARRAYS}
 
     def _check_state_shapes(self, views: dict, b):
-        for n, shape in self._state_shapes(b).items():
+        for n, shape in self._runner.spec.state_shapes(self, b).items():
             _intake.check_shape(views[n], shape)
 
     def _check_rows_finite(self, views, b, rows, chunk):
@@ -461,17 +333,6 @@ class _MambaBase:
             raise ValueError(f"{name} has d_model {d}, the block has {self.d_model}")
         return v
 
-    def _lengths(self, lengths, state, b, l):
-        """(keep-alive, address) of validated ragged lengths; (None, 0) if
-        none. With a state only where the forward ends each row's state at
-        its length (_RAGGED_STATE)."""
-        if lengths is None:
-            return None, 0
-        if state is not None and not self._RAGGED_STATE:
-            raise ValueError("lengths cannot be combined with a state")
-        keep = _intake.lengths_array(lengths, b, l)
-        return keep, keep[2]
-
     def _step_x_view(self, x):
         v = _intake.float32_view(x, "x", ndim=(2, 3))
         if len(v.shape) == 3:
@@ -487,17 +348,6 @@ class _MambaBase:
             raise ValueError(f"x has d_model {d}, the block has {self.d_model}")
         return v, b
 
-    def _run_op(self, op, args, keep_bytes=None):
-        """Run op with the thread's workspace address in its work slot; a
-        workspace over keep_bytes (if given) is dropped after the call."""
-        work = self._workspace(op, args)
-        try:
-            args[_abi.op_spec(self._lib, op).slot("work")] = work.address
-            self._lib.run(op, args)
-        finally:
-            if keep_bytes is not None and work.size * 4 > keep_bytes:
-                self._forget_workspace()
-
     @staticmethod
     def _grad_arrays(x_shape, w, names, written=()):
         """The backward's outputs: 'x' and one Array per weight name in
@@ -508,36 +358,6 @@ class _MambaBase:
         for name in names:
             grads[name] = Array(w[name].shape, zero=name not in written)
         return grads
-
-    def _bwd_state_arrays(self) -> tuple:
-        """The state arrays the output depends on: backward returns a
-        'state.<name>' gradient for each (all of the state's arrays by
-        default)."""
-        return self._STATE_CLASS._ARRAYS
-
-    def _backward_state_args(self, state, sv: dict) -> dict:
-        """The backward op's arguments for the start state: its validated
-        arrays sv under 'state:<name>' (state None: {}, zeros). A block
-        whose state also has plain values the kernel needs adds them here."""
-        return {f"state:{n}": v for n, v in sv.items()}
-
-    def _backward_views(self, x, grad_output, lengths=None):
-        """Validated (x, grad_output, (keep-alive, address) of the lengths)
-        for backward: same shape, finite at the real positions (a ragged
-        row's padding may hold anything: it is never read)."""
-        xv = self._x_view(x)
-        gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
-        if gv.shape != xv.shape:
-            raise ValueError(f"grad_output must have the shape of x {xv.shape}, "
-                             f"got {gv.shape}")
-        b, l, _ = xv.shape
-        lens = (None, 0)
-        if lengths is not None:
-            keep = _intake.lengths_array(lengths, b, l)
-            lens = keep, keep[2]
-        _intake.check_finite(self._lib, xv, rows=(b, l), lengths_address=lens[1])
-        _intake.check_finite(self._lib, gv, rows=(b, l), lengths_address=lens[1])
-        return xv, gv, lens
 
     def _workspace(self, op, args):
         """The calling thread's workspace, at least as large as op needs.

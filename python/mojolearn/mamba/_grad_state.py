@@ -42,7 +42,7 @@ def cotangent_views(block, grad_state, b: int, check_finite=None) -> dict:
     checked finite, or, with `check_finite`, handed to it after every type
     and shape check (blocks with open-chunk buffers check only the rows
     the final state holds)."""
-    cls = block._STATE_CLASS
+    cls = block._runner.spec.state_class
     names = cls._ARRAYS
     if isinstance(grad_state, cls):
         check_not_held(grad_state)
@@ -60,7 +60,7 @@ def cotangent_views(block, grad_state, b: int, check_finite=None) -> dict:
 
 
 def _views(block, arrays: dict, b: int, label, check_finite=None) -> dict:
-    shapes = block._state_shapes(b)
+    shapes = block._runner.spec.state_shapes(block, b)
     out = {}
     for n, buf in arrays.items():
         v = _intake.float32_view(buf, label(n))

@@ -1,8 +1,13 @@
 """Mamba-1: Mamba1Block, Mamba1BlockInference and Mamba1State."""
 from __future__ import annotations
 
+import math
+import numbers
+import struct
+
 from .. import _abi, _intake
 from ._base import _MambaBase, weight_views
+from ._runner import BlockSpec, Runner
 from ._state import StateBase
 from .sessions import Mamba1DecodeSession
 
@@ -24,6 +29,30 @@ def mamba1_weight_shapes(d: int) -> dict:
         "D": (di,),
         "out_proj.weight": (d, di),
     }
+
+
+def check_bcdt_rms_eps(eps):
+    """The B/C/dt norms' eps as a Python float, or None (no norms).
+    TypeError for a non-number, ValueError for one that is not finite and
+    positive in float32 (the kernels use float32(eps))."""
+    if eps is None:
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"bcdt_rms_eps must be None or a positive number, got "
+                        f"{type(eps).__name__} {eps!r}")
+    v = float(eps)
+    if not math.isfinite(v) or v <= 0 or _f32(v) == 0.0 or math.isinf(_f32(v)):
+        raise ValueError(f"bcdt_rms_eps must be a finite number > 0 that float32 can hold, "
+                         f"got {eps!r}")
+    return v
+
+
+def _f32(v: float) -> float:
+    """v rounded to float32 (inf beyond its range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:
+        return math.inf
 
 
 class Mamba1State(StateBase):
@@ -76,6 +105,55 @@ _WEIGHT_ORDER = ("norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias"
                  "out_proj.weight")
 
 
+def _state_shapes(block, b):
+    return {"conv_window": (b, block.d_inner, D_CONV), "h": (b, block.d_inner, D_STATE)}
+
+
+def _state_views(block, state, batch, check_finite=True):
+    """(conv_window, h) views of a Mamba1State validated for batch rows (None:
+    the state's own); check_finite False skips the finiteness checks."""
+    block._check_state(state)
+    views = block._state_arrays(state, ndim=True)
+    cw, h = views.values()
+    b = cw.shape[0] if batch is None else batch
+    if cw.shape[0] != b or h.shape[0] != b:
+        raise ValueError(f"batch mismatch: x has B={b}, state.conv_window has "
+                         f"{cw.shape[0]} rows and state.h {h.shape[0]}")
+    block._check_state_shapes(views, b)
+    if check_finite:
+        _intake.check_finite(block._lib, cw)
+        _intake.check_finite(block._lib, h)
+    _intake.refuse_overlap((cw, h))
+    return cw, h
+
+
+def _launch(block, xv, y, b, l, state, sv, lens, kind):
+    cw, h = sv if sv is not None else (None, None)
+    args = block._runner.forward_slots(block).pack(
+        b=b, l=l, d=block.d_model, x=xv, y=y, blob=block._blob, conv_window=cw, h=h,
+        lengths=lens[1])
+    block._runner.run(block, args)
+    if state is not None:
+        state.absolute_position += l
+
+
+def _prepare_scalars(block) -> dict:
+    # recorded in the prepared blob: every op on it (forward, step,
+    # sessions, backward) reads the option from there
+    eps = block.bcdt_rms_eps
+    bits = 0 if eps is None else struct.unpack("<i", struct.pack("<f", eps))[0]
+    return {"bcdt_eps_bits": bits}
+
+
+_SPEC = BlockSpec(
+    state_class=Mamba1State, forward_op=_abi.OP_M1_FORWARD, prepare_op=_abi.OP_M1_PREPARE,
+    backward_op=_abi.OP_M1_BACKWARD, weight_order=_WEIGHT_ORDER,
+    projections=("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight"),
+    state_shapes=_state_shapes, state_views=_state_views, launch=_launch,
+    prepare_scalars=_prepare_scalars,
+    ragged_state=True)  # a ragged forward leaves each row's state at its length
+
+
 class Mamba1Block(_MambaBase):
     """One Mamba-1 block: RMSNorm, selective-scan mixer and residual.
 
@@ -85,6 +163,9 @@ class Mamba1Block(_MambaBase):
 
     Fixed by the block: d_state 16, d_conv 4, expand 2, dt_rank
     ceil(d_model / 16), convolution bias on, projection bias off, SiLU.
+    With ``bcdt_rms_eps`` it is the Falcon-Mamba block (Hugging Face's
+    ``FalconMambaBlock``): the same weights, and x_proj's dt, B and C
+    outputs each go through a weightless RMS norm before use.
 
     Parameters
     ----------
@@ -104,6 +185,13 @@ class Mamba1Block(_MambaBase):
         - ``A_log`` (2d, 16)
         - ``D`` (2d,)
         - ``out_proj.weight`` (d, 2d)
+    bcdt_rms_eps : float or None, default None
+        None: plain Mamba-1 (the bits of a block built without it). A
+        number > 0: Falcon-Mamba's norms, ``v / sqrt(mean(v^2) + eps)``
+        over each of dt (R values), B (16) and C (16) of every token, with
+        this eps rounded to float32 (transformers' ``mixer_rms_eps``,
+        1e-6 in the published Falcon-Mamba configs). The norms have no
+        weights.
     numeric_mode : {'identical', 'fast'}, default 'identical'
         'identical': every output bit is a pure function of the inputs (any
         thread count, batch composition, prefill or decode).
@@ -118,6 +206,8 @@ class Mamba1Block(_MambaBase):
         Rank of the dt projection, ceil(d_model / 16).
     weight_format : str
         Format the weights were given in ('float32', 'bfloat16' or 'int8').
+    bcdt_rms_eps : float or None
+        The B/C/dt norms' eps as given (None: no such norms).
 
     Notes
     -----
@@ -137,15 +227,11 @@ class Mamba1Block(_MambaBase):
     >>> y_next = block.step(x[:, -1], state)
     """
 
-    _packed_names = ("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight")
-    _STATE_CLASS = Mamba1State
-    _FWD_OP = _abi.OP_M1_FORWARD
-    _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M1_PREPARE, _WEIGHT_ORDER
-    _BWD_OP = _abi.OP_M1_BACKWARD
-    _BWD_STATE = True  # backward takes state, grad_state and lengths
-    _RAGGED_STATE = True  # a ragged forward leaves each row's state at its length
+    _runner = Runner(_SPEC)
+    _param_names = ("weights", "numeric_mode", "bcdt_rms_eps")
 
-    def __init__(self, weights, *, numeric_mode: str = "identical"):
+    def __init__(self, weights, *, bcdt_rms_eps=None, numeric_mode: str = "identical"):
+        self.bcdt_rms_eps = check_bcdt_rms_eps(bcdt_rms_eps)
         self._setup_common(numeric_mode)
         if not hasattr(weights, "keys") or "norm.weight" not in weights:
             weight_views(weights, mamba1_weight_shapes(1), self._lib)  # names the problem
@@ -160,28 +246,19 @@ class Mamba1Block(_MambaBase):
         self.dt_rank = -(-d // 16)
         self._blob = self._make_blob(prep)
 
+    def get_params(self, deep: bool = True) -> dict:
+        """Constructor parameters: weights (copies), numeric_mode, bcdt_rms_eps."""
+        p = super().get_params(deep)
+        p["bcdt_rms_eps"] = self.bcdt_rms_eps
+        return p
+
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba1State:
         """Return a zero Mamba1State for batch_size sequences."""
-        return self._allocate(batch_size)
+        return self._runner.allocate(self, batch_size)
 
-    def _state_shapes(self, b):
-        return {"conv_window": (b, self.d_inner, D_CONV), "h": (b, self.d_inner, D_STATE)}
-
-    def _state_views(self, state, batch, check_finite=True):
-        self._check_state(state)
-        views = self._state_arrays(state, ndim=True)
-        cw, h = views.values()
-        b = cw.shape[0] if batch is None else batch
-        if cw.shape[0] != b or h.shape[0] != b:
-            raise ValueError(f"batch mismatch: x has B={b}, state.conv_window has "
-                             f"{cw.shape[0]} rows and state.h {h.shape[0]}")
-        self._check_state_shapes(views, b)
-        if check_finite:
-            _intake.check_finite(self._lib, cw)
-            _intake.check_finite(self._lib, h)
-        _intake.refuse_overlap((cw, h))
-        return cw, h
+    _state_shapes = _state_shapes
+    _state_views = _state_views
 
     # -- compute ------------------------------------------------------------
     def forward(self, x, state=None, *, lengths=None):
@@ -204,7 +281,7 @@ class Mamba1Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, L, d_model)
         """
-        return self._forward(x, state, lengths)
+        return self._runner.forward(self, x, state, lengths)
 
     def step(self, x, state):
         """Run one decode token: forward at L = 1 with the state carried.
@@ -218,14 +295,7 @@ class Mamba1Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, 1, d_model)
         """
-        return self._step(x, state)
-
-    def _launch(self, xv, y, b, l, state, sv, lens, kind):
-        cw, h = sv if sv is not None else (None, None)
-        self._run(self._fwd_spec().pack(b=b, l=l, d=self.d_model, x=xv, y=y, blob=self._blob,
-                                        conv_window=cw, h=h, lengths=lens[1]))
-        if state is not None:
-            state.absolute_position += l
+        return self._runner.step(self, x, state)
 
     def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         """Gradients of ``forward(x, state)`` (a vector-Jacobian product).
@@ -268,7 +338,7 @@ class Mamba1Block(_MambaBase):
             grad_state also 'state.conv_window' (B, d_inner, 4) and 'state.h'
             (B, d_inner, 16), the gradients of the start state.
         """
-        return self._backward(x, grad_output, state, grad_state, lengths)
+        return self._runner.backward(self, x, grad_output, state, grad_state, lengths)
 
     def decode_session(self, state):
         """Open a Mamba1DecodeSession for fast token-by-token decoding."""

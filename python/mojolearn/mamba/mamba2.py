@@ -7,6 +7,7 @@ import struct
 from .. import _abi, _intake
 from . import _grad_state
 from ._base import _MambaBase, weight_views
+from ._runner import BlockSpec, Runner
 from ._state import StateBase
 from .sessions import Mamba2DecodeSession
 
@@ -129,6 +130,76 @@ class Mamba2State(StateBase):
                 f"buffered_tokens={self.buffered_tokens})")
 
 
+def _state_shapes(block, b):
+    return {"conv_window": (b, block.conv_dim, D_CONV),
+            "h": (b, block.nheads, HEAD_DIM, D_STATE),
+            "buffer_xbc": (b, CHUNK, block.conv_dim),
+            "buffer_dtraw": (b, CHUNK, block.nheads)}
+
+
+def _state_views(block, state, batch):
+    """The arrays of a Mamba2State (in _ARRAYS order) validated for batch
+    rows (None: the state's own): shapes, finite (the buffers: their
+    buffered rows only), no overlap."""
+    block._check_state(state)
+    bt = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
+    if not 0 <= bt < CHUNK:
+        raise ValueError(f"state.buffered_tokens = {bt} is outside [0, {CHUNK})")
+    named = block._state_arrays(state, ndim=True)
+    views = list(named.values())
+    b = views[0].shape[0] if batch is None else batch
+    if any(v.shape[0] != b for v in views):
+        who = f"x has B={b}" if batch is not None else "the state arrays disagree"
+        raise ValueError(f"batch mismatch: {who}; state rows: "
+                         + ", ".join(f"{n} {v.shape[0]}" for n, v in named.items()))
+    block._check_state_shapes(named, b)
+    _intake.check_finite(block._lib, views[0])
+    _intake.check_finite(block._lib, views[1])
+    if bt:  # only the buffered rows are read
+        block._check_rows_finite(views[2:], b, bt, CHUNK)
+    _intake.refuse_overlap(views)
+    return views
+
+
+def _position_after(s: int, k: int) -> int:
+    """buffered_tokens after k more tokens."""
+    return (s + k) % CHUNK
+
+
+def _launch(block, xv, y, b, l, state, sv, lens, kind):
+    from .._array import Array
+    if state is None:
+        h_last = Array((b, block.nheads, HEAD_DIM, D_STATE), zero=False)
+        args = block._args(b, l, xv.address, y.address, None, 0, lens[1],
+                           h_last.address, False)
+        block._runner.run(block, args)
+        block._h_last, block._h_last_src = h_last, None
+    else:
+        s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
+        args = block._args(b, l, xv.address, y.address, sv, s, 0, 0, True)
+        block._runner.run(block, args)
+        state.buffered_tokens = _position_after(s, l)
+        state._version += 1
+        # h_last_ is computed on first access from the state this call left
+        block._h_last = None
+        block._h_last_src = (state, state._version, sv, b, state.buffered_tokens)
+
+
+def _prepare_scalars(block) -> dict:
+    lo, hi = block.dt_limit
+    return {"dt_lo_bits": _f32_bits(lo), "dt_hi_bits": _f32_bits(hi)}
+
+
+_PROJECTIONS = ("in_proj.weight", "out_proj.weight")
+_SPEC = BlockSpec(
+    state_class=Mamba2State, forward_op=_abi.OP_M2_FORWARD, prepare_op=_abi.OP_M2_PREPARE,
+    backward_op=_abi.OP_M2_BACKWARD, weight_order=_WEIGHT_ORDER, projections=_PROJECTIONS,
+    state_shapes=_state_shapes, state_views=_state_views, launch=_launch,
+    position_after=_position_after, prepare_scalars=_prepare_scalars,
+    # the kernel writes the projections' gradients in full (no memset)
+    written_grads=_PROJECTIONS, backward_panels=True, keep_work_bytes=_KEEP_WORK_BYTES)
+
+
 class Mamba2Block(_MambaBase):
     """One Mamba-2 (SSD) block: RMSNorm, mixer and residual.
 
@@ -197,19 +268,7 @@ class Mamba2Block(_MambaBase):
     """
 
     _param_names = ("weights", "numeric_mode", "dt_limit")
-
-    _packed_names = ("in_proj.weight", "out_proj.weight")
-    _STATE_CLASS = Mamba2State
-    _FWD_OP = _abi.OP_M2_FORWARD
-    _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M2_PREPARE, _WEIGHT_ORDER
-    # the kernel writes the projections' gradients in full (no memset)
-    _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M2_BACKWARD, _packed_names, True
-    # backward takes state, grad_state and lengths (its own intake below: only
-    # the rows of the buffers that are read are checked)
-    _BWD_STATE = True
-    _KEEP_WORK_BYTES = _KEEP_WORK_BYTES
-    # what a Mamba2DecodeSession needs: its cache layout
-    _CHUNK = CHUNK
+    _runner = Runner(_SPEC)
 
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
@@ -230,10 +289,6 @@ class Mamba2Block(_MambaBase):
         self._h_last = None
         self._h_last_src = None
 
-    def _prepare_extra(self) -> list:
-        lo, hi = self.dt_limit
-        return {"dt_lo_bits": _f32_bits(lo), "dt_hi_bits": _f32_bits(hi)}
-
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters: weights (copies), numeric_mode, dt_limit."""
         p = super().get_params(deep)
@@ -246,33 +301,10 @@ class Mamba2Block(_MambaBase):
 
         Set its h nonzero before the first call to supply initial_states.
         """
-        return self._allocate(batch_size)
+        return self._runner.allocate(self, batch_size)
 
-    def _state_views(self, state, batch):
-        self._check_state(state)
-        bt = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
-        if not 0 <= bt < CHUNK:
-            raise ValueError(f"state.buffered_tokens = {bt} is outside [0, {CHUNK})")
-        named = self._state_arrays(state, ndim=True)
-        views = list(named.values())
-        b = views[0].shape[0] if batch is None else batch
-        if any(v.shape[0] != b for v in views):
-            who = f"x has B={b}" if batch is not None else "the state arrays disagree"
-            raise ValueError(f"batch mismatch: {who}; state rows: "
-                             + ", ".join(f"{n} {v.shape[0]}" for n, v in named.items()))
-        self._check_state_shapes(named, b)
-        _intake.check_finite(self._lib, views[0])
-        _intake.check_finite(self._lib, views[1])
-        if bt:  # only the buffered rows are read
-            self._check_rows_finite(views[2:], b, bt, CHUNK)
-        _intake.refuse_overlap(views)
-        return views
-
-    def _state_shapes(self, b):
-        return {"conv_window": (b, self.conv_dim, D_CONV),
-                "h": (b, self.nheads, HEAD_DIM, D_STATE),
-                "buffer_xbc": (b, CHUNK, self.conv_dim),
-                "buffer_dtraw": (b, CHUNK, self.nheads)}
+    _state_shapes = _state_shapes
+    _state_views = _state_views
 
     # -- compute ------------------------------------------------------------
     def forward(self, x, state=None, *, lengths=None):
@@ -293,7 +325,7 @@ class Mamba2Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, L, d_model)
         """
-        return self._forward(x, state, lengths)
+        return self._runner.forward(self, x, state, lengths)
 
     def step(self, x, state):
         """Run one decode token: forward at L = 1 with the state carried.
@@ -307,31 +339,13 @@ class Mamba2Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, 1, d_model)
         """
-        return self._step(x, state)
+        return self._runner.step(self, x, state)
 
     def _args(self, b, l, x_addr, y_addr, sv, s, lens_addr, hlast_addr, save):
         named = dict(zip(Mamba2State._ARRAYS, sv)) if sv is not None else {}
-        return self._fwd_spec().pack(
+        return self._runner.forward_slots(self).pack(
             named, b=b, l=l, d=self.d_model, x=x_addr, y=y_addr, blob=self._blob,
             buffered_tokens=s, lengths=lens_addr, h_last=hlast_addr, save=1 if save else 0)
-
-    def _launch(self, xv, y, b, l, state, sv, lens, kind):
-        from .._array import Array
-        if state is None:
-            h_last = Array((b, self.nheads, HEAD_DIM, D_STATE), zero=False)
-            args = self._args(b, l, xv.address, y.address, None, 0, lens[1],
-                              h_last.address, False)
-            self._run(args)
-            self._h_last, self._h_last_src = h_last, None
-        else:
-            s = _intake.as_int(state.buffered_tokens, "state.buffered_tokens")
-            args = self._args(b, l, xv.address, y.address, sv, s, 0, 0, True)
-            self._run(args)
-            state.buffered_tokens = (s + l) % CHUNK
-            state._version += 1
-            # h_last_ is computed on first access from the state this call left
-            self._h_last = None
-            self._h_last_src = (state, state._version, sv, b, state.buffered_tokens)
 
     @property
     def h_last_(self):
@@ -346,7 +360,7 @@ class Mamba2Block(_MambaBase):
                                  "state was advanced by another call since")
             h_last = Array((b, self.nheads, HEAD_DIM, D_STATE), zero=False)
             args = self._args(b, 0, 0, 0, sv, s, 0, h_last.address, False)
-            self._run(args)
+            self._runner.run(self, args)
             self._h_last, self._h_last_src = h_last, None
         return self._h_last
 
@@ -408,7 +422,7 @@ class Mamba2Block(_MambaBase):
             which no convolution reads).
         """
         if state is None and grad_state is None and lengths is None:
-            return self._backward(x, grad_output)  # the zero-state op, unchanged
+            return self._runner.backward(self, x, grad_output)  # the zero-state op, unchanged
         return self._backward_through_state(x, grad_output, state, grad_state, lengths)
 
     def _start_state_views(self, state, b):
@@ -448,7 +462,7 @@ class Mamba2Block(_MambaBase):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M2_BACKWARD with its state slots; docs/backward.md)."""
         _grad_state.check_ragged_without_state(state, grad_state, lengths)
-        xv, gv, lens = self._backward_views(x, grad_output, lengths)
+        xv, gv, lens = self._runner.backward_views(self, x, grad_output, lengths)
         b, l, d = xv.shape
         stated = state is not None or grad_state is not None
         named, bt = {}, 0
@@ -456,11 +470,11 @@ class Mamba2Block(_MambaBase):
             sv, bt = self._start_state_views(state, b)
             named.update({f"state:{n}": v for n, v in sv.items()})
         if grad_state is not None:
-            cot = self._cotangent_views(grad_state, b, (bt + l) % CHUNK)
+            cot = self._cotangent_views(grad_state, b, _position_after(bt, l))
             named.update({f"grad_state:{n}": v for n, v in cot.items()})
-        return self._run_backward(xv, gv, lens, named,
-                                  self._state_shapes(b) if stated else None,
-                                  buffered_tokens=bt, stated=1 if stated else 0)
+        return self._runner.run_backward(self, xv, gv, lens, named,
+                                         self._state_shapes(b) if stated else None,
+                                         buffered_tokens=bt, stated=1 if stated else 0)
 
 
 class Mamba2BlockInference(Mamba2Block):

@@ -12,6 +12,7 @@ import threading
 from .. import _abi, _intake
 from . import _grad_state
 from ._base import _MambaBase, copy_bytes, weight_views
+from ._runner import BlockSpec, Runner
 from ._state import StateBase
 from .sessions import Mamba3DecodeSession
 
@@ -164,6 +165,74 @@ class Mamba3State(StateBase):
 _STATE_BUFFERS = Mamba3State._ARRAYS
 
 
+def _state_views(block, state, batch, check_finite=True):
+    """({array name: View}, buffered_tokens) of a Mamba3State validated for
+    batch rows: shapes, position and pending rules, and (unless
+    check_finite is False: the block's own scratch state) no overlap and
+    finite values (the buffers: their valid rows only)."""
+    block._check_state(state)
+    views = block._state_arrays(state)
+    for n, v in views.items():
+        if len(v.shape) < 1 or v.shape[0] != batch:
+            raise ValueError(f"batch mismatch: x has B={batch}, state.{n} has shape "
+                             f"{v.shape}")
+    block._check_state_shapes(views, batch)
+    nb = state.buffered_tokens
+    if isinstance(nb, bool) or not isinstance(nb, int):
+        nb = _intake.as_int(nb, "state.buffered_tokens")
+    if not 0 <= nb <= CHUNK:
+        raise ValueError(f"state.buffered_tokens = {nb} is outside [0, {CHUNK}]")
+    if not isinstance(state.pending, bool):
+        raise TypeError(f"state.pending must be a bool, got "
+                        f"{type(state.pending).__name__}")
+    if state.pending and nb != 0:
+        raise ValueError("state.pending is set (set_input_states) but the state is "
+                         f"not fresh (buffered_tokens = {nb}); input states apply "
+                         "only to a state's first call")
+    if not check_finite:  # the block's own scratch state: zeros it wrote
+        return views, nb
+    _intake.refuse_overlap(views.values())
+    for n in ("theta", "h"):
+        _intake.check_finite(block._lib, views[n])
+    if state.pending:
+        _intake.check_finite(block._lib, views["pending_k"])
+        _intake.check_finite(block._lib, views["pending_v"])
+    if nb:
+        # only the valid rows [0, buffered_tokens) are ever read
+        block._check_rows_finite([views[n] for n in ("buffer_qrot", "buffer_krot",
+                                 "buffer_v", "buffer_dt", "buffer_sig", "buffer_adt")],
+                                batch, nb, CHUNK)
+    return views, nb
+
+def _written_views(sv):
+    return sv[0].values()
+
+def _launch(block, xv, y, b, l, state, sv, lens, kind):
+    lock = None
+    if state is None:  # a stateless call runs on the block's scratch state
+        state, lock = block._held_scratch(b)
+    try:
+        if sv is None:  # zeros the block wrote: not checked again
+            sv = _state_views(block, state, b, check_finite=False)
+        views, nb = sv
+        args = block._args(b, l, xv.address, y.address, views, nb, state.pending, lens[1], 0)
+        block._runner.run(block, args)
+        block._record_call(state, nb, b, l, lens, kind)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+_SPEC = BlockSpec(
+    state_class=Mamba3State, forward_op=_abi.OP_M3_FORWARD, prepare_op=_abi.OP_M3_PREPARE,
+    backward_op=_abi.OP_M3_BACKWARD, weight_order=_WEIGHT_ORDER,
+    projections=("in_proj.weight", "out_proj.weight"),
+    state_shapes=lambda block, b: _state_shapes(b, block.nheads), state_views=_state_views,
+    written_views=_written_views, launch=_launch, position_after=_count_after,
+    written_grads=_WRITTEN_GRADS, backward_panels=True)
+
+
+
 class Mamba3Block(_MambaBase):
     """One Mamba-3 (SISO) block: RMSNorm, mixer and residual.
 
@@ -230,15 +299,7 @@ class Mamba3Block(_MambaBase):
     >>> y_next = block.step(x[:, -1], state)
     """
 
-    _packed_names = ("in_proj.weight", "out_proj.weight")
-    _STATE_CLASS = Mamba3State
-    _FWD_OP = _abi.OP_M3_FORWARD
-    _PREPARE_OP, _WEIGHT_ORDER = _abi.OP_M3_PREPARE, _WEIGHT_ORDER
-    _BWD_OP, _BWD_WRITTEN, _BWD_PANELS = _abi.OP_M3_BACKWARD, _WRITTEN_GRADS, True
-    # backward takes state, grad_state and lengths (its own _backward_through_state
-    # packs them: the op names the cotangents 'cot:<array>')
-    _BWD_STATE = True
-    _count_after = staticmethod(_count_after)  # (a Mamba3DecodeSession's too)
+    _runner = Runner(_SPEC)
 
     def __init__(self, weights, *, numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
@@ -267,7 +328,7 @@ class Mamba3Block(_MambaBase):
     # -- state --------------------------------------------------------------
     def allocate_state(self, batch_size) -> Mamba3State:
         """Return a zero Mamba3State for batch_size sequences."""
-        return self._allocate(batch_size)
+        return self._runner.allocate(self, batch_size)
 
     def _state_shapes(self, b):
         return _state_shapes(b, self.nheads)
@@ -298,44 +359,7 @@ class Mamba3Block(_MambaBase):
             st.buffered_tokens, st.pending = 0, False
         return st, self._scratch_lock
 
-    def _state_views(self, state, batch, check_finite=True):
-        self._check_state(state)
-        views = self._state_arrays(state)
-        for n, v in views.items():
-            if len(v.shape) < 1 or v.shape[0] != batch:
-                raise ValueError(f"batch mismatch: x has B={batch}, state.{n} has shape "
-                                 f"{v.shape}")
-        self._check_state_shapes(views, batch)
-        nb = state.buffered_tokens
-        if isinstance(nb, bool) or not isinstance(nb, int):
-            nb = _intake.as_int(nb, "state.buffered_tokens")
-        if not 0 <= nb <= CHUNK:
-            raise ValueError(f"state.buffered_tokens = {nb} is outside [0, {CHUNK}]")
-        if not isinstance(state.pending, bool):
-            raise TypeError(f"state.pending must be a bool, got "
-                            f"{type(state.pending).__name__}")
-        if state.pending and nb != 0:
-            raise ValueError("state.pending is set (set_input_states) but the state is "
-                             f"not fresh (buffered_tokens = {nb}); input states apply "
-                             "only to a state's first call")
-        if not check_finite:  # the block's own scratch state: zeros it wrote
-            return views, nb
-        _intake.refuse_overlap(views.values())
-        for n in ("theta", "h"):
-            _intake.check_finite(self._lib, views[n])
-        if state.pending:
-            _intake.check_finite(self._lib, views["pending_k"])
-            _intake.check_finite(self._lib, views["pending_v"])
-        if nb:
-            # only the valid rows [0, buffered_tokens) are ever read
-            self._check_rows_finite([views[n] for n in ("buffer_qrot", "buffer_krot",
-                                     "buffer_v", "buffer_dt", "buffer_sig", "buffer_adt")],
-                                    batch, nb, CHUNK)
-        return views, nb
-
-    @staticmethod
-    def _written_views(sv):
-        return sv[0].values()
+    _state_views = _state_views
 
     # -- compute ------------------------------------------------------------
     def forward(self, x, state=None, *, lengths=None):
@@ -355,7 +379,7 @@ class Mamba3Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, L, d_model)
         """
-        return self._forward(x, state, lengths)
+        return self._runner.forward(self, x, state, lengths)
 
     def step(self, x, state):
         """Run one decode token: forward at L = 1 with the state carried.
@@ -369,20 +393,7 @@ class Mamba3Block(_MambaBase):
         -------
         y : mojolearn.Array, shape (B, 1, d_model)
         """
-        return self._step(x, state)
-
-    def _launch(self, xv, y, b, l, state, sv, lens, kind):
-        lock = None
-        if state is None:  # a stateless call runs on the block's scratch state
-            state, lock = self._held_scratch(b)
-        try:
-            if sv is None:  # zeros the block wrote: not checked again
-                sv = self._state_views(state, b, check_finite=False)
-            views, nb = sv
-            self._call(xv, y, b, l, views, nb, state, lens, kind)
-        finally:
-            if lock is not None:
-                lock.release()
+        return self._runner.step(self, x, state)
 
     def decode_session(self, state, *, cache: bool = True):
         """Open a Mamba3DecodeSession: token-by-token decoding that gives the
@@ -395,14 +406,13 @@ class Mamba3Block(_MambaBase):
         named = {n: views[n] for n in _STATE_BUFFERS}
         if reports:
             named.update({f"report:{k}": v for k, v in reports.items()})
-        return self._fwd_spec().pack(
+        return self._runner.forward_slots(self).pack(
             named, b=b, l=l, d=self.d_model, x=xaddr, y=yaddr, blob=self._blob,
             lengths=lens_addr, buffered_tokens=nb, pending=1 if pending else 0, mode=mode)
 
-    def _call(self, xv, y, b, l, views, nb, state, lens, kind):
-        args = self._args(b, l, xv.address, y.address, views, nb, state.pending,
-                          lens[1], 0)
-        self._run(args)
+    def _record_call(self, state, nb, b, l, lens, kind):
+        """After a forward or step: advance the state's position and keep
+        what the reports and session_info() read."""
         state.buffered_tokens = _count_after(nb, l)
         state.pending = False
         state._calls += 1
@@ -439,7 +449,7 @@ class Mamba3Block(_MambaBase):
             lens = r["lengths"]
             args = self._args(b, 0, 0, 0, views, state.buffered_tokens, False,
                               lens[2] if lens is not None else 0, 1, reports=out)
-            self._run(args)
+            self._runner.run(self, args)
             r["cache"] = out
         return r["cache"]
 
@@ -512,7 +522,7 @@ class Mamba3Block(_MambaBase):
             rows that the final state does not hold, are +0.0).
         """
         if state is None and grad_state is None and lengths is None:
-            return self._backward(x, grad_output)  # the zero-state op, unchanged
+            return self._runner.backward(self, x, grad_output)  # the zero-state op, unchanged
         return self._backward_through_state(x, grad_output, state, grad_state, lengths)
 
     def _grad_state_views(self, grad_state, b, final_rows):
@@ -540,7 +550,7 @@ class Mamba3Block(_MambaBase):
         op: OP_M3_BACKWARD with its state slots; docs/backward.md)."""
         from .._array import Array
         _grad_state.check_ragged_without_state(state, grad_state, lengths)
-        xv, gv, lens = self._backward_views(x, grad_output, lengths)
+        xv, gv, lens = self._runner.backward_views(self, x, grad_output, lengths)
         b, l, d = xv.shape
         stated = state is not None or grad_state is not None
         named, nb, pending = {}, 0, False
@@ -556,10 +566,10 @@ class Mamba3Block(_MambaBase):
                 if n != "buffer_qrot" and n in sviews:
                     named[f"state:{n}"] = sviews[n]
                 named[f"cot:{n}"] = cot[n]
-        return self._run_backward(xv, gv, lens, named,
-                                  _state_shapes(b, self.nheads) if stated else None,
-                                  buffered_tokens=nb, pending=1 if pending else 0,
-                                  stated=1 if stated else 0)
+        return self._runner.run_backward(self, xv, gv, lens, named,
+                                         _state_shapes(b, self.nheads) if stated else None,
+                                         buffered_tokens=nb, pending=1 if pending else 0,
+                                         stated=1 if stated else 0)
 
 
 class Mamba3BlockInference(Mamba3Block):

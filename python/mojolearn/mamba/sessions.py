@@ -33,12 +33,12 @@ class DecodeSessionBase:
         check_not_held(state)
         self._block = block
         self._lib = block._lib
-        self._op = block._FWD_OP
+        self._op = block._runner.spec.forward_op
         self._blob = block._blob  # pinned: a later set_params is not seen
         self._state = state
         self._b = b
         self._d = block.d_model
-        self._spec = block._fwd_spec()  # the forward op's slots by name
+        self._spec = block._runner.forward_slots(block)  # the forward op's slots by name
         self._x_slot, self._y_slot = self._spec.slot("x"), self._spec.slot("y")
 
     _thread_work = False  # the op's workspace is the calling thread's (scratch only)
@@ -223,6 +223,10 @@ class _RowPositions:
         if self._rows is None:
             raise ValueError(f"{what}: the session was opened without row_tokens")
 
+    def _row_after(self, n):
+        """A chunk position after one more token."""
+        return self._block._runner.spec.position_after(n, 1)
+
     def advance_rows(self):
         """Move every row's position on by one token (opened with a shared
         row_tokens Array: the owner calls this once per model step)."""
@@ -394,9 +398,6 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
     def _before_step(self, args):
         args[self._s_slot] = self._s
 
-    def _row_after(self, s):
-        return (s + 1) % self._block._CHUNK
-
     def _after_step(self):
         if self._rows is not None:
             if not self._rows_shared:
@@ -510,9 +511,6 @@ class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
     def _before_step(self, args):
         args[self._n0_slot] = self._nb
         args[self._pending_slot] = 1 if self._pending else 0
-
-    def _row_after(self, n):
-        return self._block._count_after(n, 1)
 
     def _after_step(self):
         if self._rows is not None:

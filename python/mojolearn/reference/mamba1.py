@@ -24,7 +24,12 @@ from .ops import _conv_step, _w64, rmsnorm, silu, softplus
 __all__ = ["mamba1_numpy"]
 
 
-def mamba1_numpy(weights: dict, x, conv_state=None, h=None):
+def _plain_rmsnorm(v, eps):
+    """The weightless RMS norm over the last axis: ``v / sqrt(mean(v^2) + eps)``."""
+    return v * (1.0 / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps))
+
+
+def mamba1_numpy(weights: dict, x, conv_state=None, h=None, *, bcdt_rms_eps=None):
     """The Mamba-1 block, token by token, in float64.
 
     Parameters
@@ -40,6 +45,11 @@ def mamba1_numpy(weights: dict, x, conv_state=None, h=None):
         ``conv_window`` of a :class:`mojolearn.Mamba1State`; None means zeros.
     h : array (B, 2 d_model, 16), optional
         SSM state before the first token (a state's ``h``); None means zeros.
+    bcdt_rms_eps : float or None
+        None: the plain Mamba-1 block. A number: the Falcon-Mamba variant,
+        whose x_proj outputs dt, B and C are each normalised by a weightless
+        RMS norm with this eps (``v / sqrt(mean(v^2) + eps)``) before use
+        (the block option of the same name).
 
     Returns
     -------
@@ -67,6 +77,8 @@ def mamba1_numpy(weights: dict, x, conv_state=None, h=None):
         u = silu(cv)                                                      # (B, di)
         xdbl = u @ W["x_proj.weight"].T
         dtr, Bv, Cv = xdbl[:, :R], xdbl[:, R:R + N], xdbl[:, R + N:]
+        if bcdt_rms_eps is not None:
+            dtr, Bv, Cv = (_plain_rmsnorm(v, bcdt_rms_eps) for v in (dtr, Bv, Cv))
         delta = softplus(dtr @ W["dt_proj.weight"].T + W["dt_proj.bias"])  # (B, di)
         hs = (np.exp(delta[:, :, None] * A[None]) * hs
               + (delta[:, :, None] * Bv[:, None, :]) * u[:, :, None])

@@ -39,10 +39,14 @@ Modules: ``modules`` (Mamba1, Mamba2, Mamba3), ``_ops`` (the custom ops),
 ``_kernel`` (the kernel block cache), ``_tensors`` (memory between tensors
 and kernels).
 """
+from ..families import FAMILIES
 from ._kernel import _Kernel
 from .modules import Mamba1, Mamba2, Mamba3, _Weights
 
-__all__ = ["Mamba1", "Mamba2", "Mamba3"]
+# every family's module (the registry names it; a family whose module lives
+# in a module of its own is imported on first use, by __getattr__)
+_BY_NAME = {f.torch_module.rpartition(".")[2]: f for f in FAMILIES}
+__all__ = list(_BY_NAME)
 
 # A whole-module pickle (torch.save(m)) names these classes: they keep the
 # names they had when this package was one file, mojolearn.torch.<name>, so
@@ -51,3 +55,10 @@ __all__ = ["Mamba1", "Mamba2", "Mamba3"]
 for _cls in (Mamba1, Mamba2, Mamba3, _Kernel, _Weights):
     _cls.__module__ = __name__
 del _cls
+
+
+def __getattr__(name):
+    fam = _BY_NAME.get(name)
+    if fam is None or fam.torch_module == f"{__name__}.{name}":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return fam.torch_class

@@ -55,7 +55,7 @@ def _forward_state_impl(x, weights, state, values, handle):
     block = _kernel(handle).block(weights)
     xc = _contiguous(x)
     arrays = [s.detach().clone(memory_format=torch.contiguous_format) for s in state]
-    st = _state_object(block._STATE_CLASS, [_buffer(a) for a in arrays], values)
+    st = _state_object(block._runner.spec.state_class, [_buffer(a) for a in arrays], values)
     y = block.forward(_buffer(xc), st)
     return [_tensor(y)] + arrays
 
@@ -65,7 +65,7 @@ def _backward_state_impl(x, grad_y, weights, state, values, grad_state, handle):
     block.backward(x, grad_y, state, grad_state=...) (see _backward_impl)."""
     kernel = _kernel(handle)
     block = kernel.block(weights)
-    cls = block._STATE_CLASS
+    cls = block._runner.spec.state_class
     held = [_contiguous(t) for t in [x, grad_y, *state, *grad_state]]
     bufs = [_buffer(t) for t in held]
     st = _state_object(cls, bufs[2:2 + len(state)], values)

@@ -70,7 +70,7 @@ def _as_float32_tensor(value, name):
 # never frees the gradients of a graph still alive at interpreter exit (a
 # training script's last loss), and nanobind reports every Array still alive
 # then as leaked. Each block the module builds gets an instance-level
-# _grad_arrays (the hook _MambaBase._backward allocates its outputs with) that,
+# _grad_arrays (the hook Runner.run_backward allocates its outputs with) that,
 # while a backward op runs on the calling thread (_TLS.torch_outputs), hands
 # out torch tensors' memory; any other call (block.backward by the user) gets
 # its Arrays as usual.

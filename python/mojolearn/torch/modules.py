@@ -68,7 +68,7 @@ class _MambaModule(torch.nn.Module):
         self.d_model = d_model
         self.numeric_mode = numeric_mode
         shapes = self._param_shapes()
-        names = self._BLOCK._WEIGHT_ORDER
+        names = self._BLOCK._runner.spec.weight_order
         self._paths = []
         for name in names:
             p = torch.nn.Parameter(torch.zeros(shapes[name], dtype=torch.float32))
@@ -110,9 +110,9 @@ class _MambaModule(torch.nn.Module):
         if not hasattr(weights, "keys") or cls._NORM not in weights:
             raise ValueError(f"weights must be a dict with {cls._NORM!r} and the other "
                              f"{cls.__name__} weight names "
-                             f"{sorted(cls._BLOCK._WEIGHT_ORDER)}")
+                             f"{sorted(cls._BLOCK._runner.spec.weight_order)}")
         names = set(weights.keys())
-        want = set(cls._BLOCK._WEIGHT_ORDER)
+        want = set(cls._BLOCK._runner.spec.weight_order)
         if names != want:
             raise ValueError(f"weights: missing {sorted(want - names)}; unknown "
                              f"{sorted(str(n) for n in names - want)} (expected {sorted(want)})")
@@ -192,12 +192,8 @@ class _MambaModule(torch.nn.Module):
         """forward from a dict of state tensors (and the state's plain
         values): (y, new state dict)."""
         cls = self._kernel.block_cls
-        if not cls._BWD_STATE:
-            raise NotImplementedError(
-                f"{type(self).__name__}.forward does not take a dict of state tensors "
-                f"(gradients through a {cls._STATE_CLASS.__name__} are not available); "
-                f"pass its state object under torch.no_grad()")
-        names, vnames = cls._STATE_CLASS._ARRAYS, cls._STATE_CLASS._VALUES
+        state_cls = cls._runner.spec.state_class
+        names, vnames = state_cls._ARRAYS, state_cls._VALUES
         missing = [n for n in names if n not in state]
         unknown = sorted(str(k) for k in state if k not in names and k not in vnames)
         if missing or unknown:
@@ -213,10 +209,13 @@ class _MambaModule(torch.nn.Module):
         new.update(self._advance(values, x.shape[1]))
         return outs[0], new
 
-    @staticmethod
-    def _advance(values, tokens) -> dict:
-        """The state's plain values after a forward of `tokens` tokens."""
-        return {}
+    @classmethod
+    def _advance(cls, values, tokens) -> dict:
+        """The state's plain values after a forward of `tokens` tokens: its
+        chunk position, where the block's state has one."""
+        after = cls._BLOCK._runner.spec.position_after
+        return {} if after is None else {"buffered_tokens": after(values["buffered_tokens"],
+                                                                  tokens)}
 
     def step(self, x, state):
         """One decode token: forward at L = 1 with the state carried (x of
@@ -342,10 +341,6 @@ class Mamba2(_MambaModule):
         if d < 32 or d % 32:
             raise ValueError(f"Mamba-2 needs d_model a positive multiple of 32, got {d}")
 
-    @staticmethod
-    def _advance(values, tokens):
-        return {"buffered_tokens": (values["buffered_tokens"] + tokens) % family("mamba2").block_class._CHUNK}
-
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes
         d, di, h, cd = self.d_model, s["norm.weight"][0], s["D"][0], s["conv1d.bias"][0]
@@ -406,11 +401,10 @@ class Mamba3(_MambaModule):
         if d < 32 or d % 32:
             raise ValueError(f"Mamba-3 needs d_model a positive multiple of 32, got {d}")
 
-    @staticmethod
-    def _advance(values, tokens):
+    @classmethod
+    def _advance(cls, values, tokens):
         # the input states (pending) are consumed by the first token
-        return {"buffered_tokens": family("mamba3").block_class._count_after(values["buffered_tokens"], tokens),
-                "pending": False}
+        return dict(super()._advance(values, tokens), pending=False)
 
     def _init_values(self, g):
         s = self._param_shapes()  # the sizes come from the block's shapes
