@@ -375,7 +375,7 @@ class Mamba2Block(_MambaBase):
         """Bytes of a decode session's speed cache for batch_size rows (the
         op's buffer table gives the size: mamba2/layout.mojo)."""
         args = self._args(batch_size, 1, 0, 0, None, 0, 0, 0, False)
-        return _abi.slot_bytes(self._lib, self._FWD_OP, args, "cache")
+        return _abi.slot_bytes(self._lib, self._runner.spec.forward_op, args, "cache")
 
     def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         """Gradients of a forward (a vector-Jacobian product).
