@@ -23,8 +23,9 @@ NAMES = ("x", "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
 
 
 # --------------------------------------------------------------------------- reference
-def grad_reference(weights, x, grad_output):
-    """PyTorch autograd of transformers' MambaBlock in verified float64.
+def grad_reference(weights, x, grad_output, bcdt_rms_eps=None):
+    """PyTorch autograd of transformers' MambaBlock in verified float64
+    (with bcdt_rms_eps: FalconMambaBlock with mixer_rms_eps = bcdt_rms_eps).
 
     Same block, weights (float64 leaf parameters) and casts neutralised as
     hf_mamba.mamba1_reference, but with gradients enabled: the loss is
@@ -32,12 +33,14 @@ def grad_reference(weights, x, grad_output):
     the whole VJP is checked to be float64. Returns {name: float64 array}
     (conv1d.weight as (di, 1, 4)).
     """
-    block, _cfg, _d, _di = _hf._mamba1_block(weights, residual_in_fp32=False)
+    block, _cfg, _d, _di = _hf._mamba1_block(weights, residual_in_fp32=False,
+                                             bcdt_eps=bcdt_rms_eps)
     x64 = torch.from_numpy(np.array(x, dtype=np.float64)).requires_grad_(True)
     g64 = torch.from_numpy(np.array(grad_output, dtype=np.float64))
-    repl = {n: inspect.unwrap(getattr(_hf._hf_m1, n)) for n in _hf._M1_KERNEL_NAMES}
+    module = _hf._hf_m1 if bcdt_rms_eps is None else _hf._hf_fm
+    repl = {n: inspect.unwrap(getattr(module, n)) for n in _hf._M1_KERNEL_NAMES}
     guard = _hf._Float64Guard()
-    with _hf._LOCK, _hf._patched(_hf._hf_m1, repl), torch.enable_grad():
+    with _hf._LOCK, _hf._patched(module, repl), torch.enable_grad():
         with _hf._CastNeutraliser(), guard:
             y = block(x64)
             (y * g64).sum().backward()

@@ -1,7 +1,9 @@
 """Loading Mamba, Mamba-2 and Mamba-3 checkpoints (no PyTorch needed).
 
 ``load_checkpoint(source)`` turns a Hugging Face ``MambaForCausalLM`` /
-``MambaModel`` or ``Mamba2ForCausalLM`` / ``Mamba2Model`` checkpoint into a
+``MambaModel``, ``FalconMambaForCausalLM`` (Mamba-1 layout; blocks with
+``bcdt_rms_eps = mixer_rms_eps``) or ``Mamba2ForCausalLM`` /
+``Mamba2Model`` checkpoint into a
 :class:`Checkpoint`: one weight dict per layer for ``Mamba1Block`` /
 ``Mamba2Block``, plus the token embeddings, the final norm and the LM head,
 all float32 ``mojolearn.Array``. Mamba-3 checkpoints use mojolearn's layout
@@ -104,9 +106,11 @@ def _kind_of(cfg: dict, keys=()) -> str:
     mt = cfg.get("model_type")
     if mt in ("mamba", "mamba2", "mamba3"):
         return mt
+    if mt == _FALCON:
+        return "mamba"
     if mt is not None:
         raise ValueError(f"config field model_type = {mt!r} is not a Mamba, Mamba-2 or "
-                         "Mamba-3 model ('mamba', 'mamba2' or 'mamba3')")
+                         "Mamba-3 model ('mamba', 'falcon_mamba', 'mamba2' or 'mamba3')")
     for k in keys:
         if k.endswith("mixer.x_proj.weight"):
             return "mamba"
@@ -188,7 +192,26 @@ def check_config(config) -> dict:
     return {"kind": kind, "d_model": d, "n_layers": n_layers,
             "vocab_size": _get(cfg, "vocab_size"),
             "tie": bool(_get(cfg, "tie_word_embeddings", kind != "mamba2")),
-            "dt_limit": dt_limit}
+            "dt_limit": dt_limit, "bcdt_rms_eps": _falcon_eps(cfg)}
+
+
+# -- Falcon-Mamba (model_type 'falcon_mamba') --------------------------------
+# Mamba-1's layout and tensor names; its mixer adds weightless RMS norms of
+# dt, B and C with eps mixer_rms_eps (Mamba1Block's bcdt_rms_eps option).
+_FALCON = "falcon_mamba"
+
+
+def _falcon_eps(cfg: dict):
+    """mixer_rms_eps of a falcon_mamba config (transformers' default 1e-6);
+    None for every other model type."""
+    if cfg.get("model_type") != _FALCON:
+        return None
+    v = cfg.get("mixer_rms_eps", 1e-6)
+    try:
+        from .mamba.mamba1 import check_bcdt_rms_eps
+        return check_bcdt_rms_eps(_number(v))
+    except (TypeError, ValueError):
+        _fail("mixer_rms_eps", v, "a positive number")
 
 
 def _number(v) -> float:
@@ -304,6 +327,9 @@ class Checkpoint:
     tie_word_embeddings : bool
     dt_limit : (float, float) or None
         Mamba-2's time_step_limit; None for Mamba-1 and Mamba-3.
+    bcdt_rms_eps : float or None
+        Falcon-Mamba's mixer_rms_eps (its blocks are Mamba1Block with that
+        option); None for every other model.
     """
 
     def __init__(self, kind, config, summary, layers, embeddings, final_norm, lm_head):
@@ -314,6 +340,7 @@ class Checkpoint:
         self.vocab_size = _shape(embeddings)[0]
         self.tie_word_embeddings = summary["tie"]
         self.dt_limit = summary["dt_limit"]
+        self.bcdt_rms_eps = summary.get("bcdt_rms_eps")  # Falcon-Mamba's mixer_rms_eps
         self.layers = layers
         self.embeddings = embeddings
         self.final_norm = final_norm
@@ -344,6 +371,8 @@ class Checkpoint:
         kw = {"numeric_mode": numeric_mode}
         if self.kind == "mamba2":
             kw["dt_limit"] = self.dt_limit
+        if self.bcdt_rms_eps is not None:
+            kw["bcdt_rms_eps"] = self.bcdt_rms_eps
         w = {k: _loaded(v) for k, v in self.layers[i].items()}
         if weight_format != "float32":
             w = lowbit.pack(w, weight_format)
