@@ -26,9 +26,9 @@ from tests.contract.cases import fails, snapshot
 from tests.reference import hf_mamba as _hf
 from tests.reference import torch_mamba1
 from tests.test_mamba1_backward import NAMES, grad_reference as mamba1_grad_reference
+from tests.test_mamba1_state_grad import NAMES as STATE_NAMES
 
 EPS = 1e-6  # transformers' FalconMambaConfig.mixer_rms_eps default
-STATE_NAMES = NAMES + ("state.conv_window", "state.h")
 CHECK = tolerance.GradientCheck(NAMES, "Falcon-Mamba backward")
 CHECK_STATE = tolerance.GradientCheck(STATE_NAMES, "Falcon-Mamba backward through the state")
 
