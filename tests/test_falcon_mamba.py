@@ -13,11 +13,8 @@ alone, thread count) and packed weights; the option's intake. Each check
 has a negative control (the plain Mamba-1 block on the same weights, a
 nudged input, or 1% off in the smallest elements).
 """
-import inspect
-
 import numpy as np
 import pytest
-import torch
 
 import mojolearn
 from mojolearn import lowbit
@@ -28,20 +25,17 @@ from tests.bits import assert_bits_differ, assert_same_bits
 from tests.contract.cases import fails, snapshot
 from tests.reference import hf_mamba as _hf
 from tests.reference import torch_mamba1
-from tests.test_mamba1_backward import NAMES
+from tests.test_mamba1_backward import NAMES, grad_reference as mamba1_grad_reference
+from tests.test_mamba1_state_grad import NAMES as STATE_NAMES
 
 EPS = 1e-6  # transformers' FalconMambaConfig.mixer_rms_eps default
-STATE_NAMES = NAMES + ("state.conv_window", "state.h")
 CHECK = tolerance.GradientCheck(NAMES, "Falcon-Mamba backward")
 CHECK_STATE = tolerance.GradientCheck(STATE_NAMES, "Falcon-Mamba backward through the state")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_worst():
-    yield
-    for check in (CHECK, CHECK_STATE):
-        for _ in check.report():
-            pass
+    yield from tolerance.report_all(CHECK, CHECK_STATE)
 
 
 def falcon(w, **kw):
@@ -218,22 +212,8 @@ def test_packed_weights_give_the_bits_of_their_expansion(fmt):
 
 # ------------------------------------------------------------------ backward
 def grad_reference(weights, x, grad_output):
-    """Torch autograd of transformers' FalconMambaBlock in verified float64
-    (the loss sum(y * grad_output)), as test_mamba1_backward's for MambaBlock."""
-    block, _cfg, _d, _di = _hf._mamba1_block(weights, residual_in_fp32=False, bcdt_eps=EPS)
-    x64 = torch.from_numpy(np.array(x, dtype=np.float64)).requires_grad_(True)
-    g64 = torch.from_numpy(np.array(grad_output, dtype=np.float64))
-    repl = {n: inspect.unwrap(getattr(_hf._hf_fm, n)) for n in _hf._M1_KERNEL_NAMES}
-    guard = _hf._Float64Guard()
-    with _hf._LOCK, _hf._patched(_hf._hf_fm, repl), torch.enable_grad():
-        with _hf._CastNeutraliser(), guard:
-            (block(x64) * g64).sum().backward()
-    assert guard.ops > 0 and not guard.leaks, dict(guard.leaks)
-    out = {"x": x64.grad.numpy().copy()}
-    for name, p in block.named_parameters():
-        out[name[len("mixer."):] if name.startswith("mixer.") else name] = p.grad.numpy().copy()
-    assert set(out) == set(NAMES)
-    return out
+    """Torch autograd of transformers' FalconMambaBlock in verified float64."""
+    return mamba1_grad_reference(weights, x, grad_output, bcdt_rms_eps=EPS)
 
 
 @pytest.mark.parametrize("d,B,L", [(5, 1, 1), (40, 2, 33), (64, 3, 70)])

@@ -20,8 +20,9 @@ NAMES = ("x", "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
 
 
 # --------------------------------------------------------------------------- reference
-def grad_reference(weights, x, grad_output):
-    """PyTorch autograd of transformers' MambaBlock in verified float64.
+def grad_reference(weights, x, grad_output, bcdt_rms_eps=None):
+    """PyTorch autograd of transformers' MambaBlock in verified float64
+    (with bcdt_rms_eps: FalconMambaBlock with mixer_rms_eps = bcdt_rms_eps).
 
     Same block, weights (float64 leaf parameters) and casts neutralised as
     hf_mamba.mamba1_reference, but with gradients enabled: the loss is
@@ -29,9 +30,11 @@ def grad_reference(weights, x, grad_output):
     the whole VJP is checked to be float64. Returns {name: float64 array}
     (conv1d.weight as (di, 1, 4)).
     """
-    block, _cfg, _d, _di = _hf._mamba1_block(weights, residual_in_fp32=False)
+    block, _cfg, _d, _di = _hf._mamba1_block(weights, residual_in_fp32=False,
+                                             bcdt_eps=bcdt_rms_eps)
+    module = _hf._hf_m1 if bcdt_rms_eps is None else _hf._hf_fm
     out = checks.hf_float64_grads(
-        block, _hf._hf_m1, _hf._M1_KERNEL_NAMES, x, grad_output,
+        block, module, _hf._M1_KERNEL_NAMES, x, grad_output,
         lambda name: name[len("mixer."):] if name.startswith("mixer.") else name)
     assert set(out) == set(NAMES)
     return out

@@ -151,6 +151,15 @@ def assert_within(got, ref, scale, what, c=C):
     return worst
 
 
+def report_all(*checks):
+    """Generator for a module-scoped fixture: every GradientCheck's report
+    of the worst ratios, printed at the end of the module."""
+    yield
+    for check in checks:
+        for _ in check.report():  # (a generator: run it to its print)
+            pass
+
+
 def smallest_changed(a, frac=0.2, factor=1.01):
     """A float64 copy of a with the smallest frac of its nonzero elements (by
     magnitude) times factor: the mutation of the negative controls."""

@@ -7,8 +7,10 @@ norm, the LM head and the end-of-text ids, all float32 ``mojolearn.Array``.
 
 Formats read (docs/checkpoints.md has the name maps):
 
-- transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` folders
-  (config.json with ``model_type``), and mojolearn's Mamba-3 layout
+- transformers' ``MambaForCausalLM`` / ``FalconMambaForCausalLM`` /
+  ``Mamba2ForCausalLM`` folders (config.json with ``model_type``;
+  Falcon-Mamba's blocks are Mamba1Block with ``bcdt_rms_eps =
+  mixer_rms_eps``), and mojolearn's Mamba-3 layout
   (``model_type`` 'mamba3', what ``mojolearn.save.save_checkpoint`` writes);
 - mamba_ssm's ``MambaLMHeadModel`` folders (config.json with ``d_model``,
   ``n_layer``, ``ssm_cfg``) for Mamba-1, Mamba-2 and Mamba-3;
@@ -148,6 +150,9 @@ class Checkpoint:
     tie_word_embeddings : bool
     dt_limit : (float, float) or None
         Mamba-2's time_step_limit; None for Mamba-1 and Mamba-3.
+    bcdt_rms_eps : float or None
+        Falcon-Mamba's mixer_rms_eps (its blocks are Mamba1Block with that
+        option); None for every other model.
     eos_token_ids : tuple of int
         End-of-text ids: generation_config.json's eos_token_id, else the
         config's (an int or a list); () when neither gives one.
@@ -163,6 +168,7 @@ class Checkpoint:
         self.vocab_size = _shape(embeddings)[0]
         self.tie_word_embeddings = summary["tie"]
         self.dt_limit = summary["dt_limit"]
+        self.bcdt_rms_eps = summary.get("bcdt_rms_eps")
         self.eos_token_ids = tuple(eos_token_ids)
         self.layers = layers
         self.embeddings = embeddings
@@ -200,7 +206,9 @@ class Checkpoint:
         from . import lowbit
         fam = self.family
         kw = {"numeric_mode": numeric_mode}
-        kw.update({opt: self._summary[opt] for opt in fam.block_options})
+        # an option a summary does not hold (None) keeps the block's default
+        kw.update({opt: self._summary[opt] for opt in fam.block_options
+                   if self._summary.get(opt) is not None})
         w = {k: _loaded(v) for k, v in self.layers[i].items()}
         try:
             if weight_format != "float32":

@@ -2,8 +2,10 @@
 
 Two config formats are read (docs/checkpoints.md):
 
-- transformers' (``model_type`` 'mamba' / 'mamba2', and mojolearn's
-  'mamba3'): ``hidden_size``, ``num_hidden_layers``, ``vocab_size``, ...;
+- transformers' (``model_type`` 'mamba' / 'falcon_mamba' / 'mamba2', and
+  mojolearn's 'mamba3'): ``hidden_size``, ``num_hidden_layers``,
+  ``vocab_size``, ...; Falcon-Mamba is Mamba-1 whose blocks normalise dt,
+  B and C (``Mamba1Block(bcdt_rms_eps=mixer_rms_eps)``);
 - mamba_ssm's (``MambaConfig``: ``d_model``, ``n_layer``, ``vocab_size``,
   ``ssm_cfg`` with ``layer`` 'Mamba1' / 'Mamba2' / 'Mamba3' and the module's
   options, ``rms_norm``, ``pad_vocab_size_multiple``, ``tie_embeddings``).
@@ -94,8 +96,9 @@ def kind_of(cfg: dict, keys=()) -> str:
     if mt is not None:
         fam = by_model_type(mt)
         if fam is None:
+            known = [t for f in FAMILIES for t in (f.model_type,) + f.variant_model_types]
             raise ValueError(f"config field model_type = {mt!r} is not a Mamba, Mamba-2 or "
-                             f"Mamba-3 model ({', '.join(repr(f.model_type) for f in FAMILIES)})")
+                             f"Mamba-3 model ({', '.join(map(repr, known))})")
         return fam.kind
     for k in keys:
         if k.endswith("mixer.x_proj.weight"):
@@ -113,7 +116,8 @@ def check_config(config) -> dict:
     """Check that a checkpoint config fits the fixed blocks.
 
     Returns a summary dict {kind, format, d_model, n_layers, vocab_size,
-    tie, dt_limit} (vocab_size: the embedding rows the weights must have,
+    tie, dt_limit, bcdt_rms_eps} (bcdt_rms_eps: a falcon_mamba config's
+    mixer_rms_eps, default 1e-6, else None; vocab_size: the embedding rows the weights must have,
     None when the config does not say); raises ValueError naming the first
     field the blocks cannot represent. transformers configs (Mamba-1:
     state_size 16, conv_kernel 4, expand 2, intermediate_size 2 *
@@ -158,10 +162,22 @@ def check_config(config) -> dict:
             _fail("norm_before_gate", cfg["norm_before_gate"], "False (gate before the norm)")
         dt_limit = check_dt_limit(cfg.get("time_step_limit", (0.0, math.inf)),
                                   "time_step_limit")
+    bcdt_rms_eps = None
+    if cfg.get("model_type") in fam.variant_model_types:  # falcon_mamba
+        bcdt_rms_eps = check_mixer_rms_eps(cfg.get("mixer_rms_eps", 1e-6))
     return {"kind": fam.kind, "format": "transformers", "d_model": d, "n_layers": n_layers,
             "vocab_size": check_vocab(cfg.get("vocab_size"), "vocab_size"),
             "tie": bool(cfg.get("tie_word_embeddings", fam.tied_by_default)),
-            "dt_limit": dt_limit}
+            "dt_limit": dt_limit, "bcdt_rms_eps": bcdt_rms_eps}
+
+
+def check_mixer_rms_eps(v) -> float:
+    """Falcon-Mamba's mixer_rms_eps (the eps of its dt, B and C norms)."""
+    from ._intake import positive_float32
+    try:
+        return positive_float32(_number(v), "mixer_rms_eps")
+    except (TypeError, ValueError):
+        _fail("mixer_rms_eps", v, "a positive number float32 can hold")
 
 
 def check_layers(n, field: str) -> int:

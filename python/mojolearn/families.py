@@ -74,7 +74,10 @@ class Family:
     - ``block_options``: checkpoint summary entries passed to the block
       constructor (Mamba-2: ``dt_limit``).
     - ``model_type``: transformers' ``config.model_type`` (mojolearn's for
-      Mamba-3); ``ssm_layer``: mamba_ssm's ``ssm_cfg['layer']``.
+      Mamba-3); ``ssm_layer``: mamba_ssm's ``ssm_cfg['layer']``;
+      ``variant_model_types``: other model types read as this family with
+      a block option (Mamba-1: 'falcon_mamba', whose blocks take
+      ``bcdt_rms_eps``; configs.check_config reads the option's value).
     - ``min_multiple``: d_model must be a positive multiple of it.
     - ``initializer``, ``torch_module``, ``reference``,
       ``reference_weights``: dotted paths of mojolearn.init's drawing
@@ -109,6 +112,7 @@ class Family:
     reference_weights: str
     dt_rank: bool = False
     tied_by_default: bool = True
+    variant_model_types: tuple = ()
     file_shapes: dict = field(default_factory=dict)
 
     # -- classes and functions (imported when asked) ------------------------
@@ -234,8 +238,8 @@ def _numbered(n: int, **fields) -> Family:
 
 FAMILIES = (
     _numbered(1, kind="mamba", aliases=("mamba1",), model_type="mamba",
-              input_norm="norm.weight", row_positions=False, block_options=(),
-              min_multiple=1, dt_rank=True),
+              input_norm="norm.weight", row_positions=False, block_options=("bcdt_rms_eps",),
+              min_multiple=1, dt_rank=True, variant_model_types=("falcon_mamba",)),
     _numbered(2, kind="mamba2", aliases=(), model_type="mamba2",
               input_norm="block_norm.weight", row_positions=True,
               block_options=("dt_limit",), min_multiple=32, tied_by_default=False),
@@ -286,7 +290,8 @@ def exported_classes() -> dict:
 
 def by_model_type(model_type):
     """The Family whose transformers model_type this is, or None."""
-    return next((f for f in FAMILIES if f.model_type == model_type), None)
+    return next((f for f in FAMILIES
+                 if model_type == f.model_type or model_type in f.variant_model_types), None)
 
 
 def by_ssm_layer(layer):

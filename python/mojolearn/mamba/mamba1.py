@@ -1,8 +1,6 @@
 """Mamba-1: Mamba1Block, Mamba1BlockInference and Mamba1State."""
 from __future__ import annotations
 
-import math
-import numbers
 import struct
 
 from .. import _abi, _intake
@@ -35,24 +33,7 @@ def check_bcdt_rms_eps(eps):
     """The B/C/dt norms' eps as a Python float, or None (no norms).
     TypeError for a non-number, ValueError for one that is not finite and
     positive in float32 (the kernels use float32(eps))."""
-    if eps is None:
-        return None
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"bcdt_rms_eps must be None or a positive number, got "
-                        f"{type(eps).__name__} {eps!r}")
-    v = float(eps)
-    if not math.isfinite(v) or v <= 0 or _f32(v) == 0.0 or math.isinf(_f32(v)):
-        raise ValueError(f"bcdt_rms_eps must be a finite number > 0 that float32 can hold, "
-                         f"got {eps!r}")
-    return v
-
-
-def _f32(v: float) -> float:
-    """v rounded to float32 (inf beyond its range)."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", v))[0]
-    except OverflowError:
-        return math.inf
+    return None if eps is None else _intake.positive_float32(eps, "bcdt_rms_eps")
 
 
 class Mamba1State(StateBase):
