@@ -117,9 +117,9 @@ def _tag(kind, variant) -> str:
     return f"m{kind}" if variant is None else f"m{kind}-{variant}"
 
 
-def block_for(mojolearn, kind: int, d: int, variant=None):
+def block_for(mojolearn, kind: int, d: int, variant=None, weights=None):
     cls = {1: mojolearn.Mamba1Block, 2: mojolearn.Mamba2Block, 3: mojolearn.Mamba3Block}[kind]
-    return cls(_weights(kind, d), **_options(variant))
+    return cls(_weights(kind, d) if weights is None else weights, **_options(variant))
 
 
 # State fields in a fixed order; ints/bools are hashed as "name=value".
@@ -251,14 +251,13 @@ def run_case(mojolearn, kind, d, b, l, lengths, variant=None) -> dict:
 
 def _packed_cases(mojolearn, kind, d, b, l, variant=None):
     import numpy as np
-    cls = {1: mojolearn.Mamba1Block, 2: mojolearn.Mamba2Block, 3: mojolearn.Mamba3Block}[kind]
     x = _input(b, l, d, seed=9)
     for fmt in ("bfloat16", "int8"):
         tag = f"{_tag(kind, variant)} d{d} B{b} L{l} {fmt}"
         # the codes (OP_LOWBIT_PACK), read back from the blob (OP_PANELS_EXTRACT)
         # and expanded (OP_LOWBIT_UNPACK)
         packed = mojolearn.lowbit.pack(_weights(kind, d), fmt)
-        block = cls(packed, **_options(variant))
+        block = block_for(mojolearn, kind, d, variant, weights=packed)
         back = block.get_params()["weights"]
         parts = []
         for n in sorted(packed):
