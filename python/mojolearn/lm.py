@@ -398,14 +398,9 @@ class MambaLM:
         (``batch`` of them, if given), positions and finite values, and not
         held by an open decode session. Returns it as a list; TypeError or
         ValueError naming ``name[i]`` otherwise."""
-        if not isinstance(state, (list, tuple)):
-            raise TypeError(f"{name} must be a list of {self.n_layers} layer states "
-                            f"(as allocate_state gives), got {type(state).__name__}")
-        if len(state) != self.n_layers:
-            raise ValueError(f"{name} must hold {self.n_layers} layer states, got {len(state)}")
+        self._check_states(state, name)
         for i, (blk, st) in enumerate(zip(self.blocks, state)):
             try:
-                blk._check_state_type(st)
                 rows = batch if batch is not None else \
                     memoryview(getattr(st, type(st)._ARRAYS[0])).shape[0]
                 blk._state_views(st, rows)
@@ -414,8 +409,14 @@ class MambaLM:
         return list(state)
 
     def _check_states(self, states, name):
-        if not isinstance(states, (list, tuple)) or len(states) != self.n_layers:
-            raise ValueError(f"{name} must be a list of {self.n_layers} layer states")
+        """states as a list of n_layers states of the layers' classes (the
+        cheap part of check_state: what the engine calls check at each
+        regroup)."""
+        if not isinstance(states, (list, tuple)):
+            raise TypeError(f"{name} must be a list of {self.n_layers} layer states "
+                            f"(as allocate_state gives), got {type(states).__name__}")
+        if len(states) != self.n_layers:
+            raise ValueError(f"{name} must hold {self.n_layers} layer states, got {len(states)}")
         for i, (blk, st) in enumerate(zip(self.blocks, states)):
             try:
                 blk._check_state_type(st)
