@@ -140,21 +140,30 @@ def check_finite(lib, v: View, *, rows=None, lengths_address: int = 0) -> None:
                          f"flat index {bad}")
 
 
+def float32_round(v: float) -> float:
+    """v rounded to float32, as the kernels receive it (inf beyond its
+    range; NaN and inf as they are)."""
+    import math
+    import struct
+    if not math.isfinite(v):
+        return v
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
 def positive_float32(value, name: str) -> float:
     """value as a Python float that float32 holds as a finite number > 0
     (kernels take float32(value)); TypeError naming `name` for a non-number,
     ValueError otherwise."""
     import math
     import numbers
-    import struct
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a positive number, got "
                         f"{type(value).__name__} {value!r}")
     v = float(value)
-    try:
-        f32 = struct.unpack("<f", struct.pack("<f", v))[0] if math.isfinite(v) else math.inf
-    except OverflowError:  # beyond float32's range
-        f32 = math.inf
+    f32 = float32_round(v)
     if not math.isfinite(f32) or v <= 0 or f32 == 0.0:
         raise ValueError(f"{name} must be a finite number > 0 that float32 can hold, "
                          f"got {value!r}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-import struct
 from dataclasses import dataclass
 
 from . import _intake
@@ -14,14 +13,6 @@ from . import _intake
 _U_BITS = 24  # a float32 uniform in [0, 1): k / 2^24, exact
 INT64_MAX = (1 << 63) - 1
 FINISH_REASONS = (None, "stop", "length", "cancelled", "error")
-
-
-def _float32(v: float) -> float:
-    """v rounded to float32 (as the kernels receive it); inf if too large."""
-    try:
-        return struct.unpack("f", struct.pack("f", v))[0]
-    except OverflowError:
-        return math.inf
 
 
 def count(v, name: str, lo: int, hi: int = INT64_MAX) -> int:
@@ -43,7 +34,7 @@ def real(v, name: str) -> float:
         v = float(v)
     except (TypeError, ValueError, OverflowError) as e:
         raise TypeError(f"{name} must be a real number ({e})") from None
-    if not math.isfinite(v) or not math.isfinite(_float32(v)):
+    if not math.isfinite(v) or not math.isfinite(_intake.float32_round(v)):
         raise ValueError(f"{name} must be a finite float32 value, got {v!r}")
     return v
 
@@ -52,7 +43,7 @@ def temperature(t) -> float:
     t = real(t, "temperature")
     if t < 0:
         raise ValueError(f"temperature must be >= 0, got {t}")
-    if t > 0 and _float32(t) == 0:
+    if t > 0 and _intake.float32_round(t) == 0:
         raise ValueError(f"temperature {t!r} is 0 in float32: give 0 for greedy or a "
                          "larger value")
     return t
@@ -60,7 +51,7 @@ def temperature(t) -> float:
 
 def top_p(p) -> float:
     p = real(p, "top_p")
-    if not 0.0 < p <= 1.0 or _float32(p) == 0:
+    if not 0.0 < p <= 1.0 or _intake.float32_round(p) == 0:
         raise ValueError(f"top_p must be in (0, 1] (and nonzero in float32), got {p}")
     return p
 

@@ -92,8 +92,8 @@ def _float(body, name, default, lo, hi, lo_open=False):
 
 def _nonzero_in_float32(v, name, what):
     """v > 0 must stay > 0 when the kernels round it to float32."""
-    import struct
-    if v > 0 and struct.unpack("<f", struct.pack("<f", v))[0] == 0:
+    from .._intake import float32_round
+    if v > 0 and float32_round(v) == 0:
         raise _bad(name, f"{v!r} is 0 in float32 ({what})")
     return v
 
