@@ -130,12 +130,6 @@ class DecodeSessionBase:
     def _after_step(self):
         pass
 
-    def _position(self) -> tuple:
-        """The state's position values as the session holds them now (the
-        state's own are stale while it is open): () for Mamba-1,
-        (buffered_tokens,) for Mamba-2, (buffered_tokens, pending) for Mamba-3."""
-        return ()
-
     def close(self):
         """Copy the state back, release the buffers and close. Idempotent.
 
@@ -405,9 +399,6 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
         else:
             self._s = self._row_after(self._s)
 
-    def _position(self) -> tuple:
-        return (self._s,)
-
     def sync_state(self):
         """Copy the session's state into the Mamba2State; return it."""
         self._check_open()
@@ -519,9 +510,6 @@ class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
         else:
             self._nb = self._row_after(self._nb)
         self._pending = False
-
-    def _position(self) -> tuple:
-        return (self._nb, self._pending)
 
     def sync_state(self):
         """Copy the session's state into the Mamba3State; return it."""
