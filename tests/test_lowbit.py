@@ -236,7 +236,7 @@ def _blocks():
 
 
 @pytest.mark.parametrize("cls, w, d", _blocks(), ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_0", "q8_0"])
 def test_block_on_packed_weights_gives_same_bytes(cls, w, d, fmt):
     Block = getattr(mojolearn, cls)
     packed = lowbit.pack(w, fmt)
