@@ -112,6 +112,28 @@ def test_zero_and_tiny_blocks():
     assert raw_of(lowbit.pack_one(tiny, "q8_0")) == bytes(34)
 
 
+@pytest.mark.parametrize("d, bits", [
+    (1.0, 0x3C00),
+    (1.0 + 2.0 ** -11, 0x3C00),  # tie between 1 and 1 + 2^-10: to even (down)
+    (1.0 + 3 * 2.0 ** -11, 0x3C02),  # tie: to even (up)
+    (1.0 + 2.0 ** -11 + 2.0 ** -20, 0x3C01),  # just above the tie
+    (65504.0, 0x7BFF),  # the largest float16
+    (2.0 ** -14, 0x0400),  # the smallest normal float16
+    (2.0 ** -24, 0x0001),  # the smallest subnormal
+    (2.0 ** -25, 0x0000),  # tie between 0 and 2^-24: to even (zero)
+    (3 * 2.0 ** -25, 0x0002),  # tie between 1 and 2 units: to even (up)
+    (1023 * 2.0 ** -24 + 2.0 ** -25, 0x0400),  # subnormal rounding up into the normals
+    (-(2.0 ** -14) * (1 + 2.0 ** -10), 0x8401),
+])
+def test_q4_0_scale_is_rounded_to_float16_to_nearest_even(d, bits):
+    row = np.zeros((1, 32), F)
+    row[0, 7] = F(-8.0 * d)  # d = m / -8 exactly
+    assert F(-8.0 * d) == -8.0 * d
+    raw = raw_of(lowbit.pack_one(row, "q4_0"))
+    assert struct.unpack("<H", raw[:2])[0] == bits
+    assert struct.pack("<e", d) == raw[:2]  # the reference rounding agrees
+
+
 # --------------------------------------------------------------------------- random
 def _random_rows(seed, rows, cols):
     rng = np.random.default_rng(seed)
