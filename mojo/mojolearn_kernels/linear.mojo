@@ -142,8 +142,11 @@ def _wscale[WF: Int](panel: F32Ptr, k0: Int) -> VN:
 
 
 @always_inline
-def _wload[WF: Int](panel: F32Ptr, kk: Int, scale: VN) -> VN:
-    """Step kk of one panel as NR float32 weights, widened exactly."""
+def _wload[WF: Int, H: Int = 0](panel: F32Ptr, kk: Int, k0: Int, scale: VN) -> VN:
+    """Step kk of one panel as NR float32 weights, widened exactly; k0 is
+    the start of kk's segment (q4_0, q8_0: of its block, so the block's
+    address is the same for all its steps; q4_0: H = 1 for the steps
+    16..31 of a block, the high nibbles)."""
     comptime if WF == WF_BF16:
         var h = panel.unsafe_bitcast[UInt16]().unsafe_load[width=NR](kk * NR)
         return bitcast[DType.float32, NR](h.cast[DType.uint32]() << 16)
@@ -151,17 +154,43 @@ def _wload[WF: Int](panel: F32Ptr, kk: Int, scale: VN) -> VN:
         var c = panel.unsafe_offset(NR).unsafe_bitcast[Int8]().unsafe_load[width=NR](kk * NR)
         return c.cast[DType.float32]() * scale  # code * 2^e is representable: exact
     elif WF == WF_Q4_0:
-        var t = kk % QBLOCK
-        var codes = panel.unsafe_offset((kk // QBLOCK) * Q4_BLOCK_FLOATS + NR // 2)
-        var b = codes.unsafe_bitcast[UInt8]().unsafe_load[width=NR]((t % (QBLOCK // 2)) * NR)
-        var q = (b >> 4) if t >= QBLOCK // 2 else (b & 0xF)
-        return (q.cast[DType.float32]() - VN(8.0)) * scale  # (q - 8) * d: exact
+        var codes = panel.unsafe_offset((k0 // QBLOCK) * Q4_BLOCK_FLOATS + NR // 2)
+        var b = codes.unsafe_bitcast[UInt8]().unsafe_load[width=NR]((kk - k0 - H * QBLOCK // 2) * NR)
+        var q: SIMD[DType.uint8, NR]
+        comptime if H == 1:
+            q = b >> 4
+        else:
+            q = b & 0xF
+        var qs = bitcast[DType.int8, NR](q - 8)  # q - 8 in [-8, 7], in bytes
+        return qs.cast[DType.float32]() * scale  # (q - 8) * d: exact; 0 * d keeps d's sign
     elif WF == WF_Q8_0:
-        var codes = panel.unsafe_offset((kk // QBLOCK) * Q8_BLOCK_FLOATS + NR // 2)
-        var c = codes.unsafe_bitcast[Int8]().unsafe_load[width=NR]((kk % QBLOCK) * NR)
+        var codes = panel.unsafe_offset((k0 // QBLOCK) * Q8_BLOCK_FLOATS + NR // 2)
+        var c = codes.unsafe_bitcast[Int8]().unsafe_load[width=NR]((kk - k0) * NR)
         return c.cast[DType.float32]() * scale  # q * d: exact
     else:
         return panel.unsafe_load[width=NR](kk * NR)
+
+
+# A segment's k steps in parts: q4_0 reads a block's low nibbles (steps
+# 0..15), then its high nibbles (16..31), each part with a fixed shift;
+# every other format is one part. The steps stay in ascending order.
+@always_inline
+def _parts[WF: Int]() -> Int:
+    return 2 if WF == WF_Q4_0 else 1
+
+
+@always_inline
+def _part_start[WF: Int, H: Int](k0: Int, k1: Int) -> Int:
+    comptime if WF == WF_Q4_0 and H == 1:
+        return min(k1, k0 + QBLOCK // 2)
+    return k0
+
+
+@always_inline
+def _part_end[WF: Int, H: Int](k0: Int, k1: Int) -> Int:
+    comptime if WF == WF_Q4_0 and H == 0:
+        return min(k1, k0 + QBLOCK // 2)
+    return k1
 
 
 def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
@@ -188,10 +217,11 @@ def _tile[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
         var k1 = _seg_end[SEG](k0, k)
         var scale = _wscale[WF](panel, k0)
         var acc = Array[VN, R](fill=VN(0.0))
-        for kk in range(k0, k1):
-            var wv = _wload[WF](panel, kk, scale)
-            comptime for i in range(R):
-                acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
+        comptime for h in range(_parts[WF]()):
+            for kk in range(_part_start[WF, h](k0, k1), _part_end[WF, h](k0, k1)):
+                var wv = _wload[WF, h](panel, kk, k0, scale)
+                comptime for i in range(R):
+                    acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
         if ncols == NR:
             if k0 == 0:
                 comptime for i in range(R):
@@ -234,15 +264,17 @@ def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG
             var xg = x.unsafe_offset(g * RS * ldx)
             var yg = y.unsafe_offset(g * RS * ldy)
             var acc = Array[VN, RS * NP](fill=VN(0.0))
-            for kk in range(k0, k1):
-                comptime if PF > 0 and WF == WF_F32 and g == 0:
+            comptime for h in range(_parts[WF]()):
+                for kk in range(_part_start[WF, h](k0, k1), _part_end[WF, h](k0, k1)):
+                    comptime if PF > 0 and WF == WF_F32 and g == 0:
+                        comptime for q in range(NP):
+                            prefetch[PrefetchOptions().for_read().high_locality()](
+                                panel.unsafe_offset(q * pstride + (kk + PF) * NR))
                     comptime for q in range(NP):
-                        prefetch[PrefetchOptions().for_read().high_locality()](
-                            panel.unsafe_offset(q * pstride + (kk + PF) * NR))
-                comptime for q in range(NP):
-                    var wv = _wload[WF](panel.unsafe_offset(q * pstride), kk, scale[q])
-                    comptime for i in range(RS):
-                        acc[i * NP + q] = VN(xg[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
+                        var wv = _wload[WF, h](panel.unsafe_offset(q * pstride), kk, k0, scale[q])
+                        comptime for i in range(RS):
+                            acc[i * NP + q] = VN(xg[unsafe_offset=i * ldx + kk]).fma(
+                                wv, acc[i * NP + q])
             if k0 == 0:
                 comptime for i in range(RS):
                     comptime for q in range(NP):
