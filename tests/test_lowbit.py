@@ -305,7 +305,7 @@ def test_lowbit_and_safetensors_without_numpy_or_torch(tmp_path):
              "dt_proj.bias": buf((di,), 7), "A_log": buf((di, 16), 8), "D": buf((di,), 9),
              "out_proj.weight": buf((d, di), 10)}
         x = buf((1, 3, d), 11)
-        for fmt in ("bfloat16", "int8"):
+        for fmt in ("bfloat16", "int8", "q4_0", "q8_0"):
             p = lowbit.pack(w, fmt)
             a = mojolearn.Mamba1Block(p)
             b = mojolearn.Mamba1Block(lowbit.unpack(p)[0])
