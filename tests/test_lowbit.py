@@ -177,6 +177,16 @@ def test_api_refusals():
         lowbit.pack({}, "int4")
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_0", "q8_0"])
+@pytest.mark.parametrize("shape", [(0, 40), (3, 0), (0, 0)])
+def test_empty_weights_pack_expand_and_pickle(fmt, shape):
+    p = lowbit.pack_one(np.zeros(shape, np.float32), fmt, "w")
+    assert p.shape == shape and np.asarray(p.to_float32()).shape == shape
+    assert pickle.loads(pickle.dumps(p)).shape == shape
+    if fmt in ("q4_0", "q8_0"):
+        assert lowbit.from_ggml(fmt, b"", shape).shape == shape
+
+
 def test_packed_weight_from_parts():
     codes = np.array([[1, -2], [127, 0]], np.int8)
     p = lowbit.PackedWeight("int8", codes, np.array([-3, 5], np.int32))

@@ -166,16 +166,18 @@ class PackedWeight:
         shape = tuple(mv.shape)
         dtype = "uint16" if format == "bfloat16" else "int8"
         a = Array(shape, dtype, zero=False)
-        memoryview(a).cast("B")[:] = mv.cast("B")
+        if a.nbytes:  # (a view with a zero in its shape cannot be cast)
+            memoryview(a).cast("B")[:] = mv.cast("B")
         ex = None
         if format == "int8":
-            if b"\x80" in bytes(memoryview(a).cast("B")):
+            if b"\x80" in memoryview(a).tobytes():
                 raise ValueError("int8 codes must lie in [-127, 127]; data holds -128")
             if exponents is None:
                 raise ValueError("int8 PackedWeight needs exponents (int32, one per row)")
             emv = _buffer_view(exponents, "exponents", "i", 4, "int32", (shape[0],))
             ex = Array((shape[0],), "int32", zero=False)
-            memoryview(ex).cast("B")[:] = emv.cast("B")
+            if shape[0]:
+                memoryview(ex).cast("B")[:] = emv.cast("B")
             for r, e in enumerate(memoryview(ex)):
                 if not _E_MIN <= e <= _E_MAX:
                     raise ValueError(f"exponents[{r}] = {e} is outside [{_E_MIN}, {_E_MAX}]")
@@ -204,8 +206,9 @@ class PackedWeight:
             raise ValueError(f"cols = {cols} needs {-(-cols // BLOCK)} blocks per row, "
                              f"data holds {nb}")
         a = Array((rows, width), "uint8", zero=False)
-        memoryview(a).cast("B")[:] = mv.cast("B")
-        _check_block_scales(format, a, nb)
+        if rows * width:  # (a view with a zero in its shape cannot be cast)
+            memoryview(a).cast("B")[:] = mv.cast("B")
+            _check_block_scales(format, a, nb)
         self.format = format
         self.shape = (rows, cols)
         self.data = a
@@ -229,17 +232,21 @@ class PackedWeight:
         return f"PackedWeight(format={self.format!r}, shape={self.shape})"
 
     def __reduce__(self):
-        return (_from_bytes, (self.format, self.shape, bytes(memoryview(self.data).cast("B")),
+        return (_from_bytes, (self.format, self.shape, memoryview(self.data).tobytes(),
                               None if self.exponents is None
-                              else bytes(memoryview(self.exponents).cast("B"))))
+                              else memoryview(self.exponents).tobytes()))
 
 
 def _from_bytes(format, shape, data, exponents):
     """Unpickling: PackedWeight from its raw bytes (validated again)."""
     if format in BLOCK_BYTES:
         return from_ggml(format, data, shape)
+    from ._array import Array
     code = "H" if format == "bfloat16" else "b"
-    mv = memoryview(data).cast(code, tuple(shape))
+    if data:
+        mv = memoryview(data).cast(code, tuple(shape))
+    else:  # (a view with a zero in its shape cannot be cast)
+        mv = Array(tuple(shape), "uint16" if format == "bfloat16" else "int8")
     ex = None if exponents is None else memoryview(exponents).cast("i")
     return PackedWeight(format, mv, ex)
 
@@ -299,6 +306,9 @@ def from_ggml(fmt, raw, shape):
     if mv.nbytes != rows * width:
         raise ValueError(f"raw holds {mv.nbytes} bytes; a {fmt} tensor of shape "
                          f"{(rows, cols)} has {rows * width}")
+    if not mv.nbytes:
+        from ._array import Array
+        return PackedWeight(fmt, Array((rows, width), "uint8"), cols=cols)
     return PackedWeight(fmt, mv.cast("B", (rows, width)), cols=cols)
 
 
@@ -369,9 +379,9 @@ def pack_one(value, fmt, name: str = "weight"):
         op = _abi.OP_LOWBIT_PACK
         lib.run(op, _abi.op_spec(lib, op).pack(fmt=_FMT_ID[fmt], src=v.address, rows=rows,
                                                cols=cols, dst=data, aux=aux))
-    elif fmt == "int8":
+    else:  # nothing to pack: no overflow (bfloat16, blocks), int8's empty-row exponent
         for r in range(rows):
-            memoryview(aux)[r] = _E_MIN
+            memoryview(aux)[r] = _E_MIN if fmt == "int8" else -1
     if fmt != "int8":
         what = "rounds to infinity in bfloat16" if fmt == "bfloat16" else \
             f"makes its block's float16 scale infinite in {fmt}"
