@@ -31,7 +31,11 @@ Formats
     of ``d`` and of the float32 steps, the ``2^-22`` the float16 subnormal
     range. A block with ``|d| < 2^-128`` (every value below ``2^-125`` in
     magnitude, where ``1 / d`` is not finite and ggml's result undefined)
-    gets the code of zero, 8; it expands to zeros either way.
+    gets the code of zero, 8; it expands to zeros either way. (The float32
+    steps are separately rounded, as C without contraction evaluates them;
+    a ggml build that fuses ``x * id + 8.5`` into one multiply-add can pick
+    the other code at a rare near-tie. A GGUF file's bytes are taken as
+    they are, whichever quantiser made them.)
 'q8_0'
     llama.cpp's q8_0: blocks of 32, one float16 scale ``d = a / 127`` (``a``
     the block's largest magnitude), int8 codes ``q = round_half_away(x / d)``
@@ -117,7 +121,8 @@ class PackedWeight:
     """A 2-D weight packed in a low-bit format.
 
     Not a buffer: pass it to a block (or ``unpack``) to use it. Make one with
-    ``pack_one``/``pack``, or from stored parts with the constructor.
+    ``pack_one``/``pack``, from stored parts with the constructor, or from a
+    GGUF tensor's bytes with ``from_ggml``.
 
     Parameters
     ----------
