@@ -1,8 +1,9 @@
 """mojolearn.lowbit's llama.cpp block formats q4_0 / q8_0 (docs/checkpoints.md):
 pack gives the bytes of ggml's reference quantisers (re-implemented below in
-float32 NumPy steps), the expansion is ggml's dequantisation of the same
-bytes (re-implemented below from the byte layout), a GGUF tensor's bytes are
-taken as they are (from_ggml), and bad values are refused by name."""
+float32 NumPy steps, and the gguf package's), the expansion is ggml's
+dequantisation of the same bytes (re-implemented below from the byte layout,
+and the gguf package's), a GGUF tensor's bytes are taken as they are
+(from_ggml), and bad values are refused by name."""
 import math
 import pickle
 import struct
@@ -173,6 +174,22 @@ def test_pack_is_ggml_reference_and_expansion_is_ggml_dequantization(fmt, cols):
     # packing the expansion again gives the same values (as numbers: a block
     # whose scale underflowed float16 expands to zeros of either sign)
     assert np.array_equal(np.asarray(lowbit.pack_one(wide, fmt).to_float32()), wide)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_same_bytes_and_values_as_the_gguf_package(fmt):
+    """An independent oracle: the gguf package (llama.cpp's Python GGUF
+    writer) quantises to the bytes of pack and dequantises them to our
+    expansion, bit for bit."""
+    from gguf import GGMLQuantizationType, quants
+    qtype = {"q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0}[fmt]
+    w = _random_rows(5, 9, 96)
+    p = lowbit.pack_one(w, fmt)
+    theirs = quants.quantize(w, qtype)
+    assert raw_of(p) == theirs.tobytes()
+    assert_same_bits(p.to_float32(), quants.dequantize(theirs, qtype), "expansion")
+    # negative control: another row's bytes differ
+    assert raw_of(lowbit.pack_one(w[::-1].copy(), fmt)) != theirs.tobytes()
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
