@@ -2,7 +2,7 @@
 and against the machine's floor, on a 130M-shaped model.
 
     PYTHONPATH=python:. python bench/bench_lm.py [--kinds mamba,mamba2]
-        [--formats float32,bfloat16,int8] [--batches 1,8,32] [--threads 2]
+        [--formats float32,bfloat16,int8,q8_0,q4_0] [--batches 1,8,32] [--threads 2]
         [--decode-steps 32] [--prompt 512] [--session-cache on,off]
         [--quick] [--out bench/out/lm.json]
 
@@ -188,7 +188,7 @@ def _floor_s(step_bytes: int, threads: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="mamba,mamba2")
-    ap.add_argument("--formats", default="float32,bfloat16,int8")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,q8_0,q4_0")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=32)

@@ -4,7 +4,7 @@
 For Mamba-1/2/3 at one d_model (default 768), measured in one process:
 
 (a) bytes a block holds (its weight copies plus its prepared blob), per
-    weight format ('float32', 'bfloat16', 'int8');
+    weight format ('float32', 'bfloat16', 'int8', 'q8_0', 'q4_0');
 (b) decode ms/token (B = 1): a Mamba-1/2 decode session's step, Mamba-3's
     ``step``, per format, in interleaved short rounds (every block in each
     round, so a load change hits them alike); best and median of the rounds;
@@ -26,7 +26,7 @@ import gc
 import statistics
 import time
 
-FORMATS = ("float32", "bfloat16", "int8")
+FORMATS = ("float32", "bfloat16", "int8", "q8_0", "q4_0")
 
 
 def parse_args(argv=None):
@@ -46,8 +46,8 @@ def _weights(version, d):
 
 
 def _blocks(version, d):
-    """{fmt: block}, all on the same values (the bfloat16 grid is exact in
-    int8 only up to its rounding, so int8 gets its own expanded twin)."""
+    """{fmt: block}, and for each packed format its float32 twin on the
+    expanded values (the formats' grids differ, so each gets its own)."""
     import mojolearn
     from mojolearn import lowbit
     cls = getattr(mojolearn, f"Mamba{version}Block")

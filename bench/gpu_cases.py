@@ -12,9 +12,10 @@ forward from a state and a backward from a state with final-state
 cotangents and ragged rows; Mamba-2 a backward from a state with an open
 chunk and final-state cotangents, and a ragged one), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
-backward), and whole language models (bench/lm_cases.py); last, the block
+backward), and whole language models (bench/lm_cases.py); then the block
 options (VARIANTS: Falcon-Mamba's B/C/dt norms), through the same shape,
-packed and batch-8 cases under their own names. Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
+packed and batch-8 cases under their own names; last, the packed and LM
+cases of the q4_0 / q8_0 formats. Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
 256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
 
 Users: tests/test_cpu_variants.py (every CPU binary against the file),
@@ -59,6 +60,7 @@ SESSION_STEPS = 4
 CHUNK = {1: None, 2: 256, 3: 64}
 # Blocks on packed projection weights (mojolearn.lowbit): (block, d, B, L).
 PACKED = [(1, 64, 2, 20), (2, 64, 2, 20), (3, 64, 2, 20)]
+BLOCK_FORMATS = ("q4_0", "q8_0")  # their packed and LM cases come last
 # Batch-8 decode (x86-64-v4 runs 8-row products as one pass): (block, d).
 BATCH8 = [(1, 64), (2, 64), (3, 64)]
 B8_PREFILL, B8_STEPS = 5, 3
@@ -249,10 +251,10 @@ def run_case(mojolearn, kind, d, b, l, lengths, variant=None) -> dict:
     return dict(_shape_cases(mojolearn, kind, d, b, l, lengths, variant))
 
 
-def _packed_cases(mojolearn, kind, d, b, l, variant=None):
+def _packed_cases(mojolearn, kind, d, b, l, variant=None, formats=("bfloat16", "int8")):
     import numpy as np
     x = _input(b, l, d, seed=9)
-    for fmt in ("bfloat16", "int8"):
+    for fmt in formats:
         tag = f"{_tag(kind, variant)} d{d} B{b} L{l} {fmt}"
         # the codes (OP_LOWBIT_PACK), read back from the blob (OP_PANELS_EXTRACT)
         # and expanded (OP_LOWBIT_UNPACK)
@@ -357,6 +359,7 @@ def _nonfinite(lib) -> bytes:
 def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8, lm=True):
     """(name, bytes) of every case, in the matrix order."""
     from mojolearn import _loader
+    from bench.lm_cases import lm_cases
     lib = _loader.library()
     x = _math_input()
     for fn in range(MATH_FUNCTIONS):
@@ -371,7 +374,6 @@ def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8, lm=True):
     for s in packed:
         yield from _packed_cases(mojolearn, *s)
     if lm:
-        from bench.lm_cases import lm_cases
         yield from lm_cases(mojolearn, perturb=_PERTURB)
     for variant, (kind, _opts, v_shapes, v_packed, v_batch8) in VARIANTS.items():
         for s in v_shapes:
@@ -381,6 +383,11 @@ def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8, lm=True):
             yield from _batch8_cases(mojolearn, *s, variant=variant)
         for s in v_packed:
             yield from _packed_cases(mojolearn, *s, variant=variant)
+    # llama.cpp's block formats (added after the cases above: older names keep their order)
+    for s in packed:
+        yield from _packed_cases(mojolearn, *s, formats=BLOCK_FORMATS)
+    if lm:
+        yield from lm_cases(mojolearn, perturb=_PERTURB, formats=BLOCK_FORMATS)
 
 
 def run_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8) -> dict:

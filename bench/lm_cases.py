@@ -1,6 +1,7 @@
 """The language-model cases of the digest matrix (bench/gpu_cases.py):
 MambaLM logits and generation (greedy, top-k and top-p sampling, a request
-joining mid-stream) for each block kind, float32 and int8 weights. Every
+joining mid-stream) for each block kind, float32 and int8 weights (and the
+q4_0 / q8_0 ones, which gpu_cases lists last). Every
 case's bytes include logits, so the perturbation control (embeddings and the
 final norm weight one ulp away) changes all of them."""
 from __future__ import annotations
@@ -38,11 +39,11 @@ def _bytes(a) -> bytes:
     return np.ascontiguousarray(np.asarray(a)).tobytes()
 
 
-def lm_cases(mojolearn, perturb: bool = False):
-    """(name, bytes) of every LM case."""
+def lm_cases(mojolearn, perturb: bool = False, formats=("float32", "int8")):
+    """(name, bytes) of every LM case, for each weight format in formats."""
     import numpy as np
     for kind in KINDS:
-        for fmt in ("float32", "int8"):
+        for fmt in formats:
             lm = mojolearn.MambaLM(_checkpoint(kind, perturb), weight_format=fmt)
             tag = f"lm{kind} {fmt}"
             yield f"{tag} logits", _bytes(lm.logits([[1, 2, 3, 4, 5, 6, 7],

@@ -131,7 +131,7 @@ def _every_path(kind, fmt="float32"):
     return run
 
 
-PATHS = [(k, f) for k in (1, 2, 3) for f in ("float32", "bfloat16", "int8")]
+PATHS = [(k, f) for k in (1, 2, 3) for f in ("float32", "bfloat16", "int8", "q4_0")]
 
 
 @pytest.mark.parametrize("kind,fmt", PATHS, ids=lambda v: str(v))
@@ -198,7 +198,7 @@ def lm_folder(tmp_path_factory):
                            np.ones(32, np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "q4_0"])
 def test_lm_ops_stage_every_row_and_give_the_direct_bytes(lm_folder, fmt, emulated):
     run = _lm_run(lm_folder, fmt)
     emulated.emulate_device = False

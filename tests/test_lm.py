@@ -278,7 +278,7 @@ def test_next_token_rule_against_a_float64_version(models, t, k, p):
     assert greedy == list(np.asarray(logits).argmax(axis=1))
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_0", "q8_0"])
 def test_packed_formats_give_the_bits_of_the_rounded_float32_model(hf, fmt):
     folder = hf[0]
     packed = mojolearn.MambaLM(folder, weight_format=fmt)
@@ -399,7 +399,7 @@ def test_the_generate_command_reads_text_with_a_tokenizer(hf, models, tmp_path):
     assert out[0].split() == [words[t] for t in want]
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "q4_0"])
 def test_a_folder_is_read_lazily_in_row_ranges_with_the_same_bits(hf, fmt, monkeypatch):
     """MambaLM(folder) reads layer by layer and packs the vocabulary in row
     ranges (lm.PREPARE_ROWS; 16 here: four ranges of the 64 rows); the

@@ -177,6 +177,16 @@ def test_api_refusals():
         lowbit.pack({}, "int4")
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_0", "q8_0"])
+@pytest.mark.parametrize("shape", [(0, 40), (3, 0), (0, 0)])
+def test_empty_weights_pack_expand_and_pickle(fmt, shape):
+    p = lowbit.pack_one(np.zeros(shape, np.float32), fmt, "w")
+    assert p.shape == shape and np.asarray(p.to_float32()).shape == shape
+    assert pickle.loads(pickle.dumps(p)).shape == shape
+    if fmt in ("q4_0", "q8_0"):
+        assert lowbit.from_ggml(fmt, b"", shape).shape == shape
+
+
 def test_packed_weight_from_parts():
     codes = np.array([[1, -2], [127, 0]], np.int8)
     p = lowbit.PackedWeight("int8", codes, np.array([-3, 5], np.int32))
@@ -236,7 +246,7 @@ def _blocks():
 
 
 @pytest.mark.parametrize("cls, w, d", _blocks(), ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_0", "q8_0"])
 def test_block_on_packed_weights_gives_same_bytes(cls, w, d, fmt):
     Block = getattr(mojolearn, cls)
     packed = lowbit.pack(w, fmt)
@@ -305,7 +315,7 @@ def test_lowbit_and_safetensors_without_numpy_or_torch(tmp_path):
              "dt_proj.bias": buf((di,), 7), "A_log": buf((di, 16), 8), "D": buf((di,), 9),
              "out_proj.weight": buf((d, di), 10)}
         x = buf((1, 3, d), 11)
-        for fmt in ("bfloat16", "int8"):
+        for fmt in ("bfloat16", "int8", "q4_0", "q8_0"):
             p = lowbit.pack(w, fmt)
             a = mojolearn.Mamba1Block(p)
             b = mojolearn.Mamba1Block(lowbit.unpack(p)[0])

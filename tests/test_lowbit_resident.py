@@ -1,5 +1,5 @@
-"""Packed projection weights stay packed in a block (bfloat16 / int8 panels
-widened exactly by the GEMM on load) and give the bytes of the block built on
+"""Packed projection weights stay packed in a block (bfloat16 / int8 / q4_0 /
+q8_0 panels widened exactly by the GEMM on load) and give the bytes of the block built on
 ``lowbit.unpack(weights)``: forward, ragged, state continuation, step, decode
 sessions, thread counts and backward; with negative controls showing the
 kernels read the packed codes."""
@@ -8,13 +8,15 @@ import pytest
 
 import mojolearn
 from mojolearn import lowbit
+from mojolearn.lowbit import BLOCK_BYTES
 from tests.bits import assert_bits_differ, assert_same_bits
 from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_weights,
                                          random_input)
 
-FORMATS = ("bfloat16", "int8")
+FORMATS = ("bfloat16", "int8", "q4_0", "q8_0")
 # d=20 for Mamba-1: out_proj / x_proj row counts that are not a multiple of
-# the 16-row panel (padding lanes in the int8 scales and bf16 codes).
+# the 16-row panel (padding lanes in the int8 scales and bf16 codes), and
+# q4_0 / q8_0 rows of 20 and 2 columns (one short block each).
 BLOCKS = [("Mamba1Block", mamba1_weights, 20), ("Mamba2Block", mamba2_weights, 64),
           ("Mamba3Block", mamba3_weights, 64)]
 PROJ = {"Mamba1Block": ("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight"),
@@ -35,13 +37,23 @@ def _pair(cls, make, d, fmt, seed=3):
 
 def _perturbed(packed, name, index=0):
     """packed with one code of weight `name` changed (bf16: the top mantissa
-    bit flipped; int8: the code moved by 32 towards zero's other side)."""
+    bit flipped; int8, q8_0: the code moved by 32 towards zero's other side;
+    q4_0: the code's top bit flipped; the block formats: the first code
+    of the row's first block)."""
     p = packed[name]
     data = np.array(p.data, copy=True)
     flat = data.reshape(-1)
     if p.format == "bfloat16":
         flat[index] ^= 0x0040
         return dict(packed, **{name: lowbit.PackedWeight("bfloat16", data)})
+    if p.format in ("q4_0", "q8_0"):
+        i = index + 2  # past the block's float16 scale
+        if p.format == "q4_0":
+            flat[i] ^= 0x08
+        else:
+            c = int(data.view(np.int8).reshape(-1)[i])
+            flat[i] = np.uint8((c - 32 if c >= 0 else c + 32) & 0xFF)
+        return dict(packed, **{name: lowbit.PackedWeight(p.format, data, cols=p.shape[1])})
     flat[index] = flat[index] - 32 if flat[index] >= 0 else flat[index] + 32
     return dict(packed, **{name: lowbit.PackedWeight("int8", data, np.asarray(p.exponents))})
 
@@ -83,7 +95,8 @@ def test_packed_weights_stay_packed(cls, make, fmt):
         assert not set(PROJ[cls]) & set(b._weights)
     # The projections dominate: half (bf16) or about a quarter (int8: codes
     # plus one float32 scale per row) of the float32 panel bytes.
-    limit = {"bfloat16": 0.6, "int8": 0.4}[fmt]
+    # q8_0: 8.5 bits a value; q4_0: 4.5 bits (plus the small weights)
+    limit = {"bfloat16": 0.6, "int8": 0.4, "q8_0": 0.4, "q4_0": 0.25}[fmt]
     assert bp._blob.nbytes < limit * bu._blob.nbytes
     assert bp._held_bytes() < limit * bu._held_bytes()
 
@@ -161,6 +174,48 @@ def test_thread_count_does_not_change_packed_bits(fmt):
     assert_same_bits(y1, y3)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_block_scale_change_changes_only_its_row(fmt):
+    """Negative control for the block scales: one float16 scale of out_proj
+    (row 5, its second block) moved by one unit in the last place."""
+    bp, _, packed = _pair("Mamba2Block", mamba2_weights, 64, fmt)
+    p = packed["out_proj.weight"]
+    data = np.array(p.data, copy=True)
+    data[5, BLOCK_BYTES[fmt]] ^= 0x01  # the low byte of block 1's scale
+    other = mojolearn.Mamba2Block(dict(packed, **{
+        "out_proj.weight": lowbit.PackedWeight(fmt, data, cols=p.shape[1])}))
+    x = random_input(1, 4, 64, seed=7)
+    y0, y1 = np.asarray(bp.forward(x)), np.asarray(other.forward(x))
+    assert_bits_differ(y0, y1)
+    assert np.array_equal(np.flatnonzero((y0 != y1).any(axis=(0, 1))), [5])  # only row 5
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_ggml_bytes_with_subnormal_scales_give_the_expanded_bits(fmt):
+    """Weights made from raw block bytes (float16 subnormal and negative
+    scales, every code; q8_0 also -128), not from pack: the GEMM and the
+    embedding-free paths widen them as the expansion does."""
+    w = mamba2_weights(64, seed=18)
+    rng = np.random.default_rng(19)
+    for name in ("in_proj.weight", "out_proj.weight"):
+        rows, cols = w[name].shape
+        nb = cols // 32
+        blocks = rng.integers(0, 256, (rows * nb, BLOCK_BYTES[fmt]), dtype=np.uint8)
+        scales = rng.integers(0x0100, 0x2000, rows * nb).astype(np.uint16)  # about 2^-22 .. 2^-8
+        scales[::5] &= 0x03FF  # subnormal
+        scales[1::3] |= 0x8000
+        blocks[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+        w[name] = lowbit.from_ggml(fmt, blocks.tobytes(), (rows, cols))
+    bp = mojolearn.Mamba2Block(w)
+    bu = mojolearn.Mamba2Block(lowbit.unpack(w)[0])
+    x = random_input(2, 5, 64, seed=20)
+    assert_same_bits(bp.forward(x), bu.forward(x), "forward")
+    s1, s2 = bp.allocate_state(2), bu.allocate_state(2)
+    bp.forward(x, s1)
+    bu.forward(x, s2)
+    assert_same_bits(bp.step(x[:, 0], s1), bu.step(x[:, 0], s2), "step")
+
+
 def test_int8_subnormal_and_tiny_rows_expand_exactly():
     """Rows with e = -149 (and subnormal dequantized values): the float32
     scale 2^e is subnormal; code * 2^e must still be exact."""
@@ -215,6 +270,7 @@ def test_get_params_returns_the_packed_weights(cls, make, d, fmt):
         got, want = p["weights"][name], packed[name]
         assert lowbit.is_packed(got) and got.format == fmt
         assert bytes(memoryview(got.data)) == bytes(memoryview(want.data))
+        assert got.shape == want.shape
         if fmt == "int8":
             assert bytes(memoryview(got.exponents)) == bytes(memoryview(want.exponents))
         else:

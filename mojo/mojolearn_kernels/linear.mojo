@@ -26,11 +26,14 @@ packed[p, k, j] = W[p * NR + j, k] (zero rows past M), so each k step loads
 16 contiguous floats.
 
 Weight format WF (a compile-time parameter; float32 is the default and its
-code is the plain float32 kernel): the panels may also hold bfloat16 bits or
-int8 codes (mojolearn.lowbit). Each weight is widened to float32 on load,
-exactly (bf16: bits << 16; int8: code * 2^e, a power-of-two scale per
-output row), so the fma chains see the same float32 values in the same
-order and give the same bits as on the expanded float32 panels.
+code is the plain float32 kernel): the panels may also hold bfloat16 bits,
+int8 codes or llama.cpp's q4_0 / q8_0 blocks (mojolearn.lowbit). Each
+weight is widened to float32 on load, exactly (bf16: bits << 16; int8:
+code * 2^e, a power-of-two scale per output row; q4_0: (q - 8) * d, q8_0:
+q * d, d the float16 scale of a block of 32 k steps of one row), so the fma
+chains see the same float32 values in the same order and give the same bits
+as on the expanded float32 panels. A block format's blocks are the KSEG
+segments of the canonical order, so each segment loads its scales once.
 """
 from std.collections import Array
 from std.memory import bitcast
@@ -66,6 +69,15 @@ def _seg_end[SEG: Int](k0: Int, k: Int) -> Int:
 comptime WF_F32 = 0  # packed[p, k, j] float32
 comptime WF_BF16 = 1  # the same order, bfloat16 bits (uint16)
 comptime WF_INT8 = 2  # per panel: NR float32 scales 2^e[row], then int8 codes [k, j]
+# The block formats (a block: 32 k steps of one row): per panel and block,
+# NR float16 scale bits d[row] (8 floats), then the codes of the block's 32
+# steps. q4_0: 16 x NR bytes, byte [t, j] = q[row j, step t] | q[row j,
+# step t + 16] << 4 (the nibble order of a ggml block); q8_0: 32 x NR int8.
+comptime WF_Q4_0 = 3
+comptime WF_Q8_0 = 4
+comptime QBLOCK = 32  # k steps per block (= KSEG)
+comptime Q4_BLOCK_FLOATS = NR // 2 + NR * QBLOCK // 8
+comptime Q8_BLOCK_FLOATS = NR // 2 + NR * QBLOCK // 4
 
 
 @always_inline
@@ -75,43 +87,110 @@ def panel_floats[WF: Int](k: Int) -> Int:
         return k * NR // 2
     elif WF == WF_INT8:
         return NR + k * NR // 4
+    elif WF == WF_Q4_0:
+        return ceil_div(k, QBLOCK) * Q4_BLOCK_FLOATS
+    elif WF == WF_Q8_0:
+        return ceil_div(k, QBLOCK) * Q8_BLOCK_FLOATS
     else:
         return k * NR
+
+
+def panel_floats_wf(wf: Int, k: Int) -> Int:
+    """panel_floats for the run-time format wf."""
+    if wf == WF_BF16:
+        return panel_floats[WF_BF16](k)
+    if wf == WF_INT8:
+        return panel_floats[WF_INT8](k)
+    if wf == WF_Q4_0:
+        return panel_floats[WF_Q4_0](k)
+    if wf == WF_Q8_0:
+        return panel_floats[WF_Q8_0](k)
+    return panel_floats[WF_F32](k)
 
 
 def packed_floats(m: Int, k: Int, wf: Int = WF_F32) -> Int:
     """Floats in the packed form of an (m, k) matrix in format wf, rounded
     up to ALIGN_FLOATS (float32 panels are always a multiple of it)."""
-    var per: Int
-    if wf == WF_BF16:
-        per = panel_floats[WF_BF16](k)
-    elif wf == WF_INT8:
-        per = panel_floats[WF_INT8](k)
-    else:
-        per = panel_floats[WF_F32](k)
-    return round_up(ceil_div(m, NR) * per, ALIGN_FLOATS)
+    return round_up(ceil_div(m, NR) * panel_floats_wf(wf, k), ALIGN_FLOATS)
 
 
 @always_inline
-def _wscale[WF: Int](panel: F32Ptr) -> VN:
-    """The panel's per-row scales (int8); unused (and optimised away) else."""
+def f16_widen[W: Int](h: SIMD[DType.uint16, W]) -> SIMD[DType.float32, W]:
+    """float16 bit patterns -> float32, exactly, in integer steps (finite
+    inputs: the Python layer refuses non-finite scales)."""
+    comptime V = SIMD[DType.float32, W]
+    var hu = h.cast[DType.uint32]()
+    var em = hu & 0x7FFF
+    var normal = bitcast[DType.float32, W]((em << 13) + 0x38000000)  # rebias 15 -> 127
+    var sub = em.cast[DType.float32]() * V(5.9604644775390625e-08)  # subnormal: em * 2^-24
+    var mag = em.lt(SIMD[DType.uint32, W](0x400)).select(sub, normal)
+    return bitcast[DType.float32, W](bitcast[DType.uint32, W](mag) | ((hu & 0x8000) << 16))
+
+
+@always_inline
+def _wscale[WF: Int](panel: F32Ptr, k0: Int) -> VN:
+    """The scales of the segment that starts at k0: the panel's per-row
+    scales (int8), the rows' block scales (q4_0, q8_0); unused (and
+    optimised away) else."""
     comptime if WF == WF_INT8:
         return panel.unsafe_load[width=NR](0)
+    elif WF == WF_Q4_0 or WF == WF_Q8_0:
+        var blk = panel.unsafe_offset((k0 // QBLOCK) * panel_floats[WF](QBLOCK))
+        return f16_widen[NR](blk.unsafe_bitcast[UInt16]().unsafe_load[width=NR](0))
     else:
         return VN(1.0)
 
 
 @always_inline
-def _wload[WF: Int](panel: F32Ptr, kk: Int, scale: VN) -> VN:
-    """Step kk of one panel as NR float32 weights, widened exactly."""
+def _wload[WF: Int, H: Int = 0](panel: F32Ptr, kk: Int, k0: Int, scale: VN) -> VN:
+    """Step kk of one panel as NR float32 weights, widened exactly; k0 is
+    the start of kk's segment (q4_0, q8_0: of its block, so the block's
+    address is the same for all its steps; q4_0: H = 1 for the steps
+    16..31 of a block, the high nibbles)."""
     comptime if WF == WF_BF16:
         var h = panel.unsafe_bitcast[UInt16]().unsafe_load[width=NR](kk * NR)
         return bitcast[DType.float32, NR](h.cast[DType.uint32]() << 16)
     elif WF == WF_INT8:
         var c = panel.unsafe_offset(NR).unsafe_bitcast[Int8]().unsafe_load[width=NR](kk * NR)
         return c.cast[DType.float32]() * scale  # code * 2^e is representable: exact
+    elif WF == WF_Q4_0:
+        var codes = panel.unsafe_offset((k0 // QBLOCK) * Q4_BLOCK_FLOATS + NR // 2)
+        var b = codes.unsafe_bitcast[UInt8]().unsafe_load[width=NR]((kk - k0 - H * QBLOCK // 2) * NR)
+        var q: SIMD[DType.uint8, NR]
+        comptime if H == 1:
+            q = b >> 4
+        else:
+            q = b & 0xF
+        var qs = bitcast[DType.int8, NR](q - 8)  # q - 8 in [-8, 7], in bytes
+        return qs.cast[DType.float32]() * scale  # (q - 8) * d: exact; 0 * d keeps d's sign
+    elif WF == WF_Q8_0:
+        var codes = panel.unsafe_offset((k0 // QBLOCK) * Q8_BLOCK_FLOATS + NR // 2)
+        var c = codes.unsafe_bitcast[Int8]().unsafe_load[width=NR]((kk - k0) * NR)
+        return c.cast[DType.float32]() * scale  # q * d: exact
     else:
         return panel.unsafe_load[width=NR](kk * NR)
+
+
+# A segment's k steps in parts: q4_0 reads a block's low nibbles (steps
+# 0..15), then its high nibbles (16..31), each part with a fixed shift;
+# every other format is one part. The steps stay in ascending order.
+@always_inline
+def _parts[WF: Int]() -> Int:
+    return 2 if WF == WF_Q4_0 else 1
+
+
+@always_inline
+def _part_start[WF: Int, H: Int](k0: Int, k1: Int) -> Int:
+    comptime if WF == WF_Q4_0 and H == 1:
+        return min(k1, k0 + QBLOCK // 2)
+    return k0
+
+
+@always_inline
+def _part_end[WF: Int, H: Int](k0: Int, k1: Int) -> Int:
+    comptime if WF == WF_Q4_0 and H == 0:
+        return min(k1, k0 + QBLOCK // 2)
+    return k1
 
 
 def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
@@ -132,15 +211,17 @@ def _tile[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
     x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int, ncols: Int
 ):
     """R rows x one panel: y[i, 0:ncols] = x[i, :] . panel (order SEG)."""
-    var scale = _wscale[WF](panel)
+    comptime assert WF < WF_Q4_0 or SEG == QBLOCK, "block formats: one block per segment"
     var k0 = 0
     while True:  # one segment per pass; k = 0 stores +0.0
         var k1 = _seg_end[SEG](k0, k)
+        var scale = _wscale[WF](panel, k0)
         var acc = Array[VN, R](fill=VN(0.0))
-        for kk in range(k0, k1):
-            var wv = _wload[WF](panel, kk, scale)
-            comptime for i in range(R):
-                acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
+        comptime for h in range(_parts[WF]()):
+            for kk in range(_part_start[WF, h](k0, k1), _part_end[WF, h](k0, k1)):
+                var wv = _wload[WF, h](panel, kk, k0, scale)
+                comptime for i in range(R):
+                    acc[i] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i])
         if ncols == NR:
             if k0 == 0:
                 comptime for i in range(R):
@@ -171,26 +252,29 @@ def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG
     only). RS < R: the rows in groups of RS (a divisor of R), one group
     after the other within each segment, so the later groups find the
     segment's weights in L1 and the stream from memory never pauses."""
+    comptime assert WF < WF_Q4_0 or SEG == QBLOCK, "block formats: one block per segment"
     var pstride = panel_floats[WF](k)
-    var scale = Array[VN, NP](fill=VN(1.0))
-    comptime for q in range(NP):
-        scale[q] = _wscale[WF](panel.unsafe_offset(q * pstride))
     var k0 = 0
     while True:  # one segment per pass; k = 0 stores +0.0
         var k1 = _seg_end[SEG](k0, k)
+        var scale = Array[VN, NP](fill=VN(1.0))
+        comptime for q in range(NP):
+            scale[q] = _wscale[WF](panel.unsafe_offset(q * pstride), k0)
         comptime for g in range(R // RS):
             var xg = x.unsafe_offset(g * RS * ldx)
             var yg = y.unsafe_offset(g * RS * ldy)
             var acc = Array[VN, RS * NP](fill=VN(0.0))
-            for kk in range(k0, k1):
-                comptime if PF > 0 and WF == WF_F32 and g == 0:
+            comptime for h in range(_parts[WF]()):
+                for kk in range(_part_start[WF, h](k0, k1), _part_end[WF, h](k0, k1)):
+                    comptime if PF > 0 and WF == WF_F32 and g == 0:
+                        comptime for q in range(NP):
+                            prefetch[PrefetchOptions().for_read().high_locality()](
+                                panel.unsafe_offset(q * pstride + (kk + PF) * NR))
                     comptime for q in range(NP):
-                        prefetch[PrefetchOptions().for_read().high_locality()](
-                            panel.unsafe_offset(q * pstride + (kk + PF) * NR))
-                comptime for q in range(NP):
-                    var wv = _wload[WF](panel.unsafe_offset(q * pstride), kk, scale[q])
-                    comptime for i in range(RS):
-                        acc[i * NP + q] = VN(xg[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
+                        var wv = _wload[WF, h](panel.unsafe_offset(q * pstride), kk, k0, scale[q])
+                        comptime for i in range(RS):
+                            acc[i * NP + q] = VN(xg[unsafe_offset=i * ldx + kk]).fma(
+                                wv, acc[i * NP + q])
             if k0 == 0:
                 comptime for i in range(RS):
                     comptime for q in range(NP):
@@ -350,4 +434,8 @@ def matmul_task_wf(
         return matmul_task[WF_BF16, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)
     if wf == WF_INT8:
         return matmul_task[WF_INT8, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)
+    if wf == WF_Q4_0:
+        return matmul_task[WF_Q4_0, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)
+    if wf == WF_Q8_0:
+        return matmul_task[WF_Q8_0, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)
     return matmul_task[WF_F32, KSEG](task, x, ldx, rows, wp, k, m, y, ldy)

@@ -2,8 +2,9 @@
 and the choice of the next token.
 
 The vocabulary matrices live in a prepared blob, in the weight format they
-were given in (float32 values, bfloat16 bits or int8 codes with a power-of-
-two scale per row: mojolearn.lowbit), as linear.mojo's panels:
+were given in (float32 values, bfloat16 bits, int8 codes with a power-of-
+two scale per row, or q4_0 / q8_0 blocks: mojolearn.lowbit), as linear.mojo's
+panels:
     header | final norm weight (d) | head panels (V, d) | embedding panels
 The embedding section is the head section itself when the weights are tied,
 so a tied model holds one copy. Blob header word 1 is the head's offset,
@@ -11,7 +12,8 @@ word 2 the embedding's (weight_panels.mojo's section words).
 
 Canonical order (identical mode):
 - embedding: a copy of the row (float32), or its exact widening (bfloat16
-  bits << 16; int8 code * 2^e): no arithmetic that could round.
+  bits << 16; int8 code * 2^e; q4_0 (q - 8) * d; q8_0 q * d): no arithmetic
+  that could round.
 - logits: h = norm_w * (x * r), r the RMSNorm scale of x (norms.mojo);
   logits = h @ W^T in linear.mojo's order (one sequential fma chain over k
   per output), so a row's logits do not depend on the other rows.
@@ -31,7 +33,10 @@ from .abi import (
     F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, ALIGN_FLOATS, arg_int, arg_f32, arg_i64,
     ceil_div, round_up,
 )
-from .linear import NR, WF_F32, WF_BF16, WF_INT8, packed_floats, panel_floats
+from .linear import (
+    NR, WF_F32, WF_BF16, WF_INT8, WF_Q4_0, WF_Q8_0, QBLOCK, packed_floats,
+    panel_floats, panel_floats_wf, f16_widen,
+)
 from .linear import matmul_ntasks, matmul_task_wf
 from .weight_panels import (
     pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
@@ -147,14 +152,6 @@ def lm_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     return PHASE_END
 
 
-def _panel_floats(wf: Int, k: Int) -> Int:
-    if wf == WF_BF16:
-        return panel_floats[WF_BF16](k)
-    if wf == WF_INT8:
-        return panel_floats[WF_INT8](k)
-    return panel_floats[WF_F32](k)
-
-
 def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var wf = arg_int(args, LMP_WFMT)
     var tied = arg_int(args, LMP_EMB) == 0
@@ -162,7 +159,7 @@ def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var blob = arg_f32(args, LMP_BLOB)
     var row0 = arg_int(args, LMP_ROW0)
     var n = arg_int(args, LMP_NROWS)
-    var at = (row0 // NR) * _panel_floats(wf, dm.d)
+    var at = (row0 // NR) * panel_floats_wf(wf, dm.d)
     if task == 0:
         pack_weight_panels(wf, arg_int(args, LMP_HEAD), arg_int(args, LMP_HEAD_EXP),
                            n, dm.d, blob.unsafe_offset(dm.o_head + at))
@@ -215,10 +212,29 @@ def lm_embed_task(args: I64Ptr, phase: Int, task: Int):
             var codes = panel.unsafe_offset(NR).unsafe_bitcast[Int8]()
             for k in range(dm.d):
                 dst[unsafe_offset=k] = Float32(codes[unsafe_offset=k * NR + j]) * scale
+        elif dm.wf == WF_Q4_0 or dm.wf == WF_Q8_0:
+            _embed_blocks(dm.wf, emb.unsafe_offset(p * panel_floats_wf(dm.wf, dm.d)), j, dm.d, dst)
         else:
             var panel = emb.unsafe_offset(p * panel_floats[WF_F32](dm.d))
             for k in range(dm.d):
                 dst[unsafe_offset=k] = panel[unsafe_offset=k * NR + j]
+
+
+def _embed_blocks(wf: Int, panel: F32Ptr, j: Int, d: Int, dst: F32Ptr):
+    """Row j of a q4_0 / q8_0 panel, widened as linear._wload does."""
+    var bs = panel_floats_wf(wf, QBLOCK)
+    for k in range(d):
+        var blk = panel.unsafe_offset((k // QBLOCK) * bs)
+        var scale = f16_widen[1](blk.unsafe_bitcast[UInt16]()[unsafe_offset=j])[0]
+        var codes = blk.unsafe_offset(NR // 2).unsafe_bitcast[UInt8]()
+        var t = k % QBLOCK
+        if wf == WF_Q4_0:
+            var b = Int(codes[unsafe_offset=(t % (QBLOCK // 2)) * NR + j])
+            var q = (b >> 4) if t >= QBLOCK // 2 else (b & 0xF)
+            dst[unsafe_offset=k] = Float32(q - 8) * scale
+        else:
+            var c = bitcast[DType.int8, 1](codes[unsafe_offset=t * NR + j])
+            dst[unsafe_offset=k] = Float32(Int(c)) * scale
 
 
 # ---------------------------------------------------------------- logits

@@ -37,7 +37,8 @@ from .weight_panels import blob_format
 from .linear_grad import TPanels
 
 # Kinds: a scalar, or a buffer of one element type. K_CODES: uint16
-# bfloat16 bits or int8 codes, by the op's format argument. K_WORK: the op's
+# bfloat16 bits, int8 codes or q4_0 / q8_0 blocks' bytes, by the op's
+# format argument (lowbit.code_bytes). K_WORK: the op's
 # workspace (its bytes are ml_plan(op, args, PLAN_WORKSPACE)).
 comptime K_INT = 0
 comptime K_F32 = 1
@@ -104,7 +105,8 @@ def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
         _int(s, "rows", lb.PK_ROWS)
         _int(s, "cols", lb.PK_COLS)
         s.slot("src", lb.PK_SRC, K_F32, BUF_IN, n * F4)
-        s.slot("dst", lb.PK_DST, K_CODES, BUF_OUT, n * _code_bytes(arg_int(args, lb.PK_FMT)))
+        s.slot("dst", lb.PK_DST, K_CODES, BUF_OUT,
+               lb.code_bytes(arg_int(args, lb.PK_FMT), rows, arg_int(args, lb.PK_COLS)))
         s.slot("aux", lb.PK_AUX, K_I32, BUF_OUT, rows * F4)
     elif op == OP_LOWBIT_UNPACK:
         var rows = arg_int(args, lb.UP_ROWS)
@@ -112,7 +114,8 @@ def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
         _int(s, "fmt", lb.UP_FMT)
         _int(s, "rows", lb.UP_ROWS)
         _int(s, "cols", lb.UP_COLS)
-        s.slot("src", lb.UP_SRC, K_CODES, BUF_IN, n * _code_bytes(arg_int(args, lb.UP_FMT)))
+        s.slot("src", lb.UP_SRC, K_CODES, BUF_IN,
+               lb.code_bytes(arg_int(args, lb.UP_FMT), rows, arg_int(args, lb.UP_COLS)))
         s.slot("aux", lb.UP_AUX, K_I32, BUF_IN, rows * F4)
         s.slot("dst", lb.UP_DST, K_F32, BUF_OUT, n * F4)
     elif op == OP_PANELS_EXTRACT:
@@ -123,8 +126,7 @@ def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
         _int(s, "rows", wp.EX_ROWS)
         _int(s, "cols", wp.EX_COLS)
         s.slot("blob", wp.EX_BLOB, K_F32, BUF_IN, 0)
-        s.slot("dst", wp.EX_DST, K_CODES, BUF_OUT,
-               rows * arg_int(args, wp.EX_COLS) * _code_bytes(wf))
+        s.slot("dst", wp.EX_DST, K_CODES, BUF_OUT, lb.code_bytes(wf, rows, arg_int(args, wp.EX_COLS)))
         s.slot("exponents", wp.EX_EXP, K_I32, BUF_OUT, rows * F4)
     elif op == OP_PACK_TRANSPOSED:
         var k1 = arg_int(args, lg.PT_K1)
@@ -153,16 +155,6 @@ def _int[S: SlotSink](mut s: S, name: StaticString, slot: Int):
 @always_inline
 def _f32[S: SlotSink](mut s: S, name: StaticString, slot: Int, dir: Int, floats: Int):
     s.slot(name, slot, K_F32, dir, floats * F4)
-
-
-def _code_bytes(fmt: Int) -> Int:
-    """Bytes per element of packed codes (lowbit.FMT_*): bfloat16 2, int8 1,
-    float32 (panels extract of a float32 blob) 4."""
-    if fmt == lb.FMT_BF16:
-        return 2
-    if fmt == lb.FMT_INT8:
-        return 1
-    return 4
 
 
 def _tokens(args: I64Ptr) -> Int:

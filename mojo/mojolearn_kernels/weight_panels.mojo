@@ -1,5 +1,6 @@
 """Projection weights in a block's prepared blob, kept in the format they
-were given in (mojolearn.lowbit): float32, bfloat16 or int8 panels.
+were given in (mojolearn.lowbit): float32, bfloat16, int8, q4_0 or q8_0
+panels.
 
 Every blob starts with a header of ALIGN_FLOATS int32 words: word 0 is the
 weight format (a WF_* id), word 1 + i the float offset of projection i's
@@ -16,11 +17,20 @@ a copy, not a conversion, so the panels hold exactly the given values:
   bf16: uint16 bits, panel[p][k][j] = bits[p * NR + j, k]
   int8: per panel NR float32 scales 2^e[p * NR + j] (1.0 past the last
         row), then int8 codes [k][j]; rows past the last are code 0.
+  q4_0, q8_0: per panel and block of 32 k steps, the NR rows' float16 scale
+        bits, then the block's code bytes in linear.mojo's order (rows past
+        the last: scale 0 and zero bytes). The bytes of a ggml block move
+        as they are: byte t of a q4_0 block's nibbles goes to [t][j], code
+        t of a q8_0 block to [t][j].
 """
 from std.memory import Pointer, bitcast
 from .abi import F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, arg_int, arg_f32, ceil_div
-from .linear import NR, WF_F32, WF_BF16, WF_INT8, panel_floats, pack_panels
+from .linear import (
+    NR, WF_F32, WF_BF16, WF_INT8, WF_Q4_0, WF_Q8_0, QBLOCK, panel_floats, panel_floats_wf,
+    pack_panels,
+)
 
+comptime U8Ptr = Pointer[UInt8, MutUntrackedOrigin]
 comptime U16Ptr = Pointer[UInt16, MutUntrackedOrigin]
 comptime I8Ptr = Pointer[Int8, MutUntrackedOrigin]
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
@@ -43,7 +53,7 @@ comptime EX_BLOB = 0  # a prepared blob (any weight format)
 comptime EX_SECTION = 1  # projection index i (header word 1 + i)
 comptime EX_ROWS = 2
 comptime EX_COLS = 3
-comptime EX_DST = 4  # float32 values, uint16 bfloat16 bits or int8 codes (rows, cols)
+comptime EX_DST = 4  # float32 values, uint16 bfloat16 bits or int8 codes (rows, cols), or blocks' bytes
 comptime EX_EXP = 5  # int8: int32 exponents (rows,)
 
 
@@ -86,7 +96,46 @@ def blob_format(blob: F32Ptr) -> Int:
 
 
 def valid_format(wf: Int) -> Bool:
-    return wf == WF_F32 or wf == WF_BF16 or wf == WF_INT8
+    return wf == WF_F32 or wf == WF_BF16 or wf == WF_INT8 or wf == WF_Q4_0 or wf == WF_Q8_0
+
+
+@always_inline
+def _block_code_bytes(wf: Int) -> Int:
+    """Code bytes of one ggml block (its float16 scale excluded)."""
+    return QBLOCK // 2 if wf == WF_Q4_0 else QBLOCK
+
+
+def _blocks_panels(wf: Int, src: U8Ptr, m: Int, k: Int, dst: F32Ptr, to_panels: Bool):
+    """Copy the ggml blocks of the (m, k) weight at src (rows of ceil(k/32)
+    blocks, each a float16 scale and its code bytes) into panels at dst, or
+    (to_panels False) back: the same bytes, moved."""
+    var nb = (k + QBLOCK - 1) // QBLOCK
+    var cb = _block_code_bytes(wf)
+    var bb = 2 + cb
+    var ps = panel_floats_wf(wf, k)
+    var bs = panel_floats_wf(wf, QBLOCK)  # floats per panel block
+    for p in range((m + NR - 1) // NR):
+        for b in range(nb):
+            var pb = dst.unsafe_offset(p * ps + b * bs).unsafe_bitcast[UInt8]()
+            for j in range(NR):
+                var row = p * NR + j
+                var blk = src.unsafe_offset((row * nb + b) * bb)
+                if row < m:
+                    if to_panels:
+                        pb[unsafe_offset=2 * j] = blk[unsafe_offset=0]
+                        pb[unsafe_offset=2 * j + 1] = blk[unsafe_offset=1]
+                        for t in range(cb):
+                            pb[unsafe_offset=2 * NR + t * NR + j] = blk[unsafe_offset=2 + t]
+                    else:
+                        blk[unsafe_offset=0] = pb[unsafe_offset=2 * j]
+                        blk[unsafe_offset=1] = pb[unsafe_offset=2 * j + 1]
+                        for t in range(cb):
+                            blk[unsafe_offset=2 + t] = pb[unsafe_offset=2 * NR + t * NR + j]
+                elif to_panels:
+                    pb[unsafe_offset=2 * j] = 0
+                    pb[unsafe_offset=2 * j + 1] = 0
+                    for t in range(cb):
+                        pb[unsafe_offset=2 * NR + t * NR + j] = 0
 
 
 def _pack_bf16(src: U16Ptr, m: Int, k: Int, dst: F32Ptr):
@@ -124,12 +173,14 @@ def _pack_int8(src: I8Ptr, exps: I32Ptr, m: Int, k: Int, dst: F32Ptr):
 
 def pack_weight_panels(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr):
     """Panels of the (m, k) weight at address src in format wf: float32
-    values, bfloat16 bits (uint16) or int8 codes with int32 exponents (one
-    per row, at address exps)."""
+    values, bfloat16 bits (uint16), int8 codes with int32 exponents (one
+    per row, at address exps) or the bytes of q4_0 / q8_0 blocks."""
     if wf == WF_BF16:
         _pack_bf16(U16Ptr(unsafe_from_address=src), m, k, dst)
     elif wf == WF_INT8:
         _pack_int8(I8Ptr(unsafe_from_address=src), I32Ptr(unsafe_from_address=exps), m, k, dst)
+    elif wf == WF_Q4_0 or wf == WF_Q8_0:
+        _blocks_panels(wf, U8Ptr(unsafe_from_address=src), m, k, dst, True)
     else:
         pack_panels(F32Ptr(unsafe_from_address=src), m, k, dst)
 
@@ -162,6 +213,12 @@ def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
     elif wf == WF_BF16:
         _rows_from_panel[DType.uint16](Int(sec.unsafe_offset(task * panel_floats[WF_BF16](k))),
                                        arg_int(args, EX_DST), r0, nr, k)
+    elif wf == WF_Q4_0 or wf == WF_Q8_0:
+        var nb = (k + QBLOCK - 1) // QBLOCK
+        var dst = U8Ptr(unsafe_from_address=arg_int(args, EX_DST))
+        # this task's panel, as the panels of rows r0 .. r0 + nr - 1 alone
+        _blocks_panels(wf, dst.unsafe_offset(r0 * nb * (2 + _block_code_bytes(wf))), nr, k,
+                       sec.unsafe_offset(task * panel_floats_wf(wf, k)), False)
     else:
         var panel = sec.unsafe_offset(task * panel_floats[WF_INT8](k))
         var exps = I32Ptr(unsafe_from_address=arg_int(args, EX_EXP))

@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 
+from . import lowbit
 from ._cli_common import load_tokenizer, model_folder, parse_ids, report_errors
 
 PROG = "python -m mojolearn generate"
@@ -37,7 +38,7 @@ def _parser():
     ap.add_argument("--stop-ids", default=None,
                     help="comma-separated token ids that end generation (default: the model's "
                     "end-of-text ids; '' for none)")
-    ap.add_argument("--weight-format", default="float32", choices=["float32", "bfloat16", "int8"])
+    ap.add_argument("--weight-format", default="float32", choices=list(lowbit.FORMATS))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--download", action="store_true",
                     help="download a Hub id missing from the cache")

@@ -191,9 +191,9 @@ class Checkpoint:
         """One block per layer (Mamba1Block, Mamba2Block with dt_limit, or
         Mamba3Block).
 
-        weight_format 'bfloat16' or 'int8' packs the projection weights with
-        mojolearn.lowbit first (the blocks then compute on the rounded
-        values; see docs/checkpoints.md).
+        weight_format 'bfloat16', 'int8', 'q4_0' or 'q8_0' packs the
+        projection weights with mojolearn.lowbit first (the blocks then
+        compute on the rounded values; see docs/checkpoints.md).
         """
         return [self.block(i, weight_format=weight_format, numeric_mode=numeric_mode)
                 for i in range(self.n_layers)]

@@ -12,9 +12,9 @@ from array import array as _pyarray
 
 from . import _abi, _intake
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+from .lowbit import FORMATS as WEIGHT_FORMATS, FORMAT_IDS
+
 PREPARE_ROWS = 4096  # vocabulary rows packed per call when read from a file (a multiple of 16)
-_WF_ID = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
 class MambaLM:
@@ -26,7 +26,7 @@ class MambaLM:
         A checkpoint folder (transformers' or mamba_ssm's layout, see
         docs/checkpoints.md), a Hub id "org/name", or a ``load_checkpoint``
         result.
-    weight_format : {'float32', 'bfloat16', 'int8'}, default 'float32'
+    weight_format : {'float32', 'bfloat16', 'int8', 'q4_0', 'q8_0'}, default 'float32'
         Format of every projection, the embedding and the LM head
         (mojolearn.lowbit: the kernels widen packed weights exactly, so the
         model computes on the rounded values).
@@ -132,7 +132,7 @@ class MambaLM:
                 w = self._rows(value, name, r0, r1)
                 keep.append(w)
                 named[name], named[f"exp:{name}"] = _addresses(w)
-            args = spec.pack(named, d=d, vocab=v, wfmt=_WF_ID[self.weight_format],
+            args = spec.pack(named, d=d, vocab=v, wfmt=FORMAT_IDS[self.weight_format],
                              row0=r0, nrows=r1 - r0)
             if blob is None:
                 blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)

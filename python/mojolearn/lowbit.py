@@ -16,6 +16,43 @@ Formats
     is below 2^-143; an all-zero row gets e = -149), and
     ``code = clamp(round_half_even(x * 2^-e), -127, 127)``. The dequantized
     value ``code * 2^e`` is exact in float32.
+'q4_0'
+    llama.cpp's q4_0: each row is cut into blocks of 32 consecutive values,
+    each with one float16 scale ``d`` and 4-bit codes ``q`` in 0..15; the
+    value is ``(q - 8) * d``, exact in float32. ``pack`` quantises as ggml's
+    reference quantiser does, in float32 arithmetic: ``m`` is the block's
+    first value of the largest magnitude (its sign kept), ``d = m / -8``,
+    ``id = 1 / d``, ``q = min(15, trunc(x * id + 8.5))``, and ``d`` is
+    stored rounded to float16 (nearest, ties to even). Error bound, ``a``
+    the block's largest magnitude: ``|x - (q - 8) * d16| <= a * (1/16 +
+    2^-10) + 2^-22`` for every value except those of the sign opposite to
+    ``m`` near ``-m`` (the code 16 is clamped to 15), where it is ``a *
+    (1/8 + 2^-10) + 2^-22``; the ``2^-10`` terms are the float16 rounding
+    of ``d`` and of the float32 steps, the ``2^-22`` the float16 subnormal
+    range. A block with ``|d| < 2^-128`` (every value below ``2^-125`` in
+    magnitude, where ``1 / d`` is not finite and ggml's result undefined)
+    gets the code of zero, 8; it expands to zeros either way. (The float32
+    steps are separately rounded, as C without contraction evaluates them;
+    a ggml build that fuses ``x * id + 8.5`` into one multiply-add can pick
+    the other code at a rare near-tie. A GGUF file's bytes are taken as
+    they are, whichever quantiser made them.)
+'q8_0'
+    llama.cpp's q8_0: blocks of 32, one float16 scale ``d = a / 127`` (``a``
+    the block's largest magnitude), int8 codes ``q = round_half_away(x / d)``
+    (computed as ``x * (1 / d)`` in float32), value ``q * d``, exact in
+    float32. Error: ``|x - q * d16| <= a * (1/254 + 2^-10) + 2^-17``. It
+    differs from 'int8' (one power-of-two scale per row).
+
+The two block formats keep the bytes of a GGUF tensor of that type as they
+are (rows one after the other, each ``ceil(cols / 32)`` blocks; a q4_0
+block: the float16 ``d``, little-endian, then 16 bytes whose low nibbles are
+elements 0..15 and high nibbles elements 16..31; a q8_0 block: ``d`` then 32
+int8 codes), so a file's bytes become a PackedWeight without repacking
+(``from_ggml``). A row whose length is not a multiple of 32 ends in a short
+block, quantised as if padded with zeros (llama.cpp refuses such rows; they
+have no GGUF form, but the projections of small models need them: Mamba's
+dt_proj has 48 columns at d_model 768). A non-finite float16 scale is
+refused (ValueError naming the block).
 
 A packed value is a :class:`PackedWeight`: a plain container, deliberately
 *not* a buffer (``memoryview(p)`` raises TypeError, it has no ``dtype``), so
@@ -35,12 +72,16 @@ import math
 
 from . import _abi, _intake
 
-FORMATS = ("float32", "bfloat16", "int8")
-_FMT_ID = {"bfloat16": 1, "int8": 2}
+FORMATS = ("float32", "bfloat16", "int8", "q4_0", "q8_0")
+# Format ids of the kernels (lowbit.mojo FMT_*, linear.mojo WF_*: the same ids).
+FORMAT_IDS = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_0": 3, "q8_0": 4}
+_FMT_ID = {f: i for f, i in FORMAT_IDS.items() if f != "float32"}
 _E_MIN, _E_MAX = -149, 121
+BLOCK = 32  # values per block of q4_0 / q8_0
+BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}  # float16 scale + codes
 
 __all__ = ["FORMATS", "PackedWeight", "pack", "pack_one", "unpack", "is_packed",
-           "format_of", "is_projection"]
+           "format_of", "is_projection", "from_ggml"]
 
 
 def is_projection(name) -> bool:
@@ -80,21 +121,28 @@ class PackedWeight:
     """A 2-D weight packed in a low-bit format.
 
     Not a buffer: pass it to a block (or ``unpack``) to use it. Make one with
-    ``pack_one``/``pack``, or from stored parts with the constructor.
+    ``pack_one``/``pack``, from stored parts with the constructor, or from a
+    GGUF tensor's bytes with ``from_ggml``.
 
     Parameters
     ----------
-    format : {'bfloat16', 'int8'}
-    data : buffer, shape (rows, cols)
-        uint16 bfloat16 bit patterns, or int8 codes in [-127, 127].
+    format : {'bfloat16', 'int8', 'q4_0', 'q8_0'}
+    data : buffer
+        bfloat16: uint16 bit patterns, shape (rows, cols); int8: int8 codes
+        in [-127, 127], shape (rows, cols); q4_0 / q8_0: uint8 block bytes,
+        shape (rows, ceil(cols / 32) * block bytes) (18 for q4_0, 34 for
+        q8_0), the layout of a GGUF tensor (module docstring).
     exponents : int32 buffer, shape (rows,), int8 only
         Per-row power-of-two exponents, each in [-149, 121].
+    cols : int, block formats only
+        The row length; default ``32 *`` blocks per row (give it for rows
+        that end in a short block).
 
     Attributes
     ----------
     format : str
     shape : tuple (rows, cols)
-    data : mojolearn.Array (uint16 or int8), a private copy
+    data : mojolearn.Array (uint16, int8 or uint8), a private copy
     exponents : mojolearn.Array (int32) or None
     nbytes : int
         Bytes held (data plus exponents).
@@ -102,10 +150,16 @@ class PackedWeight:
 
     __slots__ = ("format", "shape", "data", "exponents")
 
-    def __init__(self, format, data, exponents=None):
+    def __init__(self, format, data, exponents=None, *, cols=None):
         from ._array import Array
         if format not in _FMT_ID:
-            raise ValueError(f"a PackedWeight format must be 'bfloat16' or 'int8', got {format!r}")
+            raise ValueError(f"a PackedWeight format must be one of {list(_FMT_ID)}, "
+                             f"got {format!r}")
+        if format in BLOCK_BYTES:
+            self._init_blocks(format, data, exponents, cols)
+            return
+        if cols is not None:
+            raise ValueError(f"cols is for the block formats, not {format!r}")
         if format == "bfloat16":
             mv = _buffer_view(data, "data", "H", 2, "uint16 (bfloat16 bits)")
             if exponents is not None:
@@ -117,16 +171,18 @@ class PackedWeight:
         shape = tuple(mv.shape)
         dtype = "uint16" if format == "bfloat16" else "int8"
         a = Array(shape, dtype, zero=False)
-        memoryview(a).cast("B")[:] = mv.cast("B")
+        if a.nbytes:  # (a view with a zero in its shape cannot be cast)
+            memoryview(a).cast("B")[:] = mv.cast("B")
         ex = None
         if format == "int8":
-            if b"\x80" in bytes(memoryview(a).cast("B")):
+            if b"\x80" in memoryview(a).tobytes():
                 raise ValueError("int8 codes must lie in [-127, 127]; data holds -128")
             if exponents is None:
                 raise ValueError("int8 PackedWeight needs exponents (int32, one per row)")
             emv = _buffer_view(exponents, "exponents", "i", 4, "int32", (shape[0],))
             ex = Array((shape[0],), "int32", zero=False)
-            memoryview(ex).cast("B")[:] = emv.cast("B")
+            if shape[0]:
+                memoryview(ex).cast("B")[:] = emv.cast("B")
             for r, e in enumerate(memoryview(ex)):
                 if not _E_MIN <= e <= _E_MAX:
                     raise ValueError(f"exponents[{r}] = {e} is outside [{_E_MIN}, {_E_MAX}]")
@@ -134,6 +190,34 @@ class PackedWeight:
         self.shape = shape
         self.data = a
         self.exponents = ex
+
+    def _init_blocks(self, format, data, exponents, cols):
+        from ._array import Array
+        if exponents is not None:
+            raise ValueError(f"{format} PackedWeight takes no exponents (its scales are in data)")
+        mv = _buffer_view(data, "data", "B", 1, f"uint8 ({format} block bytes)")
+        if mv.ndim != 2:
+            raise ValueError(f"data must be 2-D (rows, bytes per row), got shape {tuple(mv.shape)}")
+        rows, width = mv.shape
+        bb = BLOCK_BYTES[format]
+        if width % bb:
+            raise ValueError(f"data: a {format} row is whole blocks of {bb} bytes, got "
+                             f"{width} bytes per row")
+        nb = width // bb
+        if cols is None:
+            cols = nb * BLOCK
+        cols = _intake.as_int(cols, "cols")
+        if cols < 0 or -(-cols // BLOCK) != nb:
+            raise ValueError(f"cols = {cols} needs {-(-cols // BLOCK)} blocks per row, "
+                             f"data holds {nb}")
+        a = Array((rows, width), "uint8", zero=False)
+        if rows * width:  # (a view with a zero in its shape cannot be cast)
+            memoryview(a).cast("B")[:] = mv.cast("B")
+            _check_block_scales(format, a, nb)
+        self.format = format
+        self.shape = (rows, cols)
+        self.data = a
+        self.exponents = None
 
     @classmethod
     def _wrap(cls, format, shape, data, exponents):
@@ -153,17 +237,84 @@ class PackedWeight:
         return f"PackedWeight(format={self.format!r}, shape={self.shape})"
 
     def __reduce__(self):
-        return (_from_bytes, (self.format, self.shape, bytes(memoryview(self.data).cast("B")),
+        return (_from_bytes, (self.format, self.shape, memoryview(self.data).tobytes(),
                               None if self.exponents is None
-                              else bytes(memoryview(self.exponents).cast("B"))))
+                              else memoryview(self.exponents).tobytes()))
 
 
 def _from_bytes(format, shape, data, exponents):
     """Unpickling: PackedWeight from its raw bytes (validated again)."""
+    if format in BLOCK_BYTES:
+        return from_ggml(format, data, shape)
+    from ._array import Array
     code = "H" if format == "bfloat16" else "b"
-    mv = memoryview(data).cast(code, tuple(shape))
+    if data:
+        mv = memoryview(data).cast(code, tuple(shape))
+    else:  # (a view with a zero in its shape cannot be cast)
+        mv = Array(tuple(shape), "uint16" if format == "bfloat16" else "int8")
     ex = None if exponents is None else memoryview(exponents).cast("i")
     return PackedWeight(format, mv, ex)
+
+
+def _check_block_scales(format, data, nb):
+    """ValueError naming the first block whose float16 scale is not finite."""
+    step = BLOCK_BYTES[format]
+    # the high byte of each little-endian scale: exponent bits all ones?
+    high = memoryview(data).cast("B")[1::step].tobytes()
+    bad = high.translate(_NONFINITE_HIGH).find(1)
+    if bad >= 0:
+        r, b = divmod(bad, nb) if nb else (0, 0)
+        raise ValueError(f"data: block {b} of row {r} (columns {b * BLOCK}..{b * BLOCK + 31}) "
+                         f"has a non-finite float16 scale")
+
+
+# byte -> 1 where a float16's high byte has exponent bits all ones (inf / NaN)
+_NONFINITE_HIGH = bytes(1 if (v & 0x7C) == 0x7C else 0 for v in range(256))
+
+
+def from_ggml(fmt, raw, shape):
+    """A PackedWeight from the bytes of a GGUF (ggml) tensor, as they are.
+
+    Parameters
+    ----------
+    fmt : {'q4_0', 'q8_0'}
+    raw : bytes-like
+        The tensor's bytes: ``rows * ceil(cols / 32)`` blocks (18 bytes
+        each for q4_0, 34 for q8_0), row after row (a GGUF tensor of
+        dimensions ``[cols, rows]``: ggml lists the row length first).
+    shape : (rows, cols)
+
+    Returns
+    -------
+    PackedWeight
+        Holding a copy of the bytes; ``to_float32()`` is ggml's
+        dequantisation of them, exactly.
+
+    Raises
+    ------
+    ValueError for another format, a shape that is not two non-negative
+    ints, a byte count that does not match the shape, or a non-finite
+    float16 scale (naming the block).
+    """
+    if fmt not in BLOCK_BYTES:
+        raise ValueError(f"fmt must be one of {list(BLOCK_BYTES)}, got {fmt!r}")
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+        raise ValueError(f"shape must be (rows, cols), got {shape!r}")
+    rows, cols = (_intake.as_int(v, f"shape[{i}]") for i, v in enumerate(shape))
+    if rows < 0 or cols < 0:
+        raise ValueError(f"shape must be non-negative, got {(rows, cols)}")
+    try:
+        mv = memoryview(raw).cast("B")
+    except TypeError:
+        raise TypeError(f"raw must be bytes-like, got {type(raw).__name__}") from None
+    width = -(-cols // BLOCK) * BLOCK_BYTES[fmt]
+    if mv.nbytes != rows * width:
+        raise ValueError(f"raw holds {mv.nbytes} bytes; a {fmt} tensor of shape "
+                         f"{(rows, cols)} has {rows * width}")
+    if not mv.nbytes:
+        from ._array import Array
+        return PackedWeight(fmt, Array((rows, width), "uint8"), cols=cols)
+    return PackedWeight(fmt, mv.cast("B", (rows, width)), cols=cols)
 
 
 def is_packed(value) -> bool:
@@ -192,7 +343,7 @@ def pack_one(value, fmt, name: str = "weight"):
     value : float32 buffer (rows, cols), or a PackedWeight
         A PackedWeight is returned unchanged for its own format, otherwise
         expanded exactly and packed again.
-    fmt : {'float32', 'bfloat16', 'int8'}
+    fmt : {'float32', 'bfloat16', 'int8', 'q4_0', 'q8_0'}
         'float32' returns a float32 mojolearn.Array copy (nothing packed).
     name : str
         Names the weight in error messages.
@@ -204,8 +355,9 @@ def pack_one(value, fmt, name: str = "weight"):
     Raises
     ------
     TypeError for a non-float32 buffer; ValueError for a shape that is not
-    2-D, a NaN or infinity (naming the flat index), or a bfloat16 value that
-    would round to infinity.
+    2-D, a NaN or infinity (naming the flat index), a bfloat16 value that
+    would round to infinity, or a q4_0 / q8_0 block whose float16 scale
+    would (naming its largest value's flat index).
     """
     from ._array import Array
     _check_format(fmt)
@@ -223,20 +375,25 @@ def pack_one(value, fmt, name: str = "weight"):
         out = Array(v.shape, zero=False)
         memoryview(out).cast("B")[:] = v.mv.cast("B")
         return out
-    data = Array(v.shape, "uint16" if fmt == "bfloat16" else "int8", zero=False)
+    if fmt in BLOCK_BYTES:
+        data = Array((rows, -(-cols // BLOCK) * BLOCK_BYTES[fmt]), "uint8", zero=False)
+    else:
+        data = Array(v.shape, "uint16" if fmt == "bfloat16" else "int8", zero=False)
     aux = Array((rows,), "int32", zero=False)
     if rows * cols:
         op = _abi.OP_LOWBIT_PACK
         lib.run(op, _abi.op_spec(lib, op).pack(fmt=_FMT_ID[fmt], src=v.address, rows=rows,
                                                cols=cols, dst=data, aux=aux))
-    elif fmt == "int8":
+    else:  # nothing to pack: no overflow (bfloat16, blocks), int8's empty-row exponent
         for r in range(rows):
-            memoryview(aux)[r] = _E_MIN
-    if fmt == "bfloat16":
+            memoryview(aux)[r] = _E_MIN if fmt == "int8" else -1
+    if fmt != "int8":
+        what = "rounds to infinity in bfloat16" if fmt == "bfloat16" else \
+            f"makes its block's float16 scale infinite in {fmt}"
         for r, c in enumerate(memoryview(aux)):
             if c >= 0:
                 raise ValueError(f"{name}: value {v.mv.cast('B').cast('f')[r * cols + c]!r} at "
-                                 f"flat index {r * cols + c} rounds to infinity in bfloat16")
+                                 f"flat index {r * cols + c} {what}")
         return PackedWeight._wrap(fmt, v.shape, data, None)
     return PackedWeight._wrap(fmt, v.shape, data, aux)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 from .. import _abi, _intake
+from ..lowbit import FORMAT_IDS
 from .._loader import available_modes, describe, library
 from ._state import array_view, check_not_held
 
@@ -61,15 +62,13 @@ def weight_views(weights, shapes: dict, lib) -> dict:
 
 class _Views(dict):
     """weight_views' result: {name: View} of float32 values, plus the format
-    the weights were given in (weight_format: 'float32', 'bfloat16' or
-    'int8') and the packed values as given (packed: {name: PackedWeight})."""
+    the weights were given in (weight_format: 'float32' or a
+    mojolearn.lowbit format) and the packed values as given (packed: {name: PackedWeight})."""
 
     weight_format = "float32"
     packed: dict = {}
 
 
-# Weight format ids of the prepare ops (mojo/mojolearn_kernels/linear.mojo WF_*).
-_WF_ID = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
 def _is_packed(w) -> bool:
@@ -119,11 +118,12 @@ class _MambaBase:
     # -- weights ------------------------------------------------------------
     # The projection weights live only in the prepared blob, in the format
     # they were given in: the prepare op copies float32 values, or the codes
-    # of packed weights (mojolearn.lowbit), into matmul panels (bfloat16 /
-    # int8 panels are widened exactly on load). get_params and backward read
+    # of packed weights (mojolearn.lowbit), into matmul panels (packed
+    # panels are widened exactly on load). get_params and backward read
     # them back out with OP_PANELS_EXTRACT. So a float32 block holds one copy
-    # of its projections, and a packed block about 1/2 (bfloat16) or 1/4
-    # (int8) of that, giving the bits of the block on unpack(weights). The
+    # of its projections, and a packed block about 1/2 (bfloat16), 1/4
+    # (int8, q8_0: 8.5 bits a value) or 1/7 (q4_0: 4.5 bits) of that, giving
+    # the bits of the block on unpack(weights). The
     # small weights (norms, biases, ...) are kept as float32 copies.
     def _keep_weights(self, views) -> dict:
         """Keep private float32 copies of the small weights in self._weights;
@@ -156,11 +156,14 @@ class _MambaBase:
         """Projection `name` read back out of the blob, as given: a new
         float32 Array (float32 block) or a new PackedWeight with its codes."""
         from .._array import Array
-        from ..lowbit import PackedWeight
+        from ..lowbit import BLOCK, BLOCK_BYTES, PackedWeight
         rows, cols = self._packed_shapes[name]
         fmt = self.weight_format
-        dtype = {"float32": "float32", "bfloat16": "uint16", "int8": "int8"}[fmt]
-        data = Array((rows, cols), dtype, zero=False)
+        if fmt in BLOCK_BYTES:  # the blocks' bytes (lowbit)
+            data = Array((rows, -(-cols // BLOCK) * BLOCK_BYTES[fmt]), "uint8", zero=False)
+        else:
+            dtype = {"float32": "float32", "bfloat16": "uint16", "int8": "int8"}[fmt]
+            data = Array((rows, cols), dtype, zero=False)
         ex = Array((rows,), "int32", zero=False) if fmt == "int8" else None
         if rows * cols:
             op = _abi.OP_PANELS_EXTRACT
@@ -183,7 +186,7 @@ class _MambaBase:
         named.update(bs.prepare_scalars(self))
         op = bs.prepare_op
         spec = _abi.op_spec(self._lib, op)
-        args = spec.pack(named, d=self.d_model, wfmt=_WF_ID[fmt])
+        args = spec.pack(named, d=self.d_model, wfmt=FORMAT_IDS[fmt])
         blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
         args[spec.slot("blob")] = blob.address
         self._lib.run(op, args)

@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 
+from .. import lowbit
 from .._cli_common import load_tokenizer, model_folder, report_errors
 
 PROG = "python -m mojolearn serve"
@@ -21,7 +22,7 @@ def _parser():
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model-name", default=None,
                     help="the id clients name (default: the folder's name or the Hub id)")
-    ap.add_argument("--weight-format", default="float32", choices=["float32", "bfloat16", "int8"])
+    ap.add_argument("--weight-format", default="float32", choices=list(lowbit.FORMATS))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-rows", type=int, default=16, help="requests decoded at once")
     ap.add_argument("--max-queue", type=int, default=64,
