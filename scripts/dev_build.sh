@@ -10,7 +10,8 @@
 #   GPU_ARCHS  GPU binaries to build too, e.g. "sm_90;gfx942" (default none;
 #              docs/gpu.md)
 #   CPU_VARIANTS  extra CPU targets to build (default: CMake's, x86-64-v4 on
-#              x86-64; empty for the baseline only). Variants not built are
+#              x86-64, also after an earlier run that set it; empty for the
+#              baseline only). Variants not built are
 #              removed from LIB_DIR so the loader cannot pick a stale one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,8 +19,11 @@ py=${PYTHON:-$root/.venv/bin/python}
 build=${BUILD_DIR:-$root/build/dev}
 libdir=${LIB_DIR:-$root/python/mojolearn/lib}
 entry=${ENTRY:-$root/mojo/entry_cpu.mojo}
+# unset: forget a list an earlier run left in the CMake cache (CMake's default)
+if [ "${CPU_VARIANTS+set}" ]; then variants=(-DML_CPU_VARIANTS="$CPU_VARIANTS")
+else variants=(-UML_CPU_VARIANTS); fi
 cmake -S "$root" -B "$build" -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release \
-      -DML_ENTRY="$entry" ${CPU_VARIANTS+-DML_CPU_VARIANTS="$CPU_VARIANTS"} \
+      -DML_ENTRY="$entry" "${variants[@]}" \
       -DML_GPU_ARCHS="${GPU_ARCHS:-}" >/dev/null
 cmake --build "$build" -j 2
 mkdir -p "$libdir"

@@ -123,14 +123,15 @@ def test_a_hub_id_is_resolved_and_download_passed_through(text_folder, monkeypat
     calls = []
     fake = types.ModuleType("mojolearn.hub")
     fake.is_hub_id = lambda s: s.count("/") == 1 and not s.startswith("/")
-    fake.resolve = lambda s, download=False: calls.append((s, download)) or text_folder
+    fake.resolve = lambda s, download=False, _allow=None: calls.append((s, download, _allow)) \
+        or text_folder
     monkeypatch.setitem(sys.modules, "mojolearn.hub", fake)
     monkeypatch.setattr(mojolearn, "hub", fake, raising=False)
     for flag in ([], ["--download"]):
         rc = _generate_cli.main(["org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", "2",
                                  *flag])
         assert rc == 0
-    assert calls == [("org/tiny", False), ("org/tiny", True)]
+    assert calls == [("org/tiny", False, "--download"), ("org/tiny", True, "--download")]
     assert "stopped: length" in capsys.readouterr().out
 
 

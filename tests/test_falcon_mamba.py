@@ -307,3 +307,28 @@ def test_bad_eps_is_refused_by_name(bad, exc):
     fails(exc, block.set_params, bcdt_rms_eps=bad, match=["bcdt_rms_eps"])
     assert block.bcdt_rms_eps == EPS  # a refused set_params keeps the block
     assert_same_bits(block.forward(x), y, "after a refused set_params")
+
+
+def test_torch_module_takes_the_option():
+    """mojolearn.torch.Mamba1(bcdt_rms_eps=...) runs the Falcon block: its
+    forward and its autograd gradients are the block's bits; control: the
+    module without the option."""
+    torch = pytest.importorskip("torch")
+    import mojolearn.torch as mt
+    d, B, L = 16, 2, 7
+    w = mamba1_weights(d, seed=60)
+    x, g = random_input(B, L, d, seed=61), random_input(B, L, d, seed=62)
+    m = mt.Mamba1.from_weights(w, bcdt_rms_eps=EPS)
+    assert f"bcdt_rms_eps={EPS!r}" in repr(m)
+    xt = torch.from_numpy(np.array(x)).requires_grad_(True)
+    y = m(xt)
+    y.backward(torch.from_numpy(np.array(g)))
+    assert_same_bits(y.detach().numpy(), falcon(w).forward(x), "torch Falcon forward")
+    want = falcon(w).backward(x, g)
+    assert_same_bits(xt.grad.numpy(), want["x"], "torch Falcon grad x")
+    assert_same_bits(m.x_proj.weight.grad.numpy(), want["x_proj.weight"],
+                     "torch Falcon grad x_proj.weight")
+    with torch.no_grad():
+        plain = mt.Mamba1.from_weights(w)(torch.from_numpy(np.array(x))).numpy()
+    assert_bits_differ(plain, y.detach().numpy(), "module without the option")
+    fails(ValueError, mt.Mamba1, d, bcdt_rms_eps=-1.0, match=["bcdt_rms_eps"])

@@ -77,3 +77,23 @@ def test_bad_mixer_rms_eps_is_refused_by_name(falcon, tmp_path, bad):
     (folder / "config.json").write_text(json.dumps(cfg))
     with raises_naming(ValueError, "mixer_rms_eps"):
         load_checkpoint(folder)
+
+
+def test_save_checkpoint_keeps_the_model_a_falcon(falcon, tmp_path):
+    """save_checkpoint with the documented config fields writes a folder
+    that loads as the same Falcon-Mamba model (same logits bits); control:
+    saved without them, the eps is lost and the logits change."""
+    from mojolearn.save import save_checkpoint
+    ck = load_checkpoint(falcon[0])
+    tokens = [[1, 5, 9, 3, 7]]
+    want = np.asarray(mojolearn.MambaLM(falcon[0]).logits(tokens))
+    head = None if ck.tie_word_embeddings else ck.lm_head
+    args = ("mamba", ck.layers, ck.embeddings, ck.final_norm, head)
+    kept = save_checkpoint(tmp_path / "kept", *args,
+                           config={"model_type": "falcon_mamba", "mixer_rms_eps": EPS})
+    assert load_checkpoint(kept).bcdt_rms_eps == EPS
+    got = np.asarray(mojolearn.MambaLM(kept).logits(tokens))
+    assert got.tobytes() == want.tobytes()
+    lost = save_checkpoint(tmp_path / "lost", *args)
+    assert load_checkpoint(lost).bcdt_rms_eps is None
+    assert np.asarray(mojolearn.MambaLM(lost).logits(tokens)).tobytes() != want.tobytes()

@@ -76,6 +76,11 @@ def test_missing_from_cache_says_how_to_download(cache):
         mojolearn.load_checkpoint(REPO)
     with raises_naming(ValueError, repr(REPO), "download=True"):
         mojolearn.MambaLM(REPO)
+    # the CLI names its own flag, not the Python keyword
+    from mojolearn._cli_common import model_folder
+    with pytest.raises(ValueError) as e:
+        model_folder(REPO)
+    assert "--download" in str(e.value) and "download=True" not in str(e.value)
 
 
 def test_offline_forbids_the_download(cache, monkeypatch):

@@ -44,7 +44,7 @@ def model_folder(source: str, *, download: bool = False) -> str:
     except ImportError:  # a build without Hub support: MambaLM says what it takes
         return source
     if hub.is_hub_id(source):
-        return str(hub.resolve(source, download=download))
+        return str(hub.resolve(source, download=download, _allow="--download"))
     return source
 
 

@@ -41,7 +41,7 @@ def _cache_dir():
     return None  # huggingface_hub's default
 
 
-def resolve(repo_id: str, *, download: bool = False) -> Path:
+def resolve(repo_id: str, *, download: bool = False, _allow: str = "download=True") -> Path:
     """The local snapshot folder of a Hub model id.
 
     Parameters
@@ -75,11 +75,11 @@ def resolve(repo_id: str, *, download: bool = False) -> Path:
     if _offline():
         raise ValueError(f"{repo_id!r} is not a local folder, nor in the Hub cache ({where}), "
                          "and HF_HUB_OFFLINE=1 "
-                         "forbids downloading it: unset HF_HUB_OFFLINE and pass "
-                         "download=True, or pass a local folder") from None
+                         f"forbids downloading it: unset HF_HUB_OFFLINE and pass "
+                         f"{_allow}, or pass a local folder") from None
     if not download:
         raise ValueError(f"{repo_id!r} is not a local folder, nor in the Hub cache ({where}): "
-                         "pass download=True "
+                         f"pass {_allow} "
                          "to fetch it, or pass a local folder") from None
     try:
         return Path(huggingface_hub.snapshot_download(

@@ -54,8 +54,11 @@ def save_checkpoint(folder, kind: str, layers: list, embeddings, final_norm, lm_
     lm_head : float32 buffer (vocab_size, d_model) or None
         None: tied to the embeddings.
     config : dict or None
-        Extra config.json fields (e.g. Mamba-2's time_step_limit); str keys,
-        JSON values.
+        Extra config.json fields, which win over the written ones; str keys,
+        JSON values. The block options live here: Mamba-2's
+        ``{"time_step_limit": [lo, hi]}``; a Falcon-Mamba model (Mamba-1
+        blocks with ``bcdt_rms_eps``) is saved with kind 'mamba' and
+        ``{"model_type": "falcon_mamba", "mixer_rms_eps": eps}``.
 
     Returns
     -------

@@ -264,6 +264,10 @@ class Mamba1(_MambaModule):
     Parameters
     ----------
     d_model : int
+    bcdt_rms_eps : float or None, default None
+        None: the Mamba block. A float: the Falcon-Mamba block (weightless
+        RMS norms on B, C and dt with this epsilon, transformers'
+        ``mixer_rms_eps``; see :class:`mojolearn.Mamba1Block`).
     numeric_mode : {'identical', 'fast'}, default 'identical'
     generator : torch.Generator or None
         For the initialisation (mojolearn.reference.weights' distributions).
@@ -273,9 +277,11 @@ class Mamba1(_MambaModule):
     _BLOCK = _FAMILY.block_class
     _NORM = "norm.weight"
 
-    def __init__(self, d_model, *, numeric_mode="identical", generator=None, _init=True):
+    def __init__(self, d_model, *, bcdt_rms_eps=None, numeric_mode="identical",
+                 generator=None, _init=True):
+        kwargs = {} if bcdt_rms_eps is None else {"bcdt_rms_eps": bcdt_rms_eps}
         super().__init__(d_model, numeric_mode=numeric_mode, generator=generator,
-                         _init=_init)
+                         _init=_init, **kwargs)
 
     @staticmethod
     def _check_d(d):
