@@ -324,6 +324,14 @@ def load_checkpoint(source, config=None, *, lazy: bool = False,
     exactly to float32.
     """
     folder = None
+    if isinstance(source, (str, os.PathLike)) and str(source).endswith(".gguf"):
+        if config is not None:
+            raise ValueError("config cannot be given with a GGUF file: its metadata is the "
+                             "config")
+        if not Path(source).is_file():
+            raise ValueError(f"{source} is not a file")
+        from ._gguf_checkpoint import load_gguf_checkpoint
+        return load_gguf_checkpoint(source, lazy)
     if isinstance(source, (str, os.PathLike)):
         from . import hub
         folder = Path(source)
