@@ -37,9 +37,8 @@ def _reshaped(value, shape):
 
 
 def _given_instead(name: str, layer: dict) -> bool:
-    """Whether the layer gives `name` under its other spelling: A_log as A
-    (its -exp, as GGUF files store it) or the reverse."""
-    return (name == "A_log" and GIVEN_A in layer) or (name == GIVEN_A and "A_log" in layer)
+    """Whether the layer gives A_log as A (its -exp, as GGUF files store it)."""
+    return name == "A_log" and GIVEN_A in layer
 
 
 def _check_layer_count(layer_keys: dict, n: int, fmt: str) -> None:
@@ -104,7 +103,7 @@ def assemble(cfg, summary, tensors, folder=None):
         raise ValueError(f"checkpoint has tensors the {fam.title} blocks do not use: "
                          f"{sorted(unknown)[:20]}")
     missing = [f"layers.{i}.{fam.checkpoint_name(k)}" for i in range(n) for k in want
-               if k not in layers[i] and not _given_instead(k, layers[i])]
+               if k != GIVEN_A and k not in layers[i] and not _given_instead(k, layers[i])]
     if embed is None:
         missing.append("embeddings.weight")
     if norm_f is None:

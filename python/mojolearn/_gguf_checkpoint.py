@@ -92,14 +92,28 @@ def gguf_config(meta: dict, path) -> tuple:
     return cfg, keys
 
 
-def _renamed(err: Exception, names: dict, path) -> Exception:
-    """err with the config fields / checkpoint keys it names replaced by the
-    file's metadata keys / tensor names."""
+_CK_KEY = re.compile(r"(?<![\w.])(?:backbone\.)?(?:layers\.(\d+)\.([\w.]+)|"
+                     r"embeddings\.weight|norm_f\.weight|lm_head\.weight)(?![\w.])")
+_FROM_CK = {v: k for k, v in _LAYER.items()}
+_FROM_CK.update({"mixer.A_log": "ssm_a", "mixer.dt_proj.bias": "ssm_dt.bias",
+                 "mixer.dt_bias": "ssm_dt.bias"})
+_TOP_FROM_CK = {v.replace("backbone.", ""): k for k, v in _TOP.items()}
+
+
+def _gguf_name(m) -> str:
+    """The file's name of a checkpoint key (a regex match of _CK_KEY)."""
+    if m.group(1) is None:
+        return _TOP_FROM_CK[m.group(0).replace("backbone.", "")]
+    return f"blk.{m.group(1)}.{_FROM_CK.get(m.group(2), m.group(2))}"
+
+
+def _renamed(err: Exception, fields: dict, path) -> Exception:
+    """err with the config fields and checkpoint keys it names replaced by
+    the file's metadata keys and tensor names."""
     msg = str(err)
-    for old in sorted(names, key=len, reverse=True):
-        new = names[old]
-        msg = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w.])", new, msg)
-    return type(err)(f"{path}: {msg}")
+    for old in sorted(fields, key=len, reverse=True):
+        msg = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w.])", fields[old], msg)
+    return type(err)(f"{path}: {_CK_KEY.sub(_gguf_name, msg)}")
 
 
 def load_gguf_checkpoint(path, lazy: bool = False):
@@ -109,6 +123,8 @@ def load_gguf_checkpoint(path, lazy: bool = False):
     from .configs import check_config
     g = read_gguf(path)
     cfg, keys = gguf_config(g.metadata, path)
+    # the converter leaves out a head equal to the embedding: then it is tied
+    cfg["tie_word_embeddings"] = "output.weight" not in g.tensors
     fields = {f"config field {f}": f"metadata key {k}" for f, k in keys.items()}
     try:
         summary = check_config(cfg)
@@ -131,7 +147,7 @@ def load_gguf_checkpoint(path, lazy: bool = False):
     try:
         ck = assemble(cfg, summary, tensors, None)
     except (ValueError, TypeError) as e:
-        raise _renamed(e, dict(fields, **names), path) from None
+        raise _renamed(e, fields, path) from None
     ck.format = "gguf"
     ck._keys = [{n: names[k] for n, k in layer.items()} for layer in ck._keys]
     return ck
