@@ -130,6 +130,9 @@ class GGUFTensor(LazyTensor):
         per, size = _BLOCKS[self._type]
         # rows start on block boundaries: the fastest dimension is a whole
         # number of blocks (checked when the header was read)
+        if first % per or count % per:
+            raise ValueError(f"tensor {self.name}: a {self.ggml_type} range must start and "
+                             f"end on a block of {per} values")
         with open(self.path, "rb") as f:
             f.seek(self._begin + first // per * size)
             raw = f.read(count // per * size)
