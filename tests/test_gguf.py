@@ -48,8 +48,15 @@ def test_kernel_a_gives_the_bytes_of_the_safetensors_model(tmp_path, kind, d, fa
     folder = _folder(tmp_path, kind, layers, emb, norm, head, falcon)
     path = tmp_path / "m.gguf"
     write_gguf(path, kind, layers, emb, norm, head, falcon=falcon, a_of=kernel_neg_exp)
-    want = _bytes(mojolearn.MambaLM(folder).logits(IDS))
-    assert _bytes(mojolearn.MambaLM(path).logits(IDS)) == want
+    lm_st, lm = mojolearn.MambaLM(folder), mojolearn.MambaLM(path)
+    want = _bytes(lm_st.logits(IDS))
+    assert _bytes(lm.logits(IDS)) == want
+    # decode (sessions, one token at a time) reads the same A from the blob
+    gen = dict(max_new_tokens=5, stop_tokens=(), return_logits=True)
+    (tokens, logits), (tokens_st, logits_st) = lm.generate(IDS, **gen), lm_st.generate(IDS, **gen)
+    assert tokens == tokens_st
+    assert [[_bytes(x) for x in row] for row in logits] == \
+        [[_bytes(x) for x in row] for row in logits_st]
     # negative control: layer 1's A 1% larger (a one-ulp change of A is
     # usually below the resolution of exp(dt * A) at these small dt)
     def nudged(a_log):
