@@ -3,8 +3,9 @@ loads, or fails with a ValueError / TypeError carrying a message; never
 another exception, a crash or a hang (the child has a time limit).
 
 Cases (seeded, bounded): byte flips and truncations of model.safetensors
-(header and data), pytorch_model.bin (a torch.save zip) and config.json,
-and JSON-level edits of config.json and the safetensors header.
+(header and data), pytorch_model.bin (a torch.save zip), config.json and a
+GGUF file, JSON-level edits of config.json and the safetensors header, and
+count / length / offset fields of the GGUF header set to random values.
 """
 import json
 import shutil
@@ -16,7 +17,7 @@ from mojolearn.save import save_checkpoint
 
 from .child import run_python
 
-CASES = 400
+CASES = 500
 
 CHILD = r"""
 import json, random, shutil, struct, sys, traceback
@@ -27,19 +28,24 @@ from mojolearn.checkpoints import _loaded
 pristine, work, n_cases = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 # (folder, file): transformers layout + safetensors; mamba_ssm layout + pytorch_model.bin
 CASE_FILES = [("st", "model.safetensors"), ("st", "config.json"),
-              ("ssm", "pytorch_model.bin"), ("ssm", "config.json")]
+              ("ssm", "pytorch_model.bin"), ("ssm", "config.json"), ("gguf", "model.gguf")]
 SSM_OPTIONS = ["layer", "d_state", "d_conv", "expand", "dt_rank", "headdim", "ngroups",
                "is_mimo", "rope_fraction", "dt_limit", "chunk_size", "bias"]
 
 def corrupt(rng, case):
     if work.exists():
         shutil.rmtree(work)
-    where, name = CASE_FILES[case % 4]
+    where, name = CASE_FILES[case % len(CASE_FILES)]
     shutil.copytree(pristine / where, work)
     path = work / name
     data = bytearray(path.read_bytes())
     how = rng.choice(["flip", "flip_head", "truncate", "json", "zero_run"])
-    if how == "json" and name != "pytorch_model.bin":
+    if how == "json" and name.endswith(".gguf"):
+        how = "gguf_count"  # a count, length or offset field set to a random value
+        at = rng.choice([8, 16, 24, 24 + rng.randrange(200)])
+        data[at:at + 8] = struct.pack("<Q", rng.choice([0, 1, 2 ** 31, 2 ** 63 - 1,
+                                                         rng.randrange(2 ** 64)]))
+    elif how == "json" and name != "pytorch_model.bin":
         if name == "config.json":
             cfg = json.loads(data)
             value = rng.choice([None, -1, 0, 2 ** 40, "x", [1, 2], {"a": 1}, 1.5, True,
@@ -74,7 +80,8 @@ for case in range(n_cases):
     rng = random.Random(case)
     what = corrupt(rng, case)
     try:
-        ck = mojolearn.load_checkpoint(work, lazy=bool(case % 2))
+        src = work / "model.gguf" if what.startswith("model.gguf") else work
+        ck = mojolearn.load_checkpoint(src, lazy=bool(case % 2))
         for i in range(ck.n_layers):
             ck.block(i)
         _loaded(ck.embeddings); _loaded(ck.final_norm); _loaded(ck.lm_head)
@@ -104,8 +111,16 @@ def pristine(tmp_path_factory):
     (root / "ssm" / "config.json").write_text(json.dumps({
         "d_model": 32, "n_layer": 1, "vocab_size": 128, "ssm_cfg": {}, "rms_norm": True,
         "residual_in_fp32": True, "pad_vocab_size_multiple": 8, "tie_embeddings": True}))
-    mojolearn.load_checkpoint(root / "ssm")  # both pristine folders load
+    # and as a GGUF file written as llama.cpp's converter writes it
+    import numpy as np
+    from .gguf_files import write_gguf
+    layer = {k: np.array(memoryview(v)) for k, v in ws[0].items()}
+    (root / "gguf").mkdir()
+    write_gguf(root / "gguf" / "model.gguf", "mamba", [layer], np.array(memoryview(emb)),
+               np.array(memoryview(norm)), eos=2)
+    mojolearn.load_checkpoint(root / "ssm")  # every pristine copy loads
     mojolearn.load_checkpoint(st)
+    mojolearn.load_checkpoint(root / "gguf" / "model.gguf")
     return root
 
 
@@ -120,3 +135,7 @@ def test_corrupted_checkpoints_fail_cleanly_in_a_child(pristine, tmp_path):
     assert kinds <= {"ok", "ValueError", "TypeError", "PickleRefused"}, kinds  # our own errors
     assert "ValueError" in kinds  # the corruptions are seen (and some cases still load)
     assert sum(k != "ok" for _, _, k, _ in results) > CASES // 4
+    refused = {w.split(":")[0] for _, w, k, _ in results if k != "ok"}
+    assert refused == {"model.safetensors", "config.json", "pytorch_model.bin", "model.gguf"}
+    gguf = [r for r in results if r[1].startswith("model.gguf")]
+    assert sum("model.gguf" in m for _, _, k, m in gguf if k != "ok") > len(gguf) // 2

@@ -190,6 +190,7 @@ def _m1_prepare[S: SlotSink](mut s: S):
     s.slot("exp:dt_proj.weight", m1.PREP_DT_EXP, K_I32, BUF_IN, 0)
     s.slot("exp:out_proj.weight", m1.PREP_OUT_EXP, K_I32, BUF_IN, 0)
     _int(s, "bcdt_eps_bits", m1.PREP_BCDT_EPS)
+    _int(s, "a_given", m1.PREP_A_GIVEN)
 
 
 def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
@@ -271,6 +272,7 @@ def _m2_prepare[S: SlotSink](mut s: S):
     _int(s, "wfmt", m2.PREP_WFMT)
     s.slot("exp:in_proj.weight", m2.PREP_IN_EXP, K_I32, BUF_IN, 0)
     s.slot("exp:out_proj.weight", m2.PREP_OUT_EXP, K_I32, BUF_IN, 0)
+    _int(s, "a_given", m2.PREP_A_GIVEN)
 
 
 def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):

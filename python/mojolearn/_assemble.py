@@ -16,6 +16,7 @@ from .safetensors import LazyTensor
 
 LAYER_KEY = re.compile(r"^(?:backbone\.)?layers\.(\d+)\.(.+)$")
 EMBED_KEYS = ("embeddings.weight", "embedding.weight")
+GIVEN_A = "A"  # the blocks' name for -exp(A_log) given in place of A_log (mamba/_base.py)
 _LAYERS_FIELD = {"transformers": "num_hidden_layers", "mamba_ssm": "n_layer"}
 
 
@@ -28,9 +29,16 @@ def shape_of(v) -> tuple:
 
 def _reshaped(value, shape):
     """The same values (C order) under another shape of as many elements."""
+    if hasattr(value, "reshaped"):  # a GGUF tensor
+        return value.reshaped(shape)
     if isinstance(value, LazyTensor):
         return LazyTensor(value.path, value.name, value.dtype, shape, value._begin, 0)
     return value.reshape(shape)
+
+
+def _given_instead(name: str, layer: dict) -> bool:
+    """Whether the layer gives A_log as A (its -exp, as GGUF files store it)."""
+    return name == "A_log" and GIVEN_A in layer
 
 
 def _check_layer_count(layer_keys: dict, n: int, fmt: str) -> None:
@@ -72,6 +80,8 @@ def assemble(cfg, summary, tensors, folder=None):
     keys = [dict() for _ in range(n)]
     for key, (i, rest) in layer_keys.items():
         name = fam.block_name(rest)
+        if name == GIVEN_A and "A_log" in want:  # A itself (GGUF), in place of A_log
+            want.setdefault(GIVEN_A, want["A_log"])
         if name not in want:
             unknown.append(key)
             continue
@@ -93,7 +103,7 @@ def assemble(cfg, summary, tensors, folder=None):
         raise ValueError(f"checkpoint has tensors the {fam.title} blocks do not use: "
                          f"{sorted(unknown)[:20]}")
     missing = [f"layers.{i}.{fam.checkpoint_name(k)}" for i in range(n) for k in want
-               if k not in layers[i]]
+               if k != GIVEN_A and k not in layers[i] and not _given_instead(k, layers[i])]
     if embed is None:
         missing.append("embeddings.weight")
     if norm_f is None:

@@ -1,5 +1,5 @@
-"""python -m mojolearn generate MODEL ...: generate from a checkpoint folder
-or Hub id, printing tokens (or text) as they come and a final line with
+"""python -m mojolearn generate MODEL ...: generate from a checkpoint folder,
+a GGUF file or a Hub id, printing tokens (or text) as they come and a final line with
 prefill and decode speed and why generation stopped.
 
 With --prompt TEXT (or text output) the model folder must hold a
@@ -23,8 +23,9 @@ PROG = "python -m mojolearn generate"
 def _parser():
     ap = argparse.ArgumentParser(prog=PROG, description="Generate tokens from a Mamba checkpoint "
                                  "folder or Hub id.")
-    ap.add_argument("model", help="a folder (config.json + weights: docs/checkpoints.md) or a "
-                    "Hub id org/name (from huggingface_hub's cache; see --download)")
+    ap.add_argument("model", help="a folder (config.json + weights: docs/checkpoints.md), a "
+                    "llama.cpp .gguf file or a Hub id org/name (from huggingface_hub's cache; "
+                    "see --download)")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--prompt", help="text (needs tokenizer.json and the tokenizers package)")

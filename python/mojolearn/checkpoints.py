@@ -18,7 +18,9 @@ Formats read (docs/checkpoints.md has the name maps):
   ``model.safetensors.index.json`` or ``pytorch_model.bin`` (read by
   mojolearn.pytorch_bin's restricted reader, without PyTorch);
 - a state_dict (names to torch tensors, NumPy arrays or float32 buffers);
-- a Hub id "org/name" through huggingface_hub's cache (mojolearn.hub).
+- a Hub id "org/name" through huggingface_hub's cache (mojolearn.hub);
+- a llama.cpp GGUF file (a path ending in .gguf) of a Mamba, Falcon-Mamba
+  or Mamba-2 model (mojolearn.gguf, mojolearn._gguf_checkpoint).
 
 Dtypes: F32 is read as is; BF16 and F16 are widened exactly to float32;
 anything else (F64 included: it would have to be rounded) is refused with a
@@ -129,7 +131,7 @@ class Checkpoint:
     ----------
     kind : {'mamba', 'mamba2', 'mamba3'}
         The family's canonical kind (mojolearn.families).
-    format : {'transformers', 'mamba_ssm'}
+    format : {'transformers', 'mamba_ssm', 'gguf'}
         The config format read.
     config : dict
         The config (as read, or inferred from the tensors).
@@ -295,7 +297,9 @@ def load_checkpoint(source, config=None, *, lazy: bool = False,
     source : str, PathLike or mapping
         A folder with config.json and the weights (model.safetensors, a
         sharded model.safetensors.index.json, or pytorch_model.bin), in
-        transformers' or mamba_ssm's layout; a Hub id "org/name" (read from
+        transformers' or mamba_ssm's layout; a llama.cpp GGUF file (a path
+        ending in .gguf; its metadata is the config, its ``ssm_a`` the
+        blocks' weight ``A``: docs/checkpoints.md); a Hub id "org/name" (read from
         huggingface_hub's cache, see ``download``); or a state_dict: a
         mapping of names to torch tensors, NumPy arrays or float32 buffers
         (with or without the ``backbone.`` prefix).
@@ -324,6 +328,14 @@ def load_checkpoint(source, config=None, *, lazy: bool = False,
     exactly to float32.
     """
     folder = None
+    if isinstance(source, (str, os.PathLike)) and str(source).endswith(".gguf"):
+        if config is not None:
+            raise ValueError("config cannot be given with a GGUF file: its metadata is the "
+                             "config")
+        if not Path(source).is_file():
+            raise ValueError(f"{source} is not a file")
+        from ._gguf_checkpoint import load_gguf_checkpoint
+        return load_gguf_checkpoint(source, lazy)
     if isinstance(source, (str, os.PathLike)):
         from . import hub
         folder = Path(source)

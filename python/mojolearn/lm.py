@@ -24,8 +24,8 @@ class MambaLM:
     ----------
     source : str, os.PathLike or mojolearn.checkpoints.Checkpoint
         A checkpoint folder (transformers' or mamba_ssm's layout, see
-        docs/checkpoints.md), a Hub id "org/name", or a ``load_checkpoint``
-        result.
+        docs/checkpoints.md), a llama.cpp GGUF file (a path ending in
+        .gguf), a Hub id "org/name", or a ``load_checkpoint`` result.
     weight_format : {'float32', 'bfloat16', 'int8', 'q4_0', 'q8_0'}, default 'float32'
         Format of every projection, the embedding and the LM head
         (mojolearn.lowbit: the kernels widen packed weights exactly, so the

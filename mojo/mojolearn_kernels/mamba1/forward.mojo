@@ -57,6 +57,7 @@ comptime PREP_X_EXP = 14
 comptime PREP_DT_EXP = 15
 comptime PREP_OUT_EXP = 16
 comptime PREP_BCDT_EPS = 17  # float32 bits of the B/C/dt norms' eps; 0: no norms
+comptime PREP_A_GIVEN = 18  # 1: the A_log slot holds A itself (GGUF's -exp(A_log)), copied
 
 # OP_M1_FORWARD argument slots.
 comptime FWD_B = 0
@@ -224,10 +225,11 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
                            d, di, blob.unsafe_offset(dims.o_out))
     elif task == 4:
         var alog = arg_f32(args, PREP_ALOG)
+        var given = arg_int(args, PREP_A_GIVEN) != 0
         for c in range(di):
             for n in range(NSTATE):
-                var a = exp_f32[1](alog[unsafe_offset=c * NSTATE + n])
-                blob[unsafe_offset=dims.o_a + n * di + c] = -a
+                var v = alog[unsafe_offset=c * NSTATE + n]
+                blob[unsafe_offset=dims.o_a + n * di + c] = v if given else -exp_f32[1](v)
     elif task == 5:
         var cw = arg_f32(args, PREP_CONVW)
         for c in range(di):

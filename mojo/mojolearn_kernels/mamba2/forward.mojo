@@ -47,7 +47,7 @@ from .layout import (
     P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
     PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
     PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
-    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP,
+    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN,
     ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
     M2Dims, M2Call, M2Group, FWD_ROW_S,
 )
@@ -98,8 +98,10 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
         copy_floats(arg_f32(args, PREP_DSKIP), blob.unsafe_offset(dims.o_dskip), dims.nh)
         copy_floats(arg_f32(args, PREP_GNORM), blob.unsafe_offset(dims.o_gnorm), dims.di)
         var alog = arg_f32(args, PREP_ALOG)
+        var given = arg_int(args, PREP_A_GIVEN) != 0
         for hh in range(dims.nh):
-            blob[unsafe_offset=dims.o_a + hh] = -exp_f32[1](alog[unsafe_offset=hh])
+            var v = alog[unsafe_offset=hh]
+            blob[unsafe_offset=dims.o_a + hh] = v if given else -exp_f32[1](v)
         blob[unsafe_offset=dims.o_lim] = _f32_bits(arg_int(args, PREP_LO))
         blob[unsafe_offset=dims.o_lim + 1] = _f32_bits(arg_int(args, PREP_HI))
 

@@ -31,6 +31,7 @@ comptime PREP_BLOB = 12
 comptime PREP_WFMT = 13  # projection weight format (linear.WF_*); 0 if absent
 comptime PREP_IN_EXP = 14  # int8: int32 exponents, one per row
 comptime PREP_OUT_EXP = 15
+comptime PREP_A_GIVEN = 16  # 1: the A_log slot holds A itself (GGUF's -exp(A_log)), copied
 
 # OP_M2_FORWARD argument slots.
 comptime FWD_B = 0

@@ -34,6 +34,7 @@ def weight_views(weights, shapes: dict, lib) -> dict:
         raise TypeError(f"weights must be a dict of name -> float32 buffer, got "
                          f"{type(weights).__name__}")
     names = set(weights.keys())
+    shapes = _given_a_shapes(names, shapes)
     missing = sorted(set(shapes) - names)
     unknown = sorted(str(n) for n in names - set(shapes))
     if missing or unknown:
@@ -57,7 +58,35 @@ def weight_views(weights, shapes: dict, lib) -> dict:
                              f"{' or '.join(str(o) for o in options)}, got {v.shape}")
         _intake.check_finite(lib, v)
         views[name] = v
+    if GIVEN_A in views:
+        _check_given_a(views[GIVEN_A])
     return views
+
+
+# A block may take the decay rates A = -exp(A_log) themselves, under the name
+# "A" in place of "A_log": GGUF files store A (computed by torch), and
+# -exp(log(-A)) would not give those float32 bits back. The prepare op then
+# copies A instead of computing it (its slot "a_given"). Such a block has no
+# A_log, so backward (whose gradient is taken w.r.t. A_log) is refused.
+GIVEN_A = "A"
+
+
+def _given_a_shapes(names, shapes: dict) -> dict:
+    """shapes with "A" in place of "A_log" when the weights give A and not
+    A_log (Mamba-1 and Mamba-2 only: Mamba-3 has no A_log)."""
+    if "A_log" in shapes and GIVEN_A in names and "A_log" not in names:
+        return {(GIVEN_A if n == "A_log" else n): v for n, v in shapes.items()}
+    return shapes
+
+
+def _check_given_a(view) -> None:
+    """A = -exp(A_log) is never positive: ValueError naming A and the first
+    positive entry otherwise."""
+    vals = view.mv.cast("B").cast("f")
+    for i, a in enumerate(vals):
+        if a > 0:
+            raise ValueError(f"weight A must be <= 0 everywhere (A = -exp(A_log)); "
+                             f"A[{i}] (flat index) = {a!r}")
 
 
 class _Views(dict):
@@ -181,7 +210,11 @@ class _MambaBase:
             if _is_packed(w[n]):
                 fmt = w[n].format
         bs = self._runner.spec
-        named = {n: weight_address(w[n]) for n in bs.weight_order}
+        given_a = GIVEN_A in w  # the A_log slot then takes A, copied as is
+        named = {n: weight_address(w[GIVEN_A if given_a and n == "A_log" else n])
+                 for n in bs.weight_order}
+        if given_a:
+            named["a_given"] = 1
         named.update({f"exp:{n}": _exponent_address(w[n]) for n in bs.projections})
         named.update(bs.prepare_scalars(self))
         op = bs.prepare_op

@@ -212,6 +212,10 @@ class Runner:
         """Validated (x, grad_output, (keep-alive, address) of the lengths)
         for backward: same shape, finite at the real positions (a ragged
         row's padding may hold anything: it is never read)."""
+        if "A" in block._weight_names:
+            raise ValueError("backward is not available for a block given weight A (as GGUF "
+                             "files store it) in place of A_log: its gradients are taken "
+                             "w.r.t. A_log")
         xv = block._x_view(x)
         gv = _intake.float32_view(grad_output, "grad_output", ndim=(3,))
         if gv.shape != xv.shape:

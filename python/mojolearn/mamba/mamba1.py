@@ -163,7 +163,9 @@ class Mamba1Block(_MambaBase):
         - ``x_proj.weight`` (R + 32, 2d)
         - ``dt_proj.weight`` (2d, R)
         - ``dt_proj.bias`` (2d,)
-        - ``A_log`` (2d, 16)
+        - ``A_log`` (2d, 16); or ``A`` (2d, 16) in its place, the decay
+          rates -exp(A_log) themselves, used as given (GGUF files store
+          them; entries must be <= 0; backward is then refused)
         - ``D`` (2d,)
         - ``out_proj.weight`` (d, 2d)
     bcdt_rms_eps : float or None, default None

@@ -225,7 +225,9 @@ class Mamba2Block(_MambaBase):
         - ``conv1d.weight`` (CD, 1, 4) or (CD, 4)
         - ``conv1d.bias`` (CD,)
         - ``dt_bias`` (H,)
-        - ``A_log`` (H,), one value per head
+        - ``A_log`` (H,), one value per head; or ``A`` (H,) in its place,
+          the decay rates -exp(A_log) themselves, used as given (GGUF files
+          store them; entries must be <= 0; backward is then refused)
         - ``D`` (H,)
         - ``norm.weight`` (di,), the gated norm
         - ``out_proj.weight`` (d, di)
