@@ -132,8 +132,8 @@ class MambaLM:
                 w = self._rows(value, name, r0, r1)
                 keep.append(w)
                 named[name], named[f"exp:{name}"] = _addresses(w)
-            args = spec.pack(named, d=d, vocab=v, wfmt=FORMAT_IDS[self.weight_format],
-                             row0=r0, nrows=r1 - r0)
+            fid = FORMAT_IDS[self.weight_format]  # the head's and the embedding's (lm.mojo)
+            args = spec.pack(named, d=d, vocab=v, wfmt=fid | fid << 4, row0=r0, nrows=r1 - r0)
             if blob is None:
                 blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
             args[spec.slot("blob")] = blob.address
