@@ -172,3 +172,47 @@ def test_prepare_op_refuses_a_bad_formats_word():
     for bad in (0x53, 0x35, 0x100, -1):
         with pytest.raises(RuntimeError):
             lib.workspace_bytes(op, spec.pack(d=32, wfmt=bad))
+
+
+def _untied_lm_checkpoint(root):
+    from mojolearn.checkpoints import load_checkpoint
+    from mojolearn.save import save_checkpoint
+    rng = np.random.default_rng(5)
+    d, v = 32, 48
+    layers = [mamba3_weights(d, seed=10, scale=4.0)]
+    emb = rng.standard_normal((v, d)).astype(np.float32)
+    head = rng.standard_normal((v, d)).astype(np.float32) * 0.5
+    norm = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    return load_checkpoint(save_checkpoint(root, "mamba3", layers, emb, norm, head))
+
+
+def _lm_on(ck, monkeypatch, given):
+    """MambaLM(ck) whose vocabulary matrices are the packed values `given`
+    (as a reader of packed files would hand them over)."""
+    with monkeypatch.context() as m:
+        m.setattr(mojolearn.MambaLM, "_rows", lambda self, value, name, r0, r1: given[name])
+        return mojolearn.MambaLM(ck)
+
+
+def test_lm_head_and_embedding_each_in_its_own_format(tmp_path, monkeypatch):
+    """The vocabulary blob keeps the head and an untied embedding each in
+    its own format (lm.mojo's formats word): the bits of the model on their
+    expansions."""
+    ck = _untied_lm_checkpoint(tmp_path)
+    given = {"lm_head.weight": lowbit.pack_one(ck.lm_head, "q8_0"),
+             "embeddings.weight": lowbit.pack_one(ck.embeddings, "q4_0")}
+    mixed = _lm_on(ck, monkeypatch, given)
+    ck.lm_head = given["lm_head.weight"].to_float32()
+    ck.embeddings = given["embeddings.weight"].to_float32()
+    ref = mojolearn.MambaLM(ck)
+    assert not ref.tied and mixed._blob.nbytes < ref._blob.nbytes
+    tokens = [[1, 5, 9, 3, 47], [2, 2, 8, 0, 40]]
+    emb = np.asarray(mixed.embed(tokens))
+    assert_same_bits(emb, ref.embed(tokens), "embed")
+    logits = np.asarray(mixed.logits(tokens))
+    assert_same_bits(logits, ref.logits(tokens), "logits")
+    # negative controls: one code of either matrix changed (byte 90: in the
+    # embedding, row 5's first block, a token above; in the head, row 2)
+    for name in given:
+        other = _lm_on(ck, monkeypatch, _perturbed(given, name, index=90))
+        assert_bits_differ(np.asarray(other.logits(tokens)), logits, f"{name} perturbed")
