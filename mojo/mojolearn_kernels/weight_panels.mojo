@@ -12,9 +12,10 @@ float32 x_proj). So a blob describes itself: the forward ops read each
 projection's format from the blob they are given and pick the matching
 micro-kernel instantiation per product (linear.matmul_task_wf); nothing in
 the call arguments can disagree with the blob. A block in one format runs
-the very code it ran when word 0 held a single format. OP_PANELS_EXTRACT copies the weights (float32 values or packed
-codes) back out of the panels, so a block need not keep a second copy of
-them (get_params, backward).
+the very code it ran when word 0 held a single format. OP_PANELS_EXTRACT
+copies the weights (float32 values or packed codes) back out of the
+panels, in each section's format, so a block need not keep a second copy
+of them (get_params, backward).
 
 The prepare ops copy the packed codes into panels (linear.mojo's layout):
 a copy, not a conversion, so the panels hold exactly the given values:
