@@ -12,7 +12,7 @@ from mojolearn.reference.weights import (mamba1_weights, mamba2_weights, mamba3_
                                          random_input)
 from tests.bits import assert_bits_differ, assert_same_bits
 from tests.errors import raises_naming
-from tests.test_lowbit_resident import PROJ, _check_state_paths, _perturbed
+from tests.test_lowbit_resident import PROJ, _check_state_paths, _perturbed, assert_codes_read
 
 # llama.cpp's Mamba-1 q4_0 file: in_proj / out_proj q4_0, x_proj / dt_proj
 # float32 (it never quantises ssm_x / ssm_dt).
@@ -64,19 +64,8 @@ def test_mixed_block_gives_the_bytes_of_the_unpacked_block(cls, make, d, mix):
 def test_each_projection_reads_its_own_codes(cls, make, d, mix):
     """Negative control: one code changed in any packed projection changes
     forward and step."""
-    block_cls = getattr(mojolearn, cls)
     bm, _, w = _mixed_pair(cls, make, d, mix)
-    x = random_input(2, 9, d, seed=6)
-    y = bm.forward(x)
-    s = bm.allocate_state(2)
-    bm.forward(x[:, :8], s)
-    ys = bm.step(x[:, 8], s)
-    for name in mix:
-        other = block_cls(_perturbed(w, name))
-        assert_bits_differ(other.forward(x), y, f"forward, {name} perturbed")
-        s2 = other.allocate_state(2)
-        other.forward(x[:, :8], s2)
-        assert_bits_differ(other.step(x[:, 8], s2), ys, f"step, {name} perturbed")
+    assert_codes_read(bm, w, list(mix))
 
 
 @pytest.mark.parametrize("cls, make, d, mix", MIXES, ids=IDS)
@@ -216,3 +205,4 @@ def test_lm_head_and_embedding_each_in_its_own_format(tmp_path, monkeypatch):
     for name in given:
         other = _lm_on(ck, monkeypatch, _perturbed(given, name, index=90))
         assert_bits_differ(np.asarray(other.logits(tokens)), logits, f"{name} perturbed")
+
