@@ -14,8 +14,9 @@ chunk and final-state cotangents, and a ragged one), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
 backward), and whole language models (bench/lm_cases.py); then the block
 options (VARIANTS: Falcon-Mamba's B/C/dt norms), through the same shape,
-packed and batch-8 cases under their own names; last, the packed and LM
-cases of the q4_0 / q8_0 formats. Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
+packed and batch-8 cases under their own names; then the packed and LM
+cases of the q4_0 / q8_0 formats; last, blocks whose projections mix
+formats (MIXED). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
 256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
 
 Users: tests/test_cpu_variants.py (every CPU binary against the file),
@@ -61,6 +62,12 @@ CHUNK = {1: None, 2: 256, 3: 64}
 # Blocks on packed projection weights (mojolearn.lowbit): (block, d, B, L).
 PACKED = [(1, 64, 2, 20), (2, 64, 2, 20), (3, 64, 2, 20)]
 BLOCK_FORMATS = ("q4_0", "q8_0")  # their packed and LM cases come last
+# Blocks whose projections mix formats, per block kind: (label, {name: format}),
+# the names not listed float32. Mamba-1: llama.cpp's q4_0 files (x_proj and
+# dt_proj stay float32).
+MIXED = {1: ("mixed-llama-q4_0", {"in_proj.weight": "q4_0", "out_proj.weight": "q4_0"}),
+         2: ("mixed-q8_0-bfloat16", {"in_proj.weight": "q8_0", "out_proj.weight": "bfloat16"}),
+         3: ("mixed-float32-q4_0", {"out_proj.weight": "q4_0"})}
 # Batch-8 decode (x86-64-v4 runs 8-row products as one pass): (block, d).
 BATCH8 = [(1, 64), (2, 64), (3, 64)]
 B8_PREFILL, B8_STEPS = 5, 3
@@ -255,10 +262,12 @@ def _packed_cases(mojolearn, kind, d, b, l, variant=None, formats=("bfloat16", "
     import numpy as np
     x = _input(b, l, d, seed=9)
     for fmt in formats:
-        tag = f"{_tag(kind, variant)} d{d} B{b} L{l} {fmt}"
+        # a format, or (label, {name: format}): a mix (MIXED)
+        label, how = (fmt, fmt) if isinstance(fmt, str) else fmt
+        tag = f"{_tag(kind, variant)} d{d} B{b} L{l} {label}"
         # the codes (OP_LOWBIT_PACK), read back from the blob (OP_PANELS_EXTRACT)
         # and expanded (OP_LOWBIT_UNPACK)
-        packed = mojolearn.lowbit.pack(_weights(kind, d), fmt)
+        packed = mojolearn.lowbit.pack(_weights(kind, d), how)
         block = block_for(mojolearn, kind, d, variant, weights=packed)
         back = block.get_params()["weights"]
         parts = []
@@ -388,6 +397,8 @@ def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8, lm=True):
         yield from _packed_cases(mojolearn, *s, formats=BLOCK_FORMATS)
     if lm:
         yield from lm_cases(mojolearn, perturb=_PERTURB, formats=BLOCK_FORMATS)
+    for s in packed:  # projections in mixed formats (added last, likewise)
+        yield from _packed_cases(mojolearn, *s, formats=(MIXED[s[0]],))
 
 
 def run_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8) -> dict:

@@ -130,14 +130,20 @@ def test_float32_block_holds_one_copy_until_a_backward(cls, make):
 @pytest.mark.parametrize("cls, make, d", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_one_changed_code_changes_the_bytes(cls, make, d, fmt):
     """Negative control: the kernels read the packed codes of every projection."""
-    block_cls = getattr(mojolearn, cls)
     bp, _, packed = _pair(cls, make, d, fmt)
+    assert_codes_read(bp, packed, PROJ[cls])
+
+
+def assert_codes_read(bp, packed, names):
+    """Forward and step of block bp (built on `packed`) change when one code
+    of any of the packed weights `names` changes."""
+    block_cls, d = type(bp), bp.d_model
     x = random_input(2, 9, d, seed=6)
     y = bp.forward(x)
     s = bp.allocate_state(2)
     bp.forward(x[:, :8], s)
     ys = bp.step(x[:, 8], s)
-    for name in PROJ[cls]:
+    for name in names:
         other = block_cls(_perturbed(packed, name))
         assert_bits_differ(other.forward(x), y, f"forward, {name} perturbed")
         s2 = other.allocate_state(2)
@@ -159,7 +165,9 @@ def test_int8_scale_change_changes_the_bytes():
     assert np.array_equal(np.flatnonzero((y0 != y1).any(axis=(0, 1))), [5])  # only row 5
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+# the last: llama.cpp's Mamba-1 mix (x_proj, dt_proj float32; tests/test_lowbit_mixed.py)
+@pytest.mark.parametrize("fmt", FORMATS + ({"in_proj.weight": "q4_0", "out_proj.weight": "q4_0"},),
+                         ids=FORMATS + ("mixed",))
 def test_thread_count_does_not_change_packed_bits(fmt):
     bp, _, _ = _pair("Mamba1Block", mamba1_weights, 64, fmt)
     x = random_input(7, 13, 64, seed=8)

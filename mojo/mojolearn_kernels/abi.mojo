@@ -22,7 +22,9 @@ comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 # 4: ml_op_spec (every op's slots by name, opspec.mojo); the OP_LM_* ops.
 # 5: OP_M1_PREPARE bcdt_eps_bits (the blob header's option word, O_OPTION).
 # 6: weight formats 3 (q4_0) and 4 (q8_0), panels of float16 scales then codes.
-comptime ABI_VERSION = 6
+# 7: the prepare ops' wfmt slot and blob header word 0 hold one 4-bit format per
+#    projection (weight_panels.mojo's formats word): blocks that mix formats.
+comptime ABI_VERSION = 7
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
 comptime PLAN_WORKSPACE = -1

@@ -8,7 +8,9 @@ panels:
     header | final norm weight (d) | head panels (V, d) | embedding panels
 The embedding section is the head section itself when the weights are tied,
 so a tied model holds one copy. Blob header word 1 is the head's offset,
-word 2 the embedding's (weight_panels.mojo's section words).
+word 2 the embedding's (weight_panels.mojo's section words); the head and
+an untied embedding may each have its own format (the formats word: head
+in bits 0..3, embedding in bits 4..7, equal when tied).
 
 Canonical order (identical mode):
 - embedding: a copy of the row (float32), or its exact widening (bfloat16
@@ -39,8 +41,8 @@ from .linear import (
 )
 from .linear import matmul_ntasks, matmul_task_wf
 from .weight_panels import (
-    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
-    O_SECTIONS,
+    pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
+    section_format, O_SECTIONS,
 )
 from .norms import rmsnorm_row
 from .numerics import exp_f32
@@ -51,11 +53,11 @@ comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 comptime LMP_D = 0
 comptime LMP_V = 1
 comptime LMP_NORM = 2  # float32 (d,) final RMSNorm weight
-comptime LMP_HEAD = 3  # (V, d) lm_head weight: float32, bfloat16 bits or int8 codes
+comptime LMP_HEAD = 3  # (V, d) lm_head weight: float32 values or packed codes
 comptime LMP_HEAD_EXP = 4  # int8: int32 exponents (V,)
-comptime LMP_EMB = 5  # (V, d) embedding, same format; 0: tied (the head is the embedding)
+comptime LMP_EMB = 5  # (V, d) embedding; 0: tied (the head is the embedding)
 comptime LMP_EMB_EXP = 6
-comptime LMP_WFMT = 7
+comptime LMP_WFMT = 7  # formats word (weight_panels.mojo): head, then embedding
 comptime LMP_BLOB = 8
 # The call packs rows [row0, row0 + nrows) of the vocabulary (row0 a multiple
 # of 16; the head/embedding pointers point at those rows), so a large
@@ -91,6 +93,9 @@ comptime LMN_U = 6  # float32 (R,) in [0, 1)
 comptime LMN_WORK = 7  # int32 (R, V) candidate ids
 comptime LMN_OUT = 8  # int64 (R,) out
 
+comptime SEC_HEAD = 0  # sections (header words, formats word nibbles)
+comptime SEC_EMB = 1
+
 comptime EMBED_ROWS_PER_TASK = 16
 comptime NORM_ROWS_PER_TASK = 16
 
@@ -99,25 +104,27 @@ struct LMDims(ImplicitlyCopyable):
     """Sizes of the vocabulary ends and the layout of their blob."""
     var d: Int
     var v: Int
-    var wf: Int
+    var wf: Int  # the head's format (linear.WF_*)
+    var wf_emb: Int  # the embedding's (the head's when tied)
     var o_norm: Int
     var o_head: Int
     var o_emb: Int
     var blob: Int  # floats
 
-    def __init__(out self, d: Int, v: Int, wf: Int, tied: Bool):
+    def __init__(out self, d: Int, v: Int, wfs: Int, tied: Bool):
         self.d = d
         self.v = v
-        self.wf = wf
+        self.wf = section_format(wfs, SEC_HEAD)
+        self.wf_emb = self.wf if tied else section_format(wfs, SEC_EMB)
         var o = ALIGN_FLOATS  # header (weight_panels.mojo)
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_head = o
-        o += packed_floats(v, d, wf)
+        o += packed_floats(v, d, self.wf)
         self.o_emb = self.o_head
         if not tied:
             self.o_emb = o
-            o += packed_floats(v, d, wf)
+            o += packed_floats(v, d, self.wf_emb)
         self.blob = o
 
 
@@ -127,50 +134,59 @@ def _word(blob: F32Ptr, i: Int) -> Int:
 
 
 def lm_blob_dims(blob: F32Ptr, d: Int, v: Int) -> LMDims:
-    """The layout a prepared blob records (format, tied) for sizes d, v;
+    """The layout a prepared blob records (formats, tied) for sizes d, v;
     float32 untied for a null blob (the slot declaration's text form)."""
     if Int(blob) == 0:
         return LMDims(d, v, WF_F32, False)
-    var tied = _word(blob, O_SECTIONS) == _word(blob, O_SECTIONS + 1)
-    return LMDims(d, v, blob_format(blob), tied)
+    var tied = _word(blob, O_SECTIONS + SEC_HEAD) == _word(blob, O_SECTIONS + SEC_EMB)
+    return LMDims(d, v, blob_formats(blob), tied)
+
+
+def _valid_lm_formats(wfs: Int, tied: Bool) -> Bool:
+    """Two formats (head, embedding), equal when the weights are tied."""
+    if not valid_formats(wfs, 2):
+        return False
+    return not tied or section_format(wfs, SEC_HEAD) == section_format(wfs, SEC_EMB)
 
 
 # ---------------------------------------------------------------- prepare
 
 
 def lm_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    var wf = arg_int(args, LMP_WFMT)
+    var wfs = arg_int(args, LMP_WFMT)
     var row0 = arg_int(args, LMP_ROW0)
     var n = arg_int(args, LMP_NROWS)
-    if not valid_format(wf) or row0 % NR != 0 or n < 0 or row0 + n > arg_int(args, LMP_V):
+    var tied = arg_int(args, LMP_EMB) == 0
+    if not _valid_lm_formats(wfs, tied) or row0 % NR != 0 or n < 0 \
+            or row0 + n > arg_int(args, LMP_V):
         return -3
     if phase == PLAN_WORKSPACE:
-        var tied = arg_int(args, LMP_EMB) == 0
-        return LMDims(arg_int(args, LMP_D), arg_int(args, LMP_V), wf, tied).blob * 4
+        return LMDims(arg_int(args, LMP_D), arg_int(args, LMP_V), wfs, tied).blob * 4
     if phase == 0:
         return 3
     return PHASE_END
 
 
 def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var wf = arg_int(args, LMP_WFMT)
+    var wfs = arg_int(args, LMP_WFMT)
     var tied = arg_int(args, LMP_EMB) == 0
-    var dm = LMDims(arg_int(args, LMP_D), arg_int(args, LMP_V), wf, tied)
+    var dm = LMDims(arg_int(args, LMP_D), arg_int(args, LMP_V), wfs, tied)
     var blob = arg_f32(args, LMP_BLOB)
     var row0 = arg_int(args, LMP_ROW0)
     var n = arg_int(args, LMP_NROWS)
-    var at = (row0 // NR) * panel_floats_wf(wf, dm.d)
+    var p0 = row0 // NR  # the first panel of these rows
     if task == 0:
-        pack_weight_panels(wf, arg_int(args, LMP_HEAD), arg_int(args, LMP_HEAD_EXP),
-                           n, dm.d, blob.unsafe_offset(dm.o_head + at))
+        pack_weight_panels(dm.wf, arg_int(args, LMP_HEAD), arg_int(args, LMP_HEAD_EXP), n, dm.d,
+                           blob.unsafe_offset(dm.o_head + p0 * panel_floats_wf(dm.wf, dm.d)))
     elif task == 1:
         if not tied:
-            pack_weight_panels(wf, arg_int(args, LMP_EMB), arg_int(args, LMP_EMB_EXP),
-                               n, dm.d, blob.unsafe_offset(dm.o_emb + at))
+            pack_weight_panels(
+                dm.wf_emb, arg_int(args, LMP_EMB), arg_int(args, LMP_EMB_EXP), n, dm.d,
+                blob.unsafe_offset(dm.o_emb + p0 * panel_floats_wf(dm.wf_emb, dm.d)))
     else:
-        set_blob_format(blob, wf)
-        set_blob_section(blob, 0, dm.o_head)
-        set_blob_section(blob, 1, dm.o_emb)
+        set_blob_formats(blob, wfs)
+        set_blob_section(blob, SEC_HEAD, dm.o_head)
+        set_blob_section(blob, SEC_EMB, dm.o_emb)
         var w = arg_f32(args, LMP_NORM)
         for j in range(dm.d):
             blob[unsafe_offset=dm.o_norm + j] = w[unsafe_offset=j]
@@ -180,7 +196,7 @@ def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
 
 
 def lm_embed_plan(args: I64Ptr, phase: Int) -> Int:
-    if not valid_format(blob_format(arg_f32(args, LME_BLOB))):
+    if not valid_formats(blob_formats(arg_f32(args, LME_BLOB)), 2):
         return -3
     if phase == PLAN_WORKSPACE:
         return 0
@@ -201,19 +217,20 @@ def lm_embed_task(args: I64Ptr, phase: Int, task: Int):
         var p = t // NR
         var j = t % NR
         var dst = x.unsafe_offset(i * dm.d)
-        if dm.wf == WF_BF16:
+        if dm.wf_emb == WF_BF16:
             var h = emb.unsafe_offset(p * panel_floats[WF_BF16](dm.d)).unsafe_bitcast[UInt16]()
             for k in range(dm.d):
                 var bits = UInt32(h[unsafe_offset=k * NR + j]) << 16
                 dst[unsafe_offset=k] = bitcast[DType.float32, 1](bits)
-        elif dm.wf == WF_INT8:
+        elif dm.wf_emb == WF_INT8:
             var panel = emb.unsafe_offset(p * panel_floats[WF_INT8](dm.d))
             var scale = panel[unsafe_offset=j]
             var codes = panel.unsafe_offset(NR).unsafe_bitcast[Int8]()
             for k in range(dm.d):
                 dst[unsafe_offset=k] = Float32(codes[unsafe_offset=k * NR + j]) * scale
-        elif dm.wf == WF_Q4_0 or dm.wf == WF_Q8_0:
-            _embed_blocks(dm.wf, emb.unsafe_offset(p * panel_floats_wf(dm.wf, dm.d)), j, dm.d, dst)
+        elif dm.wf_emb == WF_Q4_0 or dm.wf_emb == WF_Q8_0:
+            _embed_blocks(dm.wf_emb, emb.unsafe_offset(p * panel_floats_wf(dm.wf_emb, dm.d)), j,
+                          dm.d, dst)
         else:
             var panel = emb.unsafe_offset(p * panel_floats[WF_F32](dm.d))
             for k in range(dm.d):
@@ -241,7 +258,7 @@ def _embed_blocks(wf: Int, panel: F32Ptr, j: Int, d: Int, dst: F32Ptr):
 
 
 def lm_logits_plan(args: I64Ptr, phase: Int) -> Int:
-    if not valid_format(blob_format(arg_f32(args, LML_BLOB))):
+    if not valid_formats(blob_formats(arg_f32(args, LML_BLOB)), 2):
         return -3
     var r = arg_int(args, LML_R)
     if phase == PLAN_WORKSPACE:

@@ -11,8 +11,8 @@ them. Everything else is derived from this table:
   as text, read once per op; python/mojolearn/_abi.py).
 
 A sink receives the rows; `args` may be all zeros (the text form), so a
-size formula must not read through a pointer slot (blob_format of a null
-blob is float32).
+size formula must not read through a pointer slot (blob_formats of a null
+blob is all float32).
 """
 from .abi import (
     I64Ptr, arg_int, arg_f32,
@@ -33,7 +33,7 @@ from . import linear_grad as lg
 from . import checks as ck
 from . import math_eval as me
 from . import lm
-from .weight_panels import blob_format
+from .weight_panels import blob_formats
 from .linear_grad import TPanels
 
 # Kinds: a scalar, or a buffer of one element type. K_CODES: uint16
@@ -121,7 +121,7 @@ def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
     elif op == OP_PANELS_EXTRACT:
         # the blob's size is not in the arguments: this op runs on the host
         var rows = arg_int(args, wp.EX_ROWS)
-        var wf = blob_format(arg_f32(args, wp.EX_BLOB))
+        var wf = wp.extract_format(args)
         _int(s, "section", wp.EX_SECTION)
         _int(s, "rows", wp.EX_ROWS)
         _int(s, "cols", wp.EX_COLS)
@@ -195,7 +195,7 @@ def _m1_prepare[S: SlotSink](mut s: S):
 
 def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m1.FWD_B)
-    var dm = m1.M1Dims(arg_int(args, m1.FWD_D), blob_format(arg_f32(args, m1.FWD_BLOB)))
+    var dm = m1.M1Dims(arg_int(args, m1.FWD_D), blob_formats(arg_f32(args, m1.FWD_BLOB)))
     var di = dm.di
     var flags = arg_int(args, m1.FWD_FLAGS)
     _sizes(s)
@@ -217,7 +217,7 @@ def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
 
 
 def _m1_backward[S: SlotSink](args: I64Ptr, mut s: S):
-    var dm = m1.M1Dims(arg_int(args, m1b.BW_D), blob_format(arg_f32(args, m1b.BW_BLOB)))
+    var dm = m1.M1Dims(arg_int(args, m1b.BW_D), blob_formats(arg_f32(args, m1b.BW_BLOB)))
     var d = dm.d
     var di = dm.di
     var bx = _tokens(args)
@@ -277,7 +277,7 @@ def _m2_prepare[S: SlotSink](mut s: S):
 
 def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m2.FWD_B)
-    var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_format(arg_f32(args, m2.FWD_BLOB)))
+    var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_formats(arg_f32(args, m2.FWD_BLOB)))
     var bx = _tokens(args)
     var heads = b * dm.nh * m2.P * m2.N  # h, h_last: (B, H, P, N)
     _sizes(s)
@@ -300,7 +300,7 @@ def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
 
 
 def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
-    var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_format(arg_f32(args, m2b.BW_BLOB)))
+    var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_formats(arg_f32(args, m2b.BW_BLOB)))
     var d = dm.d
     var bx = _tokens(args)
     _sizes(s)
@@ -367,7 +367,7 @@ def _m3_prepare[S: SlotSink](mut s: S):
 
 def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m3.FWD_B)
-    var dm = m3.M3Dims(arg_int(args, m3.FWD_D), blob_format(arg_f32(args, m3.FWD_BLOB)))
+    var dm = m3.M3Dims(arg_int(args, m3.FWD_D), blob_formats(arg_f32(args, m3.FWD_BLOB)))
     var bh = b * dm.nh
     var bx = _tokens(args)
     _sizes(s)
@@ -399,7 +399,7 @@ def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
 
 
 def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):
-    var dm = m3.M3Dims(arg_int(args, m3b.BW_D), blob_format(arg_f32(args, m3b.BW_BLOB)))
+    var dm = m3.M3Dims(arg_int(args, m3b.BW_D), blob_formats(arg_f32(args, m3b.BW_BLOB)))
     var d = dm.d
     var bx = _tokens(args)
     _sizes(s)

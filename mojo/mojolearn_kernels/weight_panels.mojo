@@ -2,15 +2,20 @@
 were given in (mojolearn.lowbit): float32, bfloat16, int8, q4_0 or q8_0
 panels.
 
-Every blob starts with a header of ALIGN_FLOATS int32 words: word 0 is the
-weight format (a WF_* id), word 1 + i the float offset of projection i's
-panels (i in the slot order of the prepare op's *_EXP slots). So a blob
-describes itself: the forward ops read the format from the blob they are
-given and pick the matching micro-kernel instantiation
-(linear.matmul_task_wf); nothing in the call arguments can disagree with
-the blob. OP_PANELS_EXTRACT copies the weights (float32 values or packed
-codes) back out of the panels, so a block need not keep a second copy of
-them (get_params, backward).
+Every blob starts with a header of ALIGN_FLOATS int32 words: word 0 holds
+the weight formats, one 4-bit WF_* id per projection (bits 4 i .. 4 i + 3:
+projection i's format), word 1 + i the float offset of projection i's
+panels (i in the slot order of the prepare op's *_EXP slots). The prepare
+ops take that same word (their wfmt slot), so each projection keeps the
+format it was given in (llama.cpp's files mix them: q4_0 in_proj next to
+float32 x_proj). So a blob describes itself: the forward ops read each
+projection's format from the blob they are given and pick the matching
+micro-kernel instantiation per product (linear.matmul_task_wf); nothing in
+the call arguments can disagree with the blob. A block in one format runs
+the very code it ran when word 0 held a single format. OP_PANELS_EXTRACT
+copies the weights (float32 values or packed codes) back out of the
+panels, in each section's format, so a block need not keep a second copy
+of them (get_params, backward).
 
 The prepare ops copy the packed codes into panels (linear.mojo's layout):
 a copy, not a conversion, so the panels hold exactly the given values:
@@ -41,7 +46,11 @@ def pow2_f32(e: Int) -> Float32:
     """2^e exactly for e in [-149, 127] (through float64: no rounding)."""
     return Float32(bitcast[DType.float64, 1](UInt64(e + 1023) << 52))
 
-comptime O_FORMAT = 0  # blob word holding the weight format
+comptime O_FORMAT = 0  # blob word holding the weight formats (FMT_BITS per projection)
+comptime FMT_BITS = 4
+comptime FMT_MASK = (1 << FMT_BITS) - 1
+comptime ALL_F32 = 0  # the formats word of a block whose projections are all float32
+comptime MAX_PROJECTIONS = 7  # formats in the (int32, non-negative) word
 comptime O_SECTIONS = 1  # blob words 1 + i: float offset of projection i
 # The last header word: a block option the prepare op records, so every op
 # on the blob sees the same value (Mamba-1: the float32 eps of the B/C/dt
@@ -67,8 +76,9 @@ def _set_word(blob: F32Ptr, i: Int, v: Int):
     blob[unsafe_offset=i] = bitcast[DType.float32, 1](Int32(v))
 
 
-def set_blob_format(blob: F32Ptr, wf: Int):
-    _set_word(blob, O_FORMAT, wf)
+def set_blob_formats(blob: F32Ptr, wfs: Int):
+    """Record the formats word (a prepare op's wfmt argument)."""
+    _set_word(blob, O_FORMAT, wfs)
 
 
 def set_blob_section(blob: F32Ptr, i: Int, offset: Int):
@@ -88,15 +98,33 @@ def blob_option_f32(blob: F32Ptr) -> Float32:
     return blob[unsafe_offset=O_OPTION]
 
 
-def blob_format(blob: F32Ptr) -> Int:
-    """The weight format a prepare op wrote into blob (float32 for none)."""
+def blob_formats(blob: F32Ptr) -> Int:
+    """The formats word a prepare op wrote into blob (all float32 for a
+    null blob)."""
     if Int(blob) == 0:
-        return WF_F32
+        return ALL_F32
     return _word(blob, O_FORMAT)
+
+
+@always_inline
+def section_format(wfs: Int, i: Int) -> Int:
+    """Projection i's format in a formats word."""
+    return (wfs >> (FMT_BITS * i)) & FMT_MASK
 
 
 def valid_format(wf: Int) -> Bool:
     return wf == WF_F32 or wf == WF_BF16 or wf == WF_INT8 or wf == WF_Q4_0 or wf == WF_Q8_0
+
+
+def valid_formats(wfs: Int, n: Int) -> Bool:
+    """Whether wfs is a formats word of n projections: each a valid format,
+    nothing above them."""
+    if wfs < 0 or n > MAX_PROJECTIONS or (wfs >> (FMT_BITS * n)) != 0:
+        return False
+    for i in range(n):
+        if not valid_format(section_format(wfs, i)):
+            return False
+    return True
 
 
 @always_inline
@@ -188,8 +216,14 @@ def pack_weight_panels(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr
 # ---------------------------------------------------------------- extract
 
 
+def extract_format(args: I64Ptr) -> Int:
+    """The format of the section OP_PANELS_EXTRACT reads."""
+    return section_format(blob_formats(arg_f32(args, EX_BLOB)), arg_int(args, EX_SECTION))
+
+
 def panels_extract_plan(args: I64Ptr, phase: Int) -> Int:
-    if not valid_format(blob_format(arg_f32(args, EX_BLOB))):
+    var sec = arg_int(args, EX_SECTION)
+    if sec < 0 or sec >= MAX_PROJECTIONS or not valid_format(extract_format(args)):
         return -3
     if phase == PLAN_WORKSPACE:
         return 0
@@ -201,7 +235,7 @@ def panels_extract_plan(args: I64Ptr, phase: Int) -> Int:
 def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
     """Panel `task` back to rows: the values or codes as the prepare op got them."""
     var blob = arg_f32(args, EX_BLOB)
-    var wf = blob_format(blob)
+    var wf = extract_format(args)
     var m = arg_int(args, EX_ROWS)
     var k = arg_int(args, EX_COLS)
     var sec = blob.unsafe_offset(_word(blob, O_SECTIONS + arg_int(args, EX_SECTION)))

@@ -110,6 +110,7 @@ class MambaLM:
         range when the checkpoint is lazy)."""
         from ._array import Array
         from .checkpoints import LazyTensor, _loaded
+        from .lowbit import is_packed
         d, v = self.d_model, self.vocab_size
         norm = _intake.float32_view(_loaded(ck.final_norm), "norm_f.weight", ndim=(1,))
         _intake.check_finite(self._lib, norm)
@@ -132,8 +133,10 @@ class MambaLM:
                 w = self._rows(value, name, r0, r1)
                 keep.append(w)
                 named[name], named[f"exp:{name}"] = _addresses(w)
-            args = spec.pack(named, d=d, vocab=v, wfmt=FORMAT_IDS[self.weight_format],
-                             row0=r0, nrows=r1 - r0)
+            # the formats word (lm.mojo): the head's format, then the embedding's
+            ids = [FORMAT_IDS[w.format if is_packed(w) else "float32"] for w in keep]
+            wfmt = ids[0] | ids[-1] << 4  # tied: the head's twice
+            args = spec.pack(named, d=d, vocab=v, wfmt=wfmt, row0=r0, nrows=r1 - r0)
             if blob is None:
                 blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
             args[spec.slot("blob")] = blob.address

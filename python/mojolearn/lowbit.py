@@ -62,6 +62,14 @@ Mamba2Block, Mamba3Block) accept packed projection weights, keep them packed
 format in ``weight_format``; the outputs are byte-identical to the same
 block built on ``unpack(weights)[0]``.
 
+Mixed formats: each projection may be in its own format (llama.cpp's GGUF
+files keep Mamba's x_proj and dt_proj in float32 next to q4_0 in_proj and
+out_proj). ``pack(weights, {name: fmt})`` packs the named projections only,
+each in its format; a block keeps each one in its own format, reports
+``weight_format == 'mixed'`` and each projection's format in
+``weight_formats`` ({name: format}); ``format_of`` and ``unpack`` report
+'mixed' for such a dict, and ``formats_of`` gives the per-name formats.
+
 The packing and expansion loops run in the kernel binary (ops
 OP_LOWBIT_PACK / OP_LOWBIT_UNPACK), row blocks in parallel; each row is a
 pure function of itself, so the bits never depend on the thread count.
@@ -73,6 +81,7 @@ import math
 from . import _abi, _intake
 
 FORMATS = ("float32", "bfloat16", "int8", "q4_0", "q8_0")
+MIXED = "mixed"  # the format of a weight dict whose projections differ in format
 # Format ids of the kernels (lowbit.mojo FMT_*, linear.mojo WF_*: the same ids).
 FORMAT_IDS = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_0": 3, "q8_0": 4}
 _FMT_ID = {f: i for f, i in FORMAT_IDS.items() if f != "float32"}
@@ -80,8 +89,8 @@ _E_MIN, _E_MAX = -149, 121
 BLOCK = 32  # values per block of q4_0 / q8_0
 BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}  # float16 scale + codes
 
-__all__ = ["FORMATS", "PackedWeight", "pack", "pack_one", "unpack", "is_packed",
-           "format_of", "is_projection", "from_ggml"]
+__all__ = ["FORMATS", "MIXED", "PackedWeight", "pack", "pack_one", "unpack", "is_packed",
+           "format_of", "formats_of", "is_projection", "from_ggml"]
 
 
 def is_projection(name) -> bool:
@@ -399,15 +408,35 @@ def pack_one(value, fmt, name: str = "weight"):
 
 
 def pack(weights, fmt):
-    """Pack the 2-D projection weights (names ending in 'proj.weight') of a
-    weight dict; every other entry is passed through unchanged.
+    """Pack the projection weights of a weight dict.
 
-    Returns a new dict. ``pack(w, 'float32')`` expands packed values instead
-    (the same as ``unpack(w)[0]``).
+    Parameters
+    ----------
+    weights : dict of name -> float32 buffer or PackedWeight
+    fmt : str or dict of name -> str
+        A format ('float32', 'bfloat16', 'int8', 'q4_0', 'q8_0'): every 2-D
+        projection weight (name ending in 'proj.weight') in that format;
+        ``pack(w, 'float32')`` expands packed values instead (the same as
+        ``unpack(w)[0]``). A dict {name: format}: only the named projection
+        weights, each in its own format (a mix, as llama.cpp's GGUF files
+        have: ``{'in_proj.weight': 'q4_0', 'out_proj.weight': 'q4_0'}``
+        leaves x_proj and dt_proj as they are).
+
+    Returns
+    -------
+    dict
+        A new dict; every entry not packed is passed through unchanged.
+
+    Raises
+    ------
+    ValueError for an unknown format, or (dict form) a name that is not a
+    projection weight of `weights` (naming it); pack_one's errors.
     """
-    _check_format(fmt)
     if not hasattr(weights, "keys"):
         raise TypeError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
+    if hasattr(fmt, "keys"):
+        return _pack_named(weights, fmt)
+    _check_format(fmt)
     if fmt == "float32":
         return unpack(weights)[0]
     out = {}
@@ -420,6 +449,22 @@ def pack(weights, fmt):
     return out
 
 
+def _pack_named(weights, fmts):
+    """pack's dict form: each named projection in its own format."""
+    names = set(weights.keys())
+    for name in fmts.keys():
+        if name not in names:
+            raise ValueError(f"fmt names {name!r}, which is not in weights")
+        if not is_projection(name):
+            raise ValueError(f"fmt names {name!r}: only projection weights "
+                             "(names ending in 'proj.weight') are packed")
+        if fmts[name] not in FORMATS:
+            raise ValueError(f"fmt[{name!r}] must be one of {list(FORMATS)}, "
+                             f"got {fmts[name]!r}")
+    done = {name: pack_one(weights[name], fmts[name], name) for name in fmts.keys()}
+    return {name: done.get(name, weights[name]) for name in weights.keys()}
+
+
 def _ndim(value):
     try:
         return memoryview(value).ndim
@@ -427,8 +472,11 @@ def _ndim(value):
         return None
 
 
-def _formats(weights) -> dict:
-    """{name: format} of every packed value and every plain projection weight."""
+def formats_of(weights) -> dict:
+    """{name: format} of every packed value and every plain projection
+    weight of a weight dict ('float32' for a plain one)."""
+    if not hasattr(weights, "keys"):
+        raise TypeError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
     got = {}
     for name in weights.keys():
         value = weights[name]
@@ -439,14 +487,13 @@ def _formats(weights) -> dict:
     return got
 
 
-def _common_format(weights) -> str:
-    got = _formats(weights)
-    kinds = sorted(set(got.values()))
+def _common_format(formats) -> str:
+    """The one format of the values of a {name: format} dict, MIXED when
+    they differ, 'float32' when it is empty."""
+    kinds = set(formats.values())
     if len(kinds) > 1:
-        listing = ", ".join(f"{n}: {f}" for n, f in sorted(got.items()))
-        raise ValueError(f"weights mix formats {kinds} ({listing}); pack every projection "
-                         "weight in one format")
-    return kinds[0] if kinds else "float32"
+        return MIXED
+    return kinds.pop() if kinds else "float32"
 
 
 def unpack(weights):
@@ -457,14 +504,11 @@ def unpack(weights):
     (dict, fmt) : a new dict where every PackedWeight is replaced by its
         float32 expansion (a mojolearn.Array) and every other entry is passed
         through unchanged, and the format the weights were in ('float32'
-        when nothing was packed).
-
-    Raises ValueError when the weights mix formats (packed values of two
-    formats, or packed and plain float32 projection weights).
+        when nothing was packed, 'mixed' when they mix formats: packed
+        values of two formats, or packed and plain float32 projection
+        weights; ``formats_of`` tells which is which).
     """
-    if not hasattr(weights, "keys"):
-        raise TypeError(f"weights must be a dict of name -> buffer, got {type(weights).__name__}")
-    fmt = _common_format(weights)
+    fmt = _common_format(formats_of(weights))
     out = {}
     for name in weights.keys():
         value = weights[name]
@@ -474,11 +518,11 @@ def unpack(weights):
 
 def format_of(value) -> str:
     """Format of one weight ('float32' for a plain float32 buffer) or of a
-    weight dict (its common format; ValueError if it mixes formats)."""
+    weight dict (its common format, 'mixed' if it mixes formats)."""
     if is_packed(value):
         return value.format
     if hasattr(value, "keys"):
-        return _common_format(value)
+        return _common_format(formats_of(value))
     _intake.float32_view(value, "value")
     return "float32"
 

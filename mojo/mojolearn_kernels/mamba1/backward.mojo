@@ -38,7 +38,7 @@ Reference: torch autograd of transformers' MambaBlock run in float64
 """
 from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task, NR, WF_F32
-from ..weight_panels import blob_format
+from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task
 from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
@@ -88,7 +88,7 @@ def _counts(dims: M1Dims, wk: BWork, stage: Int, nc: Int) -> Int:
 
 
 def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
-    if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
+    if blob_formats(arg_f32(args, BW_BLOB)) != ALL_F32:
         return -3  # backward reads float32 panels; blocks on packed weights expand them
     var dims = dims_of_blob(arg_int(args, BW_D), arg_f32(args, BW_BLOB))
     var b = arg_int(args, BW_B)

@@ -6,7 +6,7 @@ from ..abi import (
     arg_int, arg_f32, round_up, ceil_div,
 )
 from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
-from ..weight_panels import blob_format
+from ..weight_panels import blob_formats
 from ..linear_grad import gemm_ntasks, gemm_task
 from ..norms import rmsnorm_row, rms_scale
 from ..numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32

@@ -26,10 +26,10 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from ..linear import WF_F32, packed_floats, matmul_ntasks, matmul_task_wf
+from ..linear import packed_floats, matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
-    set_blob_option, blob_option_f32,
+    pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
+    section_format, set_blob_option, blob_option_f32, ALL_F32,
 )
 from ..numerics import exp_f32
 from ..lanes import copy_floats, transpose_in, transpose_out
@@ -51,13 +51,21 @@ comptime PREP_ALOG = 8
 comptime PREP_D_SKIP = 9
 comptime PREP_OUT = 10
 comptime PREP_BLOB = 11
-comptime PREP_WFMT = 12  # projection weight format (linear.WF_*); 0 if absent
+comptime PREP_WFMT = 12  # projection formats word (weight_panels.mojo); 0: all float32
 comptime PREP_IN_EXP = 13  # int8: int32 exponents, one per row
 comptime PREP_X_EXP = 14
 comptime PREP_DT_EXP = 15
 comptime PREP_OUT_EXP = 16
 comptime PREP_BCDT_EPS = 17  # float32 bits of the B/C/dt norms' eps; 0: no norms
 comptime PREP_A_GIVEN = 18  # 1: the A_log slot holds A itself (GGUF's -exp(A_log)), copied
+
+# The projections' sections (blob header words, formats word nibbles), in
+# the order of the *_EXP slots.
+comptime SEC_IN = 0
+comptime SEC_X = 1
+comptime SEC_DT = 2
+comptime SEC_OUT = 3
+comptime NPROJ = 4
 
 # OP_M1_FORWARD argument slots.
 comptime FWD_B = 0
@@ -112,29 +120,37 @@ struct M1Dims(ImplicitlyCopyable):
     var o_dskip: Int
     var o_out: Int
     var blob: Int  # floats
-    var wf: Int  # format of the projection panels (linear.WF_*)
+    var wfs: Int  # the projections' formats word (weight_panels.mojo)
+    var wf_in: Int  # each projection's format (linear.WF_*)
+    var wf_x: Int
+    var wf_dt: Int
+    var wf_out: Int
     var bcdt_eps: Float32  # eps of the B/C/dt norms; +0.0: none (read from the blob)
 
-    def __init__(out self, d: Int, wf: Int = WF_F32):
+    def __init__(out self, d: Int, wfs: Int = ALL_F32):
         self.d = d
         self.bcdt_eps = 0.0
         self.di = 2 * d
         self.r = ceil_div(d, 16)
         self.nx = self.r + 2 * NSTATE
-        self.wf = wf
-        var o = ALIGN_FLOATS  # header: the weight format (weight_panels.mojo)
+        self.wfs = wfs
+        self.wf_in = section_format(wfs, SEC_IN)
+        self.wf_x = section_format(wfs, SEC_X)
+        self.wf_dt = section_format(wfs, SEC_DT)
+        self.wf_out = section_format(wfs, SEC_OUT)
+        var o = ALIGN_FLOATS  # header: the weight formats (weight_panels.mojo)
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += packed_floats(2 * self.di, d, wf)
+        o += packed_floats(2 * self.di, d, self.wf_in)
         self.o_convw = o
         o += round_up(KCONV * self.di, ALIGN_FLOATS)
         self.o_convb = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_x = o
-        o += packed_floats(self.nx, self.di, wf)
+        o += packed_floats(self.nx, self.di, self.wf_x)
         self.o_dt = o
-        o += packed_floats(self.di, self.r, wf)
+        o += packed_floats(self.di, self.r, self.wf_dt)
         self.o_dtb = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_a = o
@@ -142,7 +158,7 @@ struct M1Dims(ImplicitlyCopyable):
         self.o_dskip = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_out = o
-        o += packed_floats(d, self.di, wf)
+        o += packed_floats(d, self.di, self.wf_out)
         self.blob = o
 
 
@@ -195,33 +211,33 @@ struct M1Work(ImplicitlyCopyable):
 
 
 def m1_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    var wf = arg_int(args, PREP_WFMT)
-    if not valid_format(wf):
+    var wfs = arg_int(args, PREP_WFMT)
+    if not valid_formats(wfs, NPROJ):
         return -3
     if phase == PLAN_WORKSPACE:
-        return M1Dims(arg_int(args, PREP_D), wf).blob * 4
+        return M1Dims(arg_int(args, PREP_D), wfs).blob * 4
     if phase == 0:
         return 7
     return PHASE_END
 
 
 def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var wf = arg_int(args, PREP_WFMT)
-    var dims = M1Dims(arg_int(args, PREP_D), wf)
+    var wfs = arg_int(args, PREP_WFMT)
+    var dims = M1Dims(arg_int(args, PREP_D), wfs)
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     var di = dims.di
     if task == 0:
-        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+        pack_weight_panels(dims.wf_in, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
                            2 * di, d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        pack_weight_panels(wf, arg_int(args, PREP_X), arg_int(args, PREP_X_EXP),
+        pack_weight_panels(dims.wf_x, arg_int(args, PREP_X), arg_int(args, PREP_X_EXP),
                            dims.nx, di, blob.unsafe_offset(dims.o_x))
     elif task == 2:
-        pack_weight_panels(wf, arg_int(args, PREP_DT), arg_int(args, PREP_DT_EXP),
+        pack_weight_panels(dims.wf_dt, arg_int(args, PREP_DT), arg_int(args, PREP_DT_EXP),
                            di, dims.r, blob.unsafe_offset(dims.o_dt))
     elif task == 3:
-        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+        pack_weight_panels(dims.wf_out, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
                            d, di, blob.unsafe_offset(dims.o_out))
     elif task == 4:
         var alog = arg_f32(args, PREP_ALOG)
@@ -236,12 +252,12 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
             for k in range(KCONV):
                 blob[unsafe_offset=dims.o_convw + k * di + c] = cw[unsafe_offset=c * KCONV + k]
     else:
-        set_blob_format(blob, wf)
+        set_blob_formats(blob, wfs)
         set_blob_option(blob, arg_int(args, PREP_BCDT_EPS))
-        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
-        set_blob_section(blob, 1, dims.o_x)
-        set_blob_section(blob, 2, dims.o_dt)
-        set_blob_section(blob, 3, dims.o_out)
+        set_blob_section(blob, SEC_IN, dims.o_in)
+        set_blob_section(blob, SEC_X, dims.o_x)
+        set_blob_section(blob, SEC_DT, dims.o_dt)
+        set_blob_section(blob, SEC_OUT, dims.o_out)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)
@@ -254,7 +270,7 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
 def dims_of_blob(d: Int, blob: F32Ptr) -> M1Dims:
     """The block's sizes and blob layout, in the weight format and with the
     B/C/dt norms' eps its blob records."""
-    var dims = M1Dims(d, blob_format(blob))
+    var dims = M1Dims(d, blob_formats(blob))
     dims.bcdt_eps = blob_option_f32(blob)
     return dims
 
@@ -307,7 +323,7 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
     var blob = arg_f32(args, FWD_BLOB)
     var xn = work.unsafe_offset(wk.o_xn)
     if stage == ST_OUTPROJ:
-        var t = matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+        var t = matmul_task_wf(dims.wf_out, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, dims.d, xn, dims.d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
         return

@@ -134,7 +134,7 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
                 rmsnorm_row(ch.x.unsafe_offset((bb * ch.l + t) * d), d,
                             blob.unsafe_offset(dims.o_norm), dst)
     elif stage == ST_INPROJ:
-        _ = matmul_task_wf(dims.wf, task, ch.xn, d, rows, blob.unsafe_offset(dims.o_in), d,
+        _ = matmul_task_wf(dims.wf_in, task, ch.xn, d, rows, blob.unsafe_offset(dims.o_in), d,
                            2 * di, ch.hg, 2 * di)
     elif stage == ST_CONV:
         var c0 = task * CONV_CHANNELS_PER_TASK
@@ -154,7 +154,7 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
                     comptime if RUN == RUN_B:
                         pre[unsafe_offset=j * di + c] = 0.0
     elif stage == ST_XPROJ:
-        _ = matmul_task_wf(dims.wf, task, ch.u, di, rows, blob.unsafe_offset(dims.o_x), di,
+        _ = matmul_task_wf(dims.wf_x, task, ch.u, di, rows, blob.unsafe_offset(dims.o_x), di,
                            dims.nx, ch.dbc, dims.nx)
     elif stage == ST_BCDT:  # in place, each of dtr, B, C over its own row segment
         var nx = dims.nx
@@ -171,7 +171,7 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
                               v.unsafe_offset(dims.r + NSTATE))
     elif stage == ST_DTPROJ:
         var raw = ch.v if RUN == RUN_B else ch.dl  # the dt_proj product, then
-        var t = matmul_task_wf(dims.wf, task, ch.dbc, dims.nx, rows,
+        var t = matmul_task_wf(dims.wf_dt, task, ch.dbc, dims.nx, rows,
                                blob.unsafe_offset(dims.o_dt), dims.r, di, raw, di)
         var bias = blob.unsafe_offset(dims.o_dtb)
         for r in range(t.r0, t.r1):  # v = raw + bias in place; dl = softplus(v)

@@ -40,7 +40,7 @@ from ..abi import (
     arg_int, arg_f32, round_up, ceil_div,
 )
 from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
-from ..weight_panels import blob_format
+from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale, rmsnorm_row_vjp
 from ..numerics import silu_f32, silu_grad_f32
@@ -99,7 +99,7 @@ def _counts(bw: BW2, c: Int, stage: Int, is_b: Bool) -> Int:
 
 
 def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
-    if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
+    if blob_formats(arg_f32(args, BW_BLOB)) != ALL_F32:
         return -3  # backward reads float32 panels; blocks on packed weights expand them
     var bw = BW2(args)
     if bw.n0 < 0 or bw.n0 >= Q or (bw.n0 != 0 and not bw.stated):

@@ -8,7 +8,7 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
-from ..weight_panels import blob_format
+from ..weight_panels import blob_formats
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale
 from ..numerics import softplus_f32, softplus_grad_f32

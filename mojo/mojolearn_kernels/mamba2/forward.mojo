@@ -37,7 +37,7 @@ from std.memory import bitcast
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    pack_weight_panels, set_blob_format, set_blob_section, valid_format,
+    pack_weight_panels, set_blob_formats, set_blob_section, valid_formats,
 )
 from ..norms import rmsnorm_row
 from ..conv import causal_conv_silu
@@ -47,7 +47,7 @@ from .layout import (
     P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
     PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
     PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
-    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN,
+    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN, SEC_IN, SEC_OUT, NPROJ,
     ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
     M2Dims, M2Call, M2Group, FWD_ROW_S,
 )
@@ -62,26 +62,26 @@ def _f32_bits(v: Int) -> Float32:
 
 
 def m2_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    var wf = arg_int(args, PREP_WFMT)
-    if not valid_format(wf):
+    var wfs = arg_int(args, PREP_WFMT)
+    if not valid_formats(wfs, NPROJ):
         return -3
     if phase == PLAN_WORKSPACE:
-        return M2Dims(arg_int(args, PREP_D), wf).blob * 4
+        return M2Dims(arg_int(args, PREP_D), wfs).blob * 4
     if phase == 0:
         return 4
     return PHASE_END
 
 
 def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var wf = arg_int(args, PREP_WFMT)
-    var dims = M2Dims(arg_int(args, PREP_D), wf)
+    var wfs = arg_int(args, PREP_WFMT)
+    var dims = M2Dims(arg_int(args, PREP_D), wfs)
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     if task == 0:
-        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+        pack_weight_panels(dims.wf_in, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
                            dims.npj, d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+        pack_weight_panels(dims.wf_out, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
                            d, dims.di, blob.unsafe_offset(dims.o_out))
     elif task == 2:
         var cw = arg_f32(args, PREP_CONVW)
@@ -89,9 +89,9 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
             for k in range(KCONV):
                 blob[unsafe_offset=dims.o_convw + k * dims.cd + c] = cw[unsafe_offset=c * KCONV + k]
     else:
-        set_blob_format(blob, wf)
-        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
-        set_blob_section(blob, 1, dims.o_out)
+        set_blob_formats(blob, wfs)
+        set_blob_section(blob, SEC_IN, dims.o_in)
+        set_blob_section(blob, SEC_OUT, dims.o_out)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
@@ -159,7 +159,7 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     if stage == ST_NORM:
         _norm_rows(cl, gp, task)
     elif stage == ST_INPROJ:
-        _ = matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_xn), dims.d, rows,
+        _ = matmul_task_wf(dims.wf_in, task, work.unsafe_offset(wk.o_xn), dims.d, rows,
                            blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
                            work.unsafe_offset(wk.o_zx), dims.npj)
     elif stage == ST_CONV:
@@ -171,7 +171,7 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == ST_GNORM:
         _gnorm_rows(cl, gp, task)
     else:
-        var t = matmul_task_wf(dims.wf, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
+        var t = matmul_task_wf(dims.wf_out, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, dims.d,
                                work.unsafe_offset(wk.o_xn), dims.d)
         _residual(cl, gp, t.r0, t.r1, t.c0, t.c1)

@@ -4,8 +4,8 @@ Mirrored in python/mojolearn/mamba/mamba2.py (slot numbers)."""
 from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
-from ..linear import WF_F32, packed_floats
-from ..weight_panels import blob_format
+from ..linear import packed_floats
+from ..weight_panels import blob_formats, section_format, ALL_F32
 
 comptime P = 64  # head dim
 comptime N = 128  # state size
@@ -28,10 +28,16 @@ comptime PREP_OUT = 9
 comptime PREP_LO = 10  # float32 bits of dt_limit[0] (as a signed int32)
 comptime PREP_HI = 11
 comptime PREP_BLOB = 12
-comptime PREP_WFMT = 13  # projection weight format (linear.WF_*); 0 if absent
+comptime PREP_WFMT = 13  # projection formats word (weight_panels.mojo); 0: all float32
 comptime PREP_IN_EXP = 14  # int8: int32 exponents, one per row
 comptime PREP_OUT_EXP = 15
 comptime PREP_A_GIVEN = 16  # 1: the A_log slot holds A itself (GGUF's -exp(A_log)), copied
+
+# The projections' sections (blob header words, formats word nibbles), in
+# the order of the *_EXP slots.
+comptime SEC_IN = 0
+comptime SEC_OUT = 1
+comptime NPROJ = 2
 
 # OP_M2_FORWARD argument slots.
 comptime FWD_B = 0
@@ -126,20 +132,24 @@ struct M2Dims(ImplicitlyCopyable):
     var o_out: Int
     var o_lim: Int  # lo, hi
     var blob: Int
-    var wf: Int  # format of the projection panels (linear.WF_*)
+    var wfs: Int  # the projections' formats word (weight_panels.mojo)
+    var wf_in: Int  # each projection's format (linear.WF_*)
+    var wf_out: Int
 
-    def __init__(out self, d: Int, wf: Int = WF_F32):
+    def __init__(out self, d: Int, wfs: Int = ALL_F32):
         self.d = d
         self.di = 2 * d
         self.nh = self.di // P
         self.cd = self.di + 2 * N
         self.npj = 2 * self.di + 2 * N + self.nh
-        self.wf = wf
-        var o = ALIGN_FLOATS  # header: the weight format (weight_panels.mojo)
+        self.wfs = wfs
+        self.wf_in = section_format(wfs, SEC_IN)
+        self.wf_out = section_format(wfs, SEC_OUT)
+        var o = ALIGN_FLOATS  # header: the weight formats (weight_panels.mojo)
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += packed_floats(self.npj, d, wf)
+        o += packed_floats(self.npj, d, self.wf_in)
         self.o_convw = o
         o += round_up(KCONV * self.cd, ALIGN_FLOATS)
         self.o_convb = o
@@ -153,7 +163,7 @@ struct M2Dims(ImplicitlyCopyable):
         self.o_gnorm = o
         o += round_up(self.di, ALIGN_FLOATS)
         self.o_out = o
-        o += packed_floats(d, self.di, wf)
+        o += packed_floats(d, self.di, self.wf_out)
         self.o_lim = o
         o += ALIGN_FLOATS
         self.blob = o
@@ -349,7 +359,7 @@ struct M2Call(ImplicitlyCopyable):
     var per_row: Bool
 
     def __init__(out self, args: I64Ptr):
-        self.dims = M2Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
+        self.dims = M2Dims(arg_int(args, FWD_D), blob_formats(arg_f32(args, FWD_BLOB)))
         self.has_state = arg_int(args, FWD_H) != 0
         var s = arg_int(args, FWD_S) if self.has_state else 0
         self.wk = M2Work(self.dims, arg_int(args, FWD_B), arg_int(args, FWD_L), s,

@@ -37,7 +37,7 @@ tests/reference/torch_mamba3.py, whose forward equals mojolearn.reference.mamba3
 """
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task, NR, WF_F32, KSEG
-from ..weight_panels import blob_format
+from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row_vjp
 from .layout import M3Dims, NST, HP, NANG, QC
@@ -117,7 +117,7 @@ def bw3_of(args: I64Ptr, dims: M3Dims) -> BW3:
 
 
 def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
-    if blob_format(arg_f32(args, BW_BLOB)) != WF_F32:
+    if blob_formats(arg_f32(args, BW_BLOB)) != ALL_F32:
         return -3  # backward reads float32 panels; blocks on packed weights expand them
     var n0 = arg_int(args, BW_N0)
     var stated = arg_int(args, BW_STATED) != 0

@@ -9,7 +9,7 @@ from ..abi import (
     arg_int, arg_f32, round_up, ceil_div,
 )
 from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
-from ..weight_panels import blob_format
+from ..weight_panels import blob_formats
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale
 from ..numerics import (

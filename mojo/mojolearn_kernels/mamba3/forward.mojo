@@ -29,7 +29,7 @@ from ..abi import (
 )
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    pack_weight_panels, set_blob_format, set_blob_section, blob_format, valid_format,
+    pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
 )
 from .stages import norm_rows, bc_norm_rows
 from .layout import *
@@ -41,30 +41,30 @@ from .scan import scan_task, row_gates, report_task
 
 
 def m3_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    var wf = arg_int(args, PREP_WFMT)
-    if not valid_format(wf):
+    var wfs = arg_int(args, PREP_WFMT)
+    if not valid_formats(wfs, NPROJ):
         return -3
     if phase == PLAN_WORKSPACE:
-        return M3Dims(arg_int(args, PREP_D), wf).blob * 4
+        return M3Dims(arg_int(args, PREP_D), wfs).blob * 4
     if phase == 0:
         return 3
     return PHASE_END
 
 
 def m3_prepare_task(args: I64Ptr, phase: Int, task: Int):
-    var wf = arg_int(args, PREP_WFMT)
-    var dims = M3Dims(arg_int(args, PREP_D), wf)
+    var wfs = arg_int(args, PREP_WFMT)
+    var dims = M3Dims(arg_int(args, PREP_D), wfs)
     var blob = arg_f32(args, PREP_BLOB)
     if task == 0:
-        pack_weight_panels(wf, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
+        pack_weight_panels(dims.wf_in, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
                            dims.np, dims.d, blob.unsafe_offset(dims.o_in))
     elif task == 1:
-        pack_weight_panels(wf, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
+        pack_weight_panels(dims.wf_out, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
                            dims.d, dims.di, blob.unsafe_offset(dims.o_out))
     else:
-        set_blob_format(blob, wf)
-        set_blob_section(blob, 0, dims.o_in)  # in the order of the *_EXP slots
-        set_blob_section(blob, 1, dims.o_out)
+        set_blob_formats(blob, wfs)
+        set_blob_section(blob, SEC_IN, dims.o_in)
+        set_blob_section(blob, SEC_OUT, dims.o_out)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), dims.d)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
         copy_floats(arg_f32(args, PREP_BNW), blob.unsafe_offset(dims.o_bnw), NST)
@@ -79,7 +79,7 @@ def m3_prepare_task(args: I64Ptr, phase: Int, task: Int):
 
 def forward_dims(args: I64Ptr) -> M3Dims:
     """The block's sizes and blob layout, in the format its blob records."""
-    return M3Dims(arg_int(args, FWD_D), blob_format(arg_f32(args, FWD_BLOB)))
+    return M3Dims(arg_int(args, FWD_D), blob_formats(arg_f32(args, FWD_BLOB)))
 
 
 def m3_forward_plan(args: I64Ptr, phase: Int) -> Int:
@@ -139,7 +139,7 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
                   min(rows, r0 + NORM_ROWS_PER_TASK), blob.unsafe_offset(dims.o_norm), xn,
                   arg_int(args, FWD_LENGTHS))
     elif stage == ST_INPROJ:
-        _ = matmul_task_wf(dims.wf, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
+        _ = matmul_task_wf(dims.wf_in, task, xn, d, rows, blob.unsafe_offset(dims.o_in), d,
                            dims.np, proj, dims.np)
     elif stage == ST_BCNORM:
         var r0 = task * BC_ROWS_PER_TASK
@@ -157,7 +157,7 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
             scan_task(args, dims, blob, proj, o, work.unsafe_offset(wk.o_scr + task * wk.scr),
                       bb, hh, t0, nc, hh + 1 if hh + 1 < h1 else -1)
     else:
-        var t = matmul_task_wf(dims.wf, task, o, dims.np, rows,
+        var t = matmul_task_wf(dims.wf_out, task, o, dims.np, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
         _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
 

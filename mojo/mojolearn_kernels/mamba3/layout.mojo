@@ -3,7 +3,8 @@ workspace's layouts (mamba3/forward.mojo runs the block, mamba3/scan.mojo its sc
 the backward modules share these)."""
 from std.sys import is_defined
 from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
-from ..linear import WF_F32, packed_floats
+from ..linear import packed_floats
+from ..weight_panels import section_format, ALL_F32
 
 comptime NST = 128  # N, q/k head dimension
 comptime HP = 64  # P, v head dimension
@@ -24,9 +25,15 @@ comptime PREP_CB = 7
 comptime PREP_DSKIP = 8
 comptime PREP_OUT = 9
 comptime PREP_BLOB = 10
-comptime PREP_WFMT = 11  # projection weight format (linear.WF_*); 0 if absent
+comptime PREP_WFMT = 11  # projection formats word (weight_panels.mojo); 0: all float32
 comptime PREP_IN_EXP = 12  # int8: int32 exponents, one per row
 comptime PREP_OUT_EXP = 13
+
+# The projections' sections (blob header words, formats word nibbles), in
+# the order of the *_EXP slots.
+comptime SEC_IN = 0
+comptime SEC_OUT = 1
+comptime NPROJ = 2
 
 # OP_M3_FORWARD argument slots.
 comptime FWD_B = 0
@@ -131,11 +138,15 @@ struct M3Dims(ImplicitlyCopyable):
     var o_cb: Int
     var o_dskip: Int
     var blob: Int
-    var wf: Int  # format of the projection panels (linear.WF_*)
+    var wfs: Int  # the projections' formats word (weight_panels.mojo)
+    var wf_in: Int  # each projection's format (linear.WF_*)
+    var wf_out: Int
 
-    def __init__(out self, d: Int, wf: Int = WF_F32):
+    def __init__(out self, d: Int, wfs: Int = ALL_F32):
         self.d = d
-        self.wf = wf
+        self.wfs = wfs
+        self.wf_in = section_format(wfs, SEC_IN)
+        self.wf_out = section_format(wfs, SEC_OUT)
         self.di = 2 * d
         self.nh = self.di // HP
         self.np = 2 * self.di + 2 * NST + 3 * self.nh + NANG
@@ -146,13 +157,13 @@ struct M3Dims(ImplicitlyCopyable):
         self.c_a = self.c_dt + self.nh
         self.c_tr = self.c_a + self.nh
         self.c_ang = self.c_tr + self.nh
-        var o = ALIGN_FLOATS  # header: the weight format (weight_panels.mojo)
+        var o = ALIGN_FLOATS  # header: the weight formats (weight_panels.mojo)
         self.o_norm = o
         o += round_up(d, ALIGN_FLOATS)
         self.o_in = o
-        o += packed_floats(self.np, d, wf)
+        o += packed_floats(self.np, d, self.wf_in)
         self.o_out = o
-        o += packed_floats(d, self.di, wf)
+        o += packed_floats(d, self.di, self.wf_out)
         self.o_dtb = o
         o += round_up(self.nh, ALIGN_FLOATS)
         self.o_bnw = o

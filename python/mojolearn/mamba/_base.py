@@ -91,8 +91,8 @@ def _check_given_a(view) -> None:
 
 class _Views(dict):
     """weight_views' result: {name: View} of float32 values, plus the format
-    the weights were given in (weight_format: 'float32' or a
-    mojolearn.lowbit format) and the packed values as given (packed: {name: PackedWeight})."""
+    the weights were given in (weight_format: 'float32', a mojolearn.lowbit
+    format or 'mixed') and the packed values as given (packed: {name: PackedWeight})."""
 
     weight_format = "float32"
     packed: dict = {}
@@ -152,15 +152,25 @@ class _MambaBase:
     # them back out with OP_PANELS_EXTRACT. So a float32 block holds one copy
     # of its projections, and a packed block about 1/2 (bfloat16), 1/4
     # (int8, q8_0: 8.5 bits a value) or 1/7 (q4_0: 4.5 bits) of that, giving
-    # the bits of the block on unpack(weights). The
-    # small weights (norms, biases, ...) are kept as float32 copies.
+    # the bits of the block on unpack(weights). Each projection keeps its own
+    # format (a mix: weight_format 'mixed'; the blob header records one
+    # format per projection). The small weights (norms, biases, ...) are
+    # kept as float32 copies.
     def _keep_weights(self, views) -> dict:
         """Keep private float32 copies of the small weights in self._weights;
         return the weights for the prepare op (the projections as given, or
         for float32 ones a temporary copy: the prepare op copies them into
         the blob, and the block keeps only that)."""
         from .._array import Array
-        self.weight_format = views.weight_format
+        from ..lowbit import _common_format
+        projections = self._runner.spec.projections
+        for name in views.packed:
+            if name not in projections:
+                raise ValueError(f"weight {name} is packed; only the projection weights "
+                                 f"{list(projections)} may be (give it as float32)")
+        self.weight_formats = {n: views.packed[n].format if n in views.packed else "float32"
+                               for n in projections}
+        self.weight_format = _common_format(self.weight_formats)
         self._weight_names = tuple(views.keys())
         self._weights = {}
         self._packed_shapes = {}
@@ -168,7 +178,7 @@ class _MambaBase:
         prep = {}
         for name, v in views.items():
             p = views.packed.get(name)
-            if p is not None and name in self._runner.spec.projections:
+            if p is not None:
                 self._packed_shapes[name] = p.shape
                 prep[name] = p
                 continue
@@ -187,7 +197,7 @@ class _MambaBase:
         from .._array import Array
         from ..lowbit import BLOCK, BLOCK_BYTES, PackedWeight
         rows, cols = self._packed_shapes[name]
-        fmt = self.weight_format
+        fmt = self.weight_formats[name]
         if fmt in BLOCK_BYTES:  # the blocks' bytes (lowbit)
             data = Array((rows, -(-cols // BLOCK) * BLOCK_BYTES[fmt]), "uint8", zero=False)
         else:
@@ -205,11 +215,10 @@ class _MambaBase:
         """Run the prepare op: the prepared weights (packed weights stay
         packed in it)."""
         from .._array import Array
-        fmt = "float32"
-        for n in self._runner.spec.projections:
-            if _is_packed(w[n]):
-                fmt = w[n].format
         bs = self._runner.spec
+        # one 4-bit format id per projection, in the order of the blob's sections
+        wfmt = sum(FORMAT_IDS[w[n].format if _is_packed(w[n]) else "float32"] << (4 * i)
+                   for i, n in enumerate(bs.projections))
         given_a = GIVEN_A in w  # the A_log slot then takes A, copied as is
         named = {n: weight_address(w[GIVEN_A if given_a and n == "A_log" else n])
                  for n in bs.weight_order}
@@ -219,7 +228,7 @@ class _MambaBase:
         named.update(bs.prepare_scalars(self))
         op = bs.prepare_op
         spec = _abi.op_spec(self._lib, op)
-        args = spec.pack(named, d=self.d_model, wfmt=FORMAT_IDS[fmt])
+        args = spec.pack(named, d=self.d_model, wfmt=wfmt)
         blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
         args[spec.slot("blob")] = blob.address
         self._lib.run(op, args)
@@ -246,7 +255,7 @@ class _MambaBase:
         w = dict(self._weights)
         for n in self._packed_shapes:
             p = self._projection(n)
-            w[n] = p if self.weight_format == "float32" else p.to_float32()
+            w[n] = p if self.weight_formats[n] == "float32" else p.to_float32()
         return w
 
     def _session_cache_bytes(self, batch_size: int) -> int:

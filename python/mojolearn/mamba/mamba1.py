@@ -154,7 +154,8 @@ class Mamba1Block(_MambaBase):
         Weights under the reference parameter names, with d = d_model and
         R = dt_rank = ceil(d / 16); copied at construction. Projection
         weights may be packed with :mod:`mojolearn.lowbit`; they stay packed
-        in the block (the kernels widen them exactly on load).
+        in the block (the kernels widen them exactly on load), each in
+        its own format (a mix is allowed).
 
         - ``norm.weight`` (d,)
         - ``in_proj.weight`` (4d, d)
@@ -188,7 +189,10 @@ class Mamba1Block(_MambaBase):
     dt_rank : int
         Rank of the dt projection, ceil(d_model / 16).
     weight_format : str
-        Format the weights were given in ('float32', 'bfloat16' or 'int8').
+        Format the projection weights were given in ('float32', 'bfloat16',
+        'int8', 'q4_0', 'q8_0', or 'mixed' when they differ).
+    weight_formats : dict of str to str
+        Each projection weight's format, by name.
     bcdt_rms_eps : float or None
         The B/C/dt norms' eps as given (None: no such norms).
 

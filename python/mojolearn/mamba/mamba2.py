@@ -218,7 +218,8 @@ class Mamba2Block(_MambaBase):
         With d = d_model, di = 2d, H = di / 64 heads and CD = di + 256;
         copied at construction. Projection weights may be packed with
         :mod:`mojolearn.lowbit`; they stay packed in the block (the kernels
-        widen them exactly on load).
+        widen them exactly on load), each in its own format (a mix is
+        allowed).
 
         - ``block_norm.weight`` (d,), the block norm
         - ``in_proj.weight`` (2di + 256 + H, d), rows z | xBC | dt
@@ -250,7 +251,10 @@ class Mamba2Block(_MambaBase):
     dt_limit : tuple of float
         The dt clamp (lo, hi), rounded to float32.
     weight_format : str
-        Format the weights were given in ('float32', 'bfloat16' or 'int8').
+        Format the projection weights were given in ('float32', 'bfloat16',
+        'int8', 'q4_0', 'q8_0', or 'mixed' when they differ).
+    weight_formats : dict of str to str
+        Each projection weight's format, by name.
     h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128)
         After every forward/step: the SSM state after all tokens so far (a
         report: on a chunk boundary it equals state.h bitwise; mid-chunk it

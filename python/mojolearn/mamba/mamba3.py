@@ -247,7 +247,8 @@ class Mamba3Block(_MambaBase):
         With d = d_model, H = 2d / 64 heads and
         d_in_proj = 4d + 256 + 3H + 32; copied at construction. Projection
         weights may be packed with :mod:`mojolearn.lowbit`; they stay packed
-        in the block (the kernels widen them exactly on load).
+        in the block (the kernels widen them exactly on load), each in
+        its own format (a mix is allowed).
 
         - ``block_norm.weight`` (d,), the block norm
         - ``in_proj.weight`` (d_in_proj, d), row order
@@ -273,7 +274,10 @@ class Mamba3Block(_MambaBase):
     d_in_proj : int
         Rows of in_proj.weight.
     weight_format : str
-        Format the weights were given in ('float32', 'bfloat16' or 'int8').
+        Format the projection weights were given in ('float32', 'bfloat16',
+        'int8', 'q4_0', 'q8_0', or 'mixed' when they differ).
+    weight_formats : dict of str to str
+        Each projection weight's format, by name.
     h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128)
         Report of the last call: the state after all its tokens (the last
         token at gamma only). Computed on first access from the state that
