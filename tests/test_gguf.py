@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import mojolearn
+from mojolearn import lowbit
 from mojolearn.gguf import read_gguf
 from mojolearn.save import save_checkpoint
 
@@ -131,11 +132,10 @@ def test_each_tensor_type_is_widened_exactly(tmp_path, qtype):
         t = g.tensors[name]
         assert t.ggml_type == qt.name
         want = _widened(written[name], qt)
-        assert np.array(memoryview(t.load())).tobytes() == want.tobytes(), name
+        assert _values(t.load(), qt).tobytes() == want.tobytes(), name
         assert want.tobytes() != written[name].tobytes()  # the type did round something
         if len(t.shape) == 2:  # a row range reads the same values
-            rows = np.array(memoryview(t.rows(1, 3)))
-            assert rows.tobytes() == want[1:3].tobytes()
+            assert _values(t.rows(1, 3), qt).tobytes() == want[1:3].tobytes()
     # the model on the file is the model on the widened values
     wide = {n: _widened(written[n], qt) for n, qt in types.items()}
     plain = tmp_path / "plain.gguf"
@@ -145,8 +145,28 @@ def test_each_tensor_type_is_widened_exactly(tmp_path, qtype):
     if "blk.0.ssm_d" in wide:
         lw[0]["D"] = wide["blk.0.ssm_d"]
     write_gguf(plain, "mamba", lw, wide["token_embd.weight"], norm, wide["output.weight"])
-    assert _bytes(mojolearn.MambaLM(path).logits(IDS)) == \
-        _bytes(mojolearn.MambaLM(plain).logits(IDS))
+    want = _bytes(mojolearn.MambaLM(plain).logits(IDS))
+    lm = mojolearn.MambaLM(path)
+    assert _bytes(lm.logits(IDS)) == want
+    packed = qt in (T.Q8_0, T.Q4_0)
+    # the block formats stay packed beside float32 matrices (llama.cpp's mix)
+    assert lm.weight_format == ("mixed" if packed else "float32")
+    if packed:
+        fmt = {T.Q8_0: "q8_0", T.Q4_0: "q4_0"}[qt]
+        assert lm.blocks[0].weight_formats["in_proj.weight"] == fmt
+        assert lm.blocks[0].weight_formats["x_proj.weight"] == "float32"
+        wide_lm = mojolearn.MambaLM(path, weight_format="float32")
+        assert wide_lm.weight_format == "float32"
+        assert _bytes(wide_lm.logits(IDS)) == want
+
+
+def _values(value, qtype):
+    """The float32 values of a tensor read from a file: a block type is kept
+    packed with the file's own bytes, widened here by mojolearn.lowbit."""
+    if qtype in (T.Q8_0, T.Q4_0):
+        assert lowbit.is_packed(value) and value.format == qtype.name.lower()
+        value = lowbit.unpack({"w": value})[0]["w"]
+    return np.array(memoryview(value))
 
 
 @pytest.mark.parametrize("qtype, name", [(T.F64, "F64"), (T.Q4_1, "Q4_1"), (T.Q5_0, "Q5_0")])

@@ -177,9 +177,11 @@ def _untied_lm_checkpoint(root):
 
 def _lm_on(ck, monkeypatch, given):
     """MambaLM(ck) whose vocabulary matrices are the packed values `given`
-    (as a reader of packed files would hand them over)."""
+    (as the GGUF reader hands them over), kept as they are (weight_format
+    None)."""
     with monkeypatch.context() as m:
-        m.setattr(mojolearn.MambaLM, "_rows", lambda self, value, name, r0, r1: given[name])
+        m.setattr(ck, "lm_head", given["lm_head.weight"])
+        m.setattr(ck, "embeddings", given["embeddings.weight"])
         return mojolearn.MambaLM(ck)
 
 

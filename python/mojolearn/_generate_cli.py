@@ -39,7 +39,9 @@ def _parser():
     ap.add_argument("--stop-ids", default=None,
                     help="comma-separated token ids that end generation (default: the model's "
                     "end-of-text ids; '' for none)")
-    ap.add_argument("--weight-format", default="float32", choices=list(lowbit.FORMATS))
+    ap.add_argument("--weight-format", default=None, choices=list(lowbit.FORMATS),
+                    help="format the weights are kept in (default: as the checkpoint "
+                         "stores them)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--download", action="store_true",
                     help="download a Hub id missing from the cache")

@@ -189,22 +189,25 @@ class Checkpoint:
         """Mamba1Block, Mamba2Block or Mamba3Block."""
         return self.family.block_class
 
-    def blocks(self, *, weight_format: str = "float32", numeric_mode: str = "identical") -> list:
+    def blocks(self, *, weight_format=None, numeric_mode: str = "identical") -> list:
         """One block per layer (Mamba1Block, Mamba2Block with dt_limit, or
         Mamba3Block).
 
-        weight_format 'bfloat16', 'int8', 'q4_0' or 'q8_0' packs the
-        projection weights with mojolearn.lowbit first (the blocks then
-        compute on the rounded values; see docs/checkpoints.md).
+        weight_format None (the default) keeps each weight as the file
+        stores it (a GGUF file's q4_0 / q8_0 matrices stay packed, the rest
+        is float32); 'float32' expands packed weights exactly; 'bfloat16',
+        'int8', 'q4_0' or 'q8_0' packs every projection weight with
+        mojolearn.lowbit first (from the exact expansion of a packed one;
+        the blocks then compute on the rounded values; see
+        docs/checkpoints.md).
         """
         return [self.block(i, weight_format=weight_format, numeric_mode=numeric_mode)
                 for i in range(self.n_layers)]
 
-    def block(self, i: int, *, weight_format: str = "float32",
-              numeric_mode: str = "identical"):
+    def block(self, i: int, *, weight_format=None, numeric_mode: str = "identical"):
         """The block of layer i (lazy tensors are read now, and not kept).
         An error about one weight names it by its checkpoint key
-        (``backbone.layers.3.mixer.D``)."""
+        (``backbone.layers.3.mixer.D``); weight_format as in ``blocks``."""
         from . import lowbit
         fam = self.family
         kw = {"numeric_mode": numeric_mode}
@@ -213,7 +216,7 @@ class Checkpoint:
                    if self._summary.get(opt) is not None})
         w = {k: _loaded(v) for k, v in self.layers[i].items()}
         try:
-            if weight_format != "float32":
+            if weight_format is not None:
                 w = lowbit.pack(w, weight_format)
             return fam.block_class(w, **kw)
         except (ValueError, TypeError) as e:

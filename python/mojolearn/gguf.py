@@ -45,9 +45,12 @@ GGML_TYPE_NAMES = {
     30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 # the types read: ggml type -> (elements per block, bytes per block)
 _BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18)}
-# Types handed to mojolearn.lowbit packed instead of widened, once it has
-# their formats ({ggml type: lowbit format name}); empty: all are widened.
-KEEP_PACKED: dict = {}
+# Types kept packed ({ggml type: mojolearn.lowbit format}, the same bytes)
+# in the matrices the kernels can read packed (_PACKABLE: projections, the
+# embedding and the head); anywhere else they are widened exactly.
+KEEP_PACKED: dict = {8: "q8_0", 2: "q4_0"}
+_PACKABLE = ("ssm_in.weight", "ssm_out.weight", "ssm_x.weight", "ssm_dt.weight",
+             "token_embd.weight", "output.weight")
 
 
 class _Reader:
@@ -138,7 +141,7 @@ class GGUFTensor(LazyTensor):
             raw = f.read(count // per * size)
         if len(raw) != count // per * size:
             raise ValueError(f"{self.path}: tensor {self.name} is truncated")
-        if self._type in KEEP_PACKED:  # pragma: no cover - no packed ggml format yet
+        if self._type in KEEP_PACKED and self.name.endswith(_PACKABLE) and len(shape) == 2:
             from . import lowbit
             return lowbit.from_ggml(KEEP_PACKED[self._type], raw, shape)
         if self._type in (0, 1, 30):

@@ -26,10 +26,12 @@ class MambaLM:
         A checkpoint folder (transformers' or mamba_ssm's layout, see
         docs/checkpoints.md), a llama.cpp GGUF file (a path ending in
         .gguf), a Hub id "org/name", or a ``load_checkpoint`` result.
-    weight_format : {'float32', 'bfloat16', 'int8', 'q4_0', 'q8_0'}, default 'float32'
+    weight_format : {None, 'float32', 'bfloat16', 'int8', 'q4_0', 'q8_0'}, default None
         Format of every projection, the embedding and the LM head
         (mojolearn.lowbit: the kernels widen packed weights exactly, so the
-        model computes on the rounded values).
+        model computes on the rounded values). None keeps each weight as the
+        checkpoint stores it: float32, except a GGUF file's q4_0 / q8_0
+        matrices, which stay packed; 'float32' expands those exactly.
     numeric_mode : {'identical', 'fast'}, default 'identical'
     download : bool, default False
         For a Hub id "org/name" not in huggingface_hub's cache: download it
@@ -45,6 +47,10 @@ class MambaLM:
         The checkpoint's end-of-sequence ids (empty if it names none):
         generation stops at them unless given other ``stop_tokens``.
     blocks : list of Mamba1Block, Mamba2Block or Mamba3Block
+    weight_format : str
+        The format the weights are kept in: one of mojolearn.lowbit's
+        formats, or 'mixed' (a GGUF file whose x_proj and dt_proj are
+        float32 beside q4_0 matrices, for one).
 
     Notes
     -----
@@ -61,7 +67,7 @@ class MambaLM:
     (1, 3, 64)
     """
 
-    def __init__(self, source, *, weight_format: str = "float32",
+    def __init__(self, source, *, weight_format=None,
                  numeric_mode: str = "identical", download: bool = False, **unknown):
         from .checkpoints import Checkpoint, load_checkpoint
         from .mamba._base import check_numeric_mode
@@ -71,7 +77,7 @@ class MambaLM:
                 raise TypeError(f"MambaLM() takes no {name!r} (a transformers argument): use "
                                 f"weight_format= ({', '.join(map(repr, WEIGHT_FORMATS))})")
             raise TypeError(f"MambaLM() got an unexpected keyword argument {name!r}")
-        if weight_format not in WEIGHT_FORMATS:
+        if weight_format is not None and weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {list(WEIGHT_FORMATS)}, "
                              f"got {weight_format!r}")
         self.numeric_mode = check_numeric_mode(numeric_mode)
@@ -85,14 +91,14 @@ class MambaLM:
         self.vocab_size = ck.vocab_size
         self.tied = bool(ck.tie_word_embeddings)
         self.eos_token_ids = _eos_ids(getattr(ck, "eos_token_ids", ()))
-        self.weight_format = weight_format
         self._lib = library(self.numeric_mode)
         self.blocks = []
         for i in range(ck.n_layers):
             self.blocks.append(ck.block(i, weight_format=weight_format, numeric_mode=numeric_mode))
             if owned:
                 ck.layers[i] = None
-        self._blob = self._prepare(ck)
+        self._blob = self._prepare(ck, weight_format)
+        self.weight_format = _overall_format(self.blocks, self._vocab_formats)
         if owned:
             from ._loader import native
             del ck
@@ -104,7 +110,7 @@ class MambaLM:
                 f"weight_format={self.weight_format!r})")
 
     # -- the vocabulary ends ----------------------------------------------
-    def _prepare(self, ck):
+    def _prepare(self, ck, weight_format):
         """The blob of the final norm weight and the vocabulary panels,
         packed in row ranges of PREPARE_ROWS (read from the file range by
         range when the checkpoint is lazy)."""
@@ -118,24 +124,28 @@ class MambaLM:
         if not self.tied:
             mats["embeddings.weight"] = ck.embeddings
         for name, value in mats.items():
-            shape = tuple(value.shape) if isinstance(value, LazyTensor) else \
+            shape = tuple(value.shape) if isinstance(value, LazyTensor) or is_packed(value) else \
                 _intake.float32_view(value, name, ndim=(2,)).shape
             if shape != (v, d):
                 raise ValueError(f"{name} must have shape ({v}, {d}), got {shape}")
         op = _abi.OP_LM_PREPARE
         spec = _abi.op_spec(self._lib, op)
         blob = None
-        step = PREPARE_ROWS if any(isinstance(m, LazyTensor) for m in mats.values()) else v
+        # row ranges when read from the file (an in-memory packed matrix is
+        # handed over whole)
+        step = PREPARE_ROWS if any(isinstance(m, LazyTensor) for m in mats.values()) \
+            and not any(is_packed(m) for m in mats.values()) else v
         for r0 in range(0, v, step):
             r1 = min(v, r0 + step)
             named, keep = {"norm_f.weight": norm.address}, []
             for name, value in mats.items():
-                w = self._rows(value, name, r0, r1)
+                w = self._rows(value, name, r0, r1, weight_format)
                 keep.append(w)
                 named[name], named[f"exp:{name}"] = _addresses(w)
             # the formats word (lm.mojo): the head's format, then the embedding's
             ids = [FORMAT_IDS[w.format if is_packed(w) else "float32"] for w in keep]
             wfmt = ids[0] | ids[-1] << 4  # tied: the head's twice
+            self._vocab_formats = {w.format if is_packed(w) else "float32" for w in keep}
             args = spec.pack(named, d=d, vocab=v, wfmt=wfmt, row0=r0, nrows=r1 - r0)
             if blob is None:
                 blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
@@ -143,16 +153,20 @@ class MambaLM:
             self._lib.run(op, args)
         return blob
 
-    def _rows(self, value, name, r0, r1):
-        """Rows [r0, r1) of a vocabulary matrix, checked, in the model's
-        weight format (a float32 view or a PackedWeight)."""
+    def _rows(self, value, name, r0, r1, weight_format):
+        """Rows [r0, r1) of a vocabulary matrix, checked, in weight_format
+        (None: as stored; a float32 view or a PackedWeight)."""
         from .checkpoints import LazyTensor
-        from .lowbit import pack_one
+        from .lowbit import is_packed, pack_one, unpack
         if isinstance(value, LazyTensor):
             value = value.rows(r0, r1)
+        if is_packed(value):
+            if weight_format is None:
+                return value  # as the file stores it (its scales checked when made)
+            value = unpack({name: value})[0][name]
         w = _intake.float32_view(value, name, ndim=(2,))  # (in memory: all rows at once)
-        if self.weight_format != "float32":
-            return pack_one(w.mv, self.weight_format, name)  # checks finiteness
+        if weight_format not in (None, "float32"):
+            return pack_one(w.mv, weight_format, name)  # checks finiteness
         _intake.check_finite(self._lib, w)
         return w
 
@@ -456,6 +470,16 @@ def _addresses(w) -> tuple:
     if is_packed(w):
         return w.data.address, (w.exponents.address if w.exponents is not None else 0)
     return w.address, 0
+
+
+def _overall_format(blocks, vocab_formats) -> str:
+    """The model's weight format: the one format of every projection, the
+    embedding and the head, or 'mixed'."""
+    from .lowbit import MIXED
+    seen = set(vocab_formats)
+    for b in blocks:
+        seen.update(b.weight_formats.values())
+    return seen.pop() if len(seen) == 1 else MIXED
 
 
 def _eos_ids(value) -> tuple:

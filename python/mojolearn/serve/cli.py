@@ -22,7 +22,9 @@ def _parser():
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model-name", default=None,
                     help="the id clients name (default: the folder's name or the Hub id)")
-    ap.add_argument("--weight-format", default="float32", choices=list(lowbit.FORMATS))
+    ap.add_argument("--weight-format", default=None, choices=list(lowbit.FORMATS),
+                    help="format the weights are kept in (default: as the checkpoint "
+                         "stores them)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-rows", type=int, default=16, help="requests decoded at once")
     ap.add_argument("--max-queue", type=int, default=64,
