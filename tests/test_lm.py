@@ -11,6 +11,7 @@ import mojolearn
 from mojolearn import lowbit
 from mojolearn.checkpoints import load_checkpoint
 from mojolearn.save import save_checkpoint
+from tests import engine_common
 
 from .errors import raises_naming
 
@@ -166,30 +167,6 @@ def test_mamba3_greedy_tokens_match_the_reference(m3_folder, m3_lm):
         assert got == want
 
 
-def _alone(lm, prompt, n, temperature=0.0, top_k=0, top_p=1.0, seed=0):
-    """One request by the block API alone, independent of the Batcher:
-    a B=1 state per layer, forward over the prompt, then block.step per
-    token (the state's own scalar position, no session, no row_tokens);
-    the head and next-token ops; the request's random stream."""
-    import random
-    rng = random.Random(seed)
-    states = lm.allocate_state(1)
-    x = lm.forward_tokens([prompt], states)
-    row = x.address + (len(prompt) - 1) * lm.d_model * 4
-    toks, logits = [], []
-    while True:
-        lg = lm._head(row, 1)
-        logits.append(np.asarray(lg)[0].copy())
-        u = rng.getrandbits(24) / float(1 << 24)
-        toks.append(lm.next_tokens(lg, [temperature], [top_k], [top_p], [u])[0])
-        if len(toks) == n:
-            return toks, logits
-        x = lm._embed_ids([toks[-1]]).reshape((1, 1, lm.d_model))
-        for blk, st in zip(lm.blocks, states):
-            x = blk.step(x, st)
-        row = x.address
-
-
 def _bytes(logits_lists):
     return [b"".join(np.asarray(a).tobytes() for a in lst) for lst in logits_lists]
 
@@ -211,8 +188,8 @@ def _check_bits(lm):
     assert [len(t) for t in toks] == [6, 9, 4, 7]
     for i, p in enumerate(prompts):
         one = {k: v[i] for k, v in kw.items() if k not in ("return_logits", "max_new_tokens")}
-        t1, l1 = _alone(lm, p, kw["max_new_tokens"][i], **one)
-        assert t1 == toks[i] and _bytes([l1]) == _bytes([lg[i]]), i
+        t1, l1 = engine_common.alone(lm, p, kw["max_new_tokens"][i], **one)
+        assert t1 == toks[i] and [b"".join(l1)] == _bytes([lg[i]]), i
     # joined mid-stream: request 3 arrives after two steps, request 0 after four
     b = lm.batcher(keep_logits=True)
     sub = lambda i: b.submit(prompts[i], **{k: v[i] for k, v in kw.items()  # noqa: E731
@@ -419,8 +396,8 @@ def _crossing(lm, prompts, n):
               return_logits=True)
     toks, lg = lm.generate(prompts, **kw)
     for i, p in enumerate(prompts):
-        t1, l1 = _alone(lm, p, n, temperature=0.7, top_k=8, seed=5 + i)
-        assert t1 == toks[i] and _bytes([l1]) == _bytes([lg[i]]), i
+        t1, l1 = engine_common.alone(lm, p, n, temperature=0.7, top_k=8, seed=5 + i)
+        assert t1 == toks[i] and [b"".join(l1)] == _bytes([lg[i]]), i
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from mojolearn.reference.weights import mamba3_weights, random_input
 from tests import backward_checks as checks
 from tests import tolerance
 from tests.errors import raises_naming
+from tests.reference.state_autograd import state_vjp
 from tests.reference.torch_mamba3 import GRAD_NAMES, _silu, mamba3_grads, token_step
 
 STATE = ("theta", "h", "buffer_qrot", "buffer_krot", "buffer_v", "buffer_dt", "buffer_sig",
@@ -110,28 +111,8 @@ def state_grads(weights, x, g, *state_and_cot, n0, pending):
     """float64 autograd of sum(y g) + <cot, final state> (rows of the final
     buffers past its buffered_tokens carry no cotangent): {name: ndarray}
     for x, every weight and 'state.<name>'."""
-    st_np, cot_np = state_and_cot[:len(STATE)], state_and_cot[len(STATE):]
-    with torch.enable_grad():
-        W = {k: torch.tensor(np.asarray(v, dtype=np.float64), requires_grad=True)
-             for k, v in weights.items()}
-        xt = torch.tensor(np.asarray(x, dtype=np.float64), requires_grad=True)
-        st = {n: torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True)
-              for n, a in zip(STATE, st_np)}
-        y, final = forward_from_state(W, xt, st, n0, pending)
-        loss = (y * torch.tensor(np.asarray(g, dtype=np.float64))).sum()
-        for n, cv in zip(STATE, cot_np):
-            ct = torch.tensor(np.asarray(cv, dtype=np.float64))
-            f = final[n]
-            if n in BUFFERS:
-                ct = ct[:, :f.shape[1]]
-            loss = loss + (f * ct).sum()
-        loss.backward()
-    out = {"x": xt.grad.numpy().copy()}
-    for k, v in W.items():
-        out[k] = v.grad.numpy().copy()
-    for n, v in st.items():
-        out[f"state.{n}"] = v.grad.numpy().copy() if v.grad is not None else np.zeros(v.shape)
-    return out
+    return state_vjp(lambda W, xt, st: forward_from_state(W, xt, st, n0, pending), weights, x, g,
+                     STATE, state_and_cot[:len(STATE)], state_and_cot[len(STATE):])
 
 
 # --------------------------------------------------------------------------- cases

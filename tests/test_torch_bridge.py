@@ -99,6 +99,16 @@ def test_dlpack_refusals(monkeypatch):
 
 
 # --------------------------------------------------------------------------- zero copy
+def _run_spied(m, blk, spy, x):
+    """m(x) without gradients while spy stands in for blk.forward."""
+    blk.forward = spy
+    try:
+        with torch.no_grad():
+            return m(x)
+    finally:
+        del blk.forward
+
+
 def test_inputs_and_outputs_are_not_copied():
     m, _, _ = _setup("mamba1")
     x = _t(random_input(2, 9, D, seed=2))
@@ -111,23 +121,13 @@ def test_inputs_and_outputs_are_not_copied():
         seen["y"] = y = fwd(xb, *a, **k)
         return y
 
-    blk.forward = spy
-    try:
-        with torch.no_grad():
-            y = m(x)
-    finally:
-        del blk.forward
+    y = _run_spied(m, blk, spy, x)
     assert seen["x"] == x.data_ptr()                # the kernel read x in place
     assert y.data_ptr() == seen["y"].address        # y is the kernel's Array
     # negative control: a non-contiguous x is copied (and gives the same bits)
     xt = _t(np.ascontiguousarray(np.asarray(x).transpose(1, 0, 2))).transpose(0, 1)
     assert not xt.is_contiguous()
-    blk.forward = spy
-    try:
-        with torch.no_grad():
-            y2 = m(xt)
-    finally:
-        del blk.forward
+    y2 = _run_spied(m, blk, spy, xt)
     assert seen["x"] != xt.data_ptr()
     assert_same_bits(y2.numpy(), y.numpy(), "non-contiguous x")
 

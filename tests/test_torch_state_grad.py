@@ -60,18 +60,6 @@ def test_forward_equals_the_block_and_changes_no_input():
     assert_bits_differ(y.numpy(), block.forward(x), "control: a zero state")
 
 
-def _loss(m, xs, gs, s0, g_final):
-    """The pieces chained by their states; the loss is sum(y_k * g_k) +
-    sum(final state * g_final)."""
-    st, loss = s0, 0.0
-    for x, g in zip(xs, gs):
-        y, st = m(x, st)
-        loss = loss + (y * g).sum()
-    for n in NAMES:
-        loss = loss + (st[n] * g_final[n]).sum()
-    return loss
-
-
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_gradients_through_the_state_equal_the_block_chain():
     """Two pieces: dx of each, d state0 and the parameter gradients (the two
@@ -94,7 +82,8 @@ def test_gradients_through_the_state_equal_the_block_chain():
         xs = [_t(x1, True), _t(x2, True)]
         s0 = {"conv_window": _t(cw, True), "h": _t(h, True)}
         module.zero_grad()
-        _loss(module, xs, [_t(g1), _t(g2)], s0, {"conv_window": _t(gcw), "h": _t(gh)}).backward()
+        _chain_loss(module, NAMES, xs, [_t(g1), _t(g2)], s0,
+                    {"conv_window": _t(gcw), "h": _t(gh)}).backward()
         out = {"x1": xs[0].grad, "x2": xs[1].grad}
         out.update({f"state.{n}": s0[n].grad for n in NAMES})
         out.update({n: p.grad.clone() for n, p in m.named_parameters()})
@@ -110,7 +99,7 @@ def test_gradients_through_the_state_equal_the_block_chain():
         assert_same_bits(eager[n], want, n)
     assert_bits_differ(eager["x1"], block.backward(x1, g1, st0)["x"], "control: no grad_state")
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *a: _loss(m, *a), fullgraph=True)
+    compiled = torch.compile(lambda *a: _chain_loss(m, NAMES, *a), fullgraph=True)
 
     def run_compiled():
         xs = [_t(x1, True), _t(x2, True)]
@@ -230,6 +219,8 @@ def test_open_chunk_forward_equals_the_block(kind, prefix, pending):
 
 
 def _chain_loss(m, names, xs, gs, s0, g_final):
+    """The pieces chained by their states; the loss is sum(y_k * g_k) +
+    sum(final state * g_final) over the state arrays in names."""
     st, loss = s0, 0.0
     for x, g in zip(xs, gs):
         y, st = m(x, st)

@@ -17,13 +17,20 @@ comptime GRID_T = 4 if WIDE else 1
 
 
 @always_inline
-def dot128(a: F32Ptr, b: F32Ptr) -> Float32:
-    """Canonical 128-long dot product: lane l = fma chain over n = l + 16 c,
-    c = 0..7 ascending, then tree16."""
+def lane_dot[C: Int](a: F32Ptr, b: F32Ptr) -> Float32:
+    """Dot product of 16 C floats in the canonical order: lane l = fma chain
+    over n = l + 16 c, c = 0..C-1 ascending, then tree16 (C = 8: dot128;
+    C = 4: the 64-long dots of Mamba-3's head rows)."""
     var acc = V16(0.0)
-    comptime for c in range(8):
+    comptime for c in range(C):
         acc = a.unsafe_load[width=16](c * 16).fma(b.unsafe_load[width=16](c * 16), acc)
     return tree16(acc)
+
+
+@always_inline
+def dot128(a: F32Ptr, b: F32Ptr) -> Float32:
+    """Canonical 128-long dot product (lane_dot over 8 chunks of 16)."""
+    return lane_dot[8](a, b)
 
 
 @always_inline
@@ -54,10 +61,16 @@ def dot128_into(a: F32Ptr, b: F32Ptr, stride: Int, n: Int, dst: F32Ptr):
 
 @always_inline
 def dots128x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
-    """dot128(a + q sa, b + q sb) for q = 0..3 (a stride may be 0): four
+    """dot128(a + q sa, b + q sb) for q = 0..3 (a stride may be 0)."""
+    return lane_dots_x4[8](a, sa, b, sb)
+
+
+@always_inline
+def lane_dots_x4[C: Int](a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
+    """lane_dot[C](a + q sa, b + q sb) for q = 0..3 (a stride may be 0): four
     chains in flight, as one alone is fma-latency bound."""
     var acc = Array[V16, 4](fill=V16(0.0))
-    comptime for c in range(8):
+    comptime for c in range(C):
         comptime for q in range(4):
             acc[q] = a.unsafe_load[width=16](q * sa + c * 16).fma(
                 b.unsafe_load[width=16](q * sb + c * 16), acc[q])

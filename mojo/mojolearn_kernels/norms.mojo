@@ -90,6 +90,21 @@ def rmsnorm_row_vjp[ADD_G: Bool](v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr, g: 
         pw[unsafe_offset=j] = gxn * (vj * rs)
 
 
+def block_norm_vjp_row(x: F32Ptr, g: F32Ptr, dx: F32Ptr, w: F32Ptr, dxn: F32Ptr, pn: F32Ptr,
+                       d: Int, pad: Bool):
+    """The block's input norm, backward, for one token (every block's last
+    backward stage): dx = g + the RMSNorm VJP of dxn (rmsnorm_row_vjp;
+    x, g and dx at the token, w the norm weight) and pn the weight's terms.
+    A padding token of a ragged row (pad) gets dx = pn = +0.0; its x and g
+    are not read."""
+    if pad:
+        for j in range(d):
+            dx[unsafe_offset=j] = 0.0
+            pn[unsafe_offset=j] = 0.0
+        return
+    rmsnorm_row_vjp[True](x, d, w, dxn, g, dx, pn)
+
+
 def rmsnorm_plain_row(v: F32Ptr, n: Int, eps: Float32, dst: F32Ptr):
     """dst = v * r, r = rms_scale(v, n, eps): the weightless norm (dst may
     be v: each element is read before it is written)."""

@@ -5,7 +5,7 @@ are loaded on first use (constructing a block, or touching mojolearn.Array).
 mojolearn.reference holds float64 NumPy references of the blocks, to check
 results against (it needs NumPy, imported only when a reference is used).
 """
-from importlib import import_module
+from ._lazy import lazy_getattr
 
 from .families import exported_classes as _exported_classes
 
@@ -38,17 +38,7 @@ _LAZY.update(dict.fromkeys(_exported_classes(), ".mamba"))
 # mojolearn.torch stays out of __all__: `from mojolearn import *` must not import PyTorch.
 __all__ = sorted(n for n in _LAZY if n != "torch") + ["__version__"]
 
-
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'mojolearn' has no attribute {name!r}")
-    where = _LAZY[name]
-    if where is None:
-        value = import_module(f".{name}", __name__)
-    else:
-        value = getattr(import_module(where, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__():

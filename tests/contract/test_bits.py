@@ -194,14 +194,7 @@ def test_ragged_rows_equal_rows_alone_with_exact_zero_padding(case, garbage):
     x = clean.copy()
     for i, k in enumerate(lengths):
         x[i, k:] = garbage
-    y = np.asarray(blk.forward(x, lengths=lengths))
-    rep = case.reports_of(blk)
-    for i, k in enumerate(lengths):
-        alone = np.asarray(blk.forward(np.ascontiguousarray(x[i:i + 1, :k])))
-        assert_same_bits(y[i, :k], alone[0], f"ragged row {i}")
-        assert_same_reports(case, [r[0] for r in case.reports_of(blk)], [r[i] for r in rep],
-                            f"ragged row {i}")
-        assert (y[i, k:].view(np.uint32) == 0).all(), f"row {i}: padding is not exactly +0.0"
+    y, rep = _ragged_run_equals_rows_alone(case, x, lengths)
     # control: padding that leaked into the rows, here run as real tokens
     # (lengths all n), makes each short row differ from its row alone, in the
     # padded positions and the reports; (causal) its real positions keep
@@ -216,11 +209,11 @@ def test_ragged_rows_equal_rows_alone_with_exact_zero_padding(case, garbage):
                 assert_bits_differ(a[i], b[i], f"row {i} {name}, padding as tokens")
 
 
-def _check_ragged(case, lengths):
+def _ragged_run_equals_rows_alone(case, x, lengths):
+    """Run x with lengths on the shared block; check each row's real
+    positions (output and reports) against the row alone over its own
+    tokens and its padding outputs exactly +0.0. Returns (y, reports)."""
     blk = case.shared
-    x = case.x(len(lengths), max(lengths), seed=12)
-    for i, k in enumerate(lengths):
-        x[i, k:] = np.float32(7.0)
     y = np.asarray(blk.forward(x, lengths=lengths))
     rep = case.reports_of(blk)
     for i, k in enumerate(lengths):
@@ -228,7 +221,15 @@ def _check_ragged(case, lengths):
         assert_same_bits(y[i, :k], alone[0], f"ragged row {i} (length {k})")
         assert_same_reports(case, [r[0] for r in case.reports_of(blk)], [r[i] for r in rep],
                             f"ragged row {i}")
-        assert (y[i, k:].view(np.uint32) == 0).all()
+        assert (y[i, k:].view(np.uint32) == 0).all(), f"row {i}: padding is not exactly +0.0"
+    return y, rep
+
+
+def _check_ragged(case, lengths):
+    x = case.x(len(lengths), max(lengths), seed=12)
+    for i, k in enumerate(lengths):
+        x[i, k:] = np.float32(7.0)
+    _ragged_run_equals_rows_alone(case, x, lengths)
 
 
 @settings(max_examples=8, deadline=None)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tests.reference.state_autograd import state_vjp
+
 STATE = ("conv_window", "h", "buffer_xbc", "buffer_dtraw")
 CHUNK = 256
 
@@ -81,28 +83,5 @@ def state_grads(weights, x, g, *state_and_cot, s, dt_limit=(0.0, float("inf"))):
     """float64 autograd of sum(y g) + <cot, final state> (buffer rows past
     the final buffered_tokens carry no cotangent): {name: ndarray} for x,
     every weight and 'state.<name>'."""
-    import numpy as np
-    st_np, cot_np = state_and_cot[:len(STATE)], state_and_cot[len(STATE):]
-    with torch.enable_grad():
-        W = {k: torch.tensor(np.asarray(v, dtype=np.float64), requires_grad=True)
-             for k, v in weights.items()}
-        xt = torch.tensor(np.asarray(x, dtype=np.float64), requires_grad=True)
-        st = {n: torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True)
-              for n, a in zip(STATE, st_np)}
-        y, final = forward(W, xt, st, s, dt_limit)
-        loss = (y * torch.tensor(np.asarray(g, dtype=np.float64))).sum()
-        for n, cv in zip(STATE, cot_np):
-            f = final[n]
-            if f.numel() == 0:
-                continue
-            ct = torch.tensor(np.asarray(cv, dtype=np.float64))
-            if n.startswith("buffer_"):
-                ct = ct[:, :f.shape[1]]
-            loss = loss + (f * ct).sum()
-        loss.backward()
-    out = {"x": xt.grad.numpy().copy()}
-    for k, v in W.items():
-        out[k] = v.grad.numpy().copy()
-    for n, v in st.items():
-        out[f"state.{n}"] = v.grad.numpy().copy() if v.grad is not None else np.zeros(v.shape)
-    return out
+    return state_vjp(lambda W, xt, st: forward(W, xt, st, s, dt_limit), weights, x, g, STATE,
+                     state_and_cot[:len(STATE)], state_and_cot[len(STATE):])

@@ -5,6 +5,7 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
+from ..regions import Regions
 from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
 from ..weight_panels import blob_formats
 from ..linear_grad import gemm_ntasks, gemm_task
@@ -122,69 +123,38 @@ struct BWork(ImplicitlyCopyable):
         var rows = b * self.tc
         var d = dims.d
         var di = dims.di
-        var o = 0
-        self.o_ckh = o
-        o += round_up(self.nchunks * b * NSTATE * di, ALIGN_FLOATS)
-        self.o_ckw = o
-        o += round_up(self.nchunks * b * KCONV * di, ALIGN_FLOATS)
-        self.o_dh = o
-        o += round_up(b * NSTATE * di, ALIGN_FLOATS)
-        self.o_dpc = o
-        o += round_up(b * 3 * di, ALIGN_FLOATS)
-        self.o_xn = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_gch = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_hg = o
-        o += round_up(rows * 2 * di, ALIGN_FLOATS)
-        self.o_pre = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_u = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_dbc = o
-        o += round_up(rows * dims.nx, ALIGN_FLOATS)
-        self.o_dbcr = o
-        if dims.bcdt_eps != 0.0:
-            o += round_up(rows * dims.nx, ALIGN_FLOATS)
-        self.o_v = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_dl = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_y = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_yg = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_hs = o
-        o += b * self.nblk * self.tc * NSTATE * LANES
-        self.o_dyg = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_du = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_dv = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_ddc = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_part = o
-        o += round_up(rows * self.nblk * 2 * NSTATE, ALIGN_FLOATS)
-        self.o_ddbc = o
-        o += round_up(rows * dims.nx, ALIGN_FLOATS)
-        self.o_dpre = o
-        o += round_up(rows * di, ALIGN_FLOATS)
-        self.o_dhg = o
-        o += round_up(rows * 2 * di, ALIGN_FLOATS)
-        self.o_dxn = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_pn = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_tin = o
-        o += packed_floats(d, 2 * di)
-        self.o_tout = o
-        o += packed_floats(di, d)
-        self.o_tx = o
-        o += packed_floats(di, dims.nx)
-        self.o_tdt = o
-        o += packed_floats(dims.r, di)
-        self.floats = o
+        var regions = Regions()
+        self.o_ckh = regions.take(self.nchunks * b * NSTATE * di)
+        self.o_ckw = regions.take(self.nchunks * b * KCONV * di)
+        self.o_dh = regions.take(b * NSTATE * di)
+        self.o_dpc = regions.take(b * 3 * di)
+        self.o_xn = regions.take(rows * d)
+        self.o_gch = regions.take(rows * d)
+        self.o_hg = regions.take(rows * 2 * di)
+        self.o_pre = regions.take(rows * di)
+        self.o_u = regions.take(rows * di)
+        self.o_dbc = regions.take(rows * dims.nx)
+        self.o_dbcr = regions.take(rows * dims.nx if dims.bcdt_eps != 0.0 else 0)
+        self.o_v = regions.take(rows * di)
+        self.o_dl = regions.take(rows * di)
+        self.o_y = regions.take(rows * di)
+        self.o_yg = regions.take(rows * di)
+        self.o_hs = regions.take_exact(b * self.nblk * self.tc * NSTATE * LANES)
+        self.o_dyg = regions.take(rows * di)
+        self.o_du = regions.take(rows * di)
+        self.o_dv = regions.take(rows * di)
+        self.o_ddc = regions.take(rows * di)
+        self.o_part = regions.take(rows * self.nblk * 2 * NSTATE)
+        self.o_ddbc = regions.take(rows * dims.nx)
+        self.o_dpre = regions.take(rows * di)
+        self.o_dhg = regions.take(rows * 2 * di)
+        self.o_dxn = regions.take(rows * d)
+        self.o_pn = regions.take(rows * d)
+        self.o_tin = regions.take_exact(packed_floats(d, 2 * di))
+        self.o_tout = regions.take_exact(packed_floats(di, d))
+        self.o_tx = regions.take_exact(packed_floats(di, dims.nx))
+        self.o_tdt = regions.take_exact(packed_floats(dims.r, di))
+        self.floats = regions.end
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(self.tc, self.l - c * self.tc)

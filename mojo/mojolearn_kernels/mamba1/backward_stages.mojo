@@ -6,7 +6,7 @@ and docs/backward.md, "Mamba-1").
 from std.collections import Array
 from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32
 from ..lane_tree import tree16  # the one fixed 16-lane halving tree
-from ..norms import rmsnorm_row_vjp, rmsnorm_plain_vjp
+from ..norms import rmsnorm_plain_vjp, block_norm_vjp_row
 from ..numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
 from ..lanes import ld16, st16
 from .forward import M1Dims, NSTATE, KCONV
@@ -271,11 +271,6 @@ def norm_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
     for r in range(r0, min(wk.b * nc, r0 + ROWS_PER_TASK)):
         var t = c * wk.tc + r % nc
         var off = ((r // nc) * wk.l + t) * d
-        if t >= row_length(args, r // nc):
-            for j in range(d):
-                dx[unsafe_offset=off + j] = 0.0
-                work[unsafe_offset=wk.o_pn + r * d + j] = 0.0
-            continue
-        rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
-                              work.unsafe_offset(wk.o_dxn + r * d), g.unsafe_offset(off),
-                              dx.unsafe_offset(off), work.unsafe_offset(wk.o_pn + r * d))
+        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
+                           blob.unsafe_offset(dims.o_norm), work.unsafe_offset(wk.o_dxn + r * d),
+                           work.unsafe_offset(wk.o_pn + r * d), d, t >= row_length(args, r // nc))

@@ -26,6 +26,8 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
+from ..residual import add_residual_tile
+from ..regions import Regions
 from ..linear import packed_floats, matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
     pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
@@ -138,28 +140,18 @@ struct M1Dims(ImplicitlyCopyable):
         self.wf_x = section_format(wfs, SEC_X)
         self.wf_dt = section_format(wfs, SEC_DT)
         self.wf_out = section_format(wfs, SEC_OUT)
-        var o = ALIGN_FLOATS  # header: the weight formats (weight_panels.mojo)
-        self.o_norm = o
-        o += round_up(d, ALIGN_FLOATS)
-        self.o_in = o
-        o += packed_floats(2 * self.di, d, self.wf_in)
-        self.o_convw = o
-        o += round_up(KCONV * self.di, ALIGN_FLOATS)
-        self.o_convb = o
-        o += round_up(self.di, ALIGN_FLOATS)
-        self.o_x = o
-        o += packed_floats(self.nx, self.di, self.wf_x)
-        self.o_dt = o
-        o += packed_floats(self.di, self.r, self.wf_dt)
-        self.o_dtb = o
-        o += round_up(self.di, ALIGN_FLOATS)
-        self.o_a = o
-        o += round_up(NSTATE * self.di, ALIGN_FLOATS)
-        self.o_dskip = o
-        o += round_up(self.di, ALIGN_FLOATS)
-        self.o_out = o
-        o += packed_floats(d, self.di, self.wf_out)
-        self.blob = o
+        var regions = Regions(ALIGN_FLOATS)  # header: the weight formats (weight_panels.mojo)
+        self.o_norm = regions.take(d)
+        self.o_in = regions.take_exact(packed_floats(2 * self.di, d, self.wf_in))
+        self.o_convw = regions.take(KCONV * self.di)
+        self.o_convb = regions.take(self.di)
+        self.o_x = regions.take_exact(packed_floats(self.nx, self.di, self.wf_x))
+        self.o_dt = regions.take_exact(packed_floats(self.di, self.r, self.wf_dt))
+        self.o_dtb = regions.take(self.di)
+        self.o_a = regions.take(NSTATE * self.di)
+        self.o_dskip = regions.take(self.di)
+        self.o_out = regions.take_exact(packed_floats(d, self.di, self.wf_out))
+        self.blob = regions.end
 
 
 struct M1Work(ImplicitlyCopyable):
@@ -184,24 +176,16 @@ struct M1Work(ImplicitlyCopyable):
         self.tc = max(1, min(l, MAX_CHUNK_ROWS // b))
         self.nchunks = ceil_div(l, self.tc)
         var rows = b * self.tc
-        var o = 0
-        self.o_xn = o
-        o += round_up(rows * dims.d, ALIGN_FLOATS)
-        self.o_hg = o
-        o += round_up(rows * 2 * dims.di, ALIGN_FLOATS)
-        self.o_u = o
-        o += round_up(rows * dims.di, ALIGN_FLOATS)
-        self.o_dbc = o
-        o += round_up(rows * dims.nx, ALIGN_FLOATS)
-        self.o_dl = o
-        o += round_up(rows * dims.di, ALIGN_FLOATS)
-        self.o_yg = o
-        o += round_up(rows * dims.di, ALIGN_FLOATS)
-        self.o_win = o
-        o += round_up(b * KCONV * dims.di, ALIGN_FLOATS)
-        self.o_ht = o
-        o += round_up(b * NSTATE * dims.di, ALIGN_FLOATS)
-        self.floats = o
+        var regions = Regions()
+        self.o_xn = regions.take(rows * dims.d)
+        self.o_hg = regions.take(rows * 2 * dims.di)
+        self.o_u = regions.take(rows * dims.di)
+        self.o_dbc = regions.take(rows * dims.nx)
+        self.o_dl = regions.take(rows * dims.di)
+        self.o_yg = regions.take(rows * dims.di)
+        self.o_win = regions.take(b * KCONV * dims.di)
+        self.o_ht = regions.take(b * NSTATE * dims.di)
+        self.floats = regions.end
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(self.tc, self.l - c * self.tc)
@@ -325,7 +309,9 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
     if stage == ST_OUTPROJ:
         var t = matmul_task_wf(dims.wf_out, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, dims.d, xn, dims.d)
-        _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
+        add_residual_tile(arg_f32(args, FWD_X), arg_f32(args, FWD_Y), xn, arg_int(args, FWD_L),
+                          dims.d, arg_i64(args, FWD_LENGTHS), arg_int(args, FWD_LENGTHS) != 0,
+                          t0, nc, t.r0, t.r1, t.c0, t.c1)
         return
     var ch = M1Chunk(b, nc, t0, arg_int(args, FWD_L), arg_f32(args, FWD_X), xn,
                      work.unsafe_offset(wk.o_hg), work.unsafe_offset(wk.o_u),
@@ -338,32 +324,6 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
     ch.h_out = ch.h_in
     m1_stage[RUN_FWD](dims, blob, ch, stage, task)
 
-
-def _residual(args: I64Ptr, dims: M1Dims, t0: Int, nc: Int,
-              r0: Int, r1: Int, c0: Int, c1: Int, proj: F32Ptr):
-    var l = arg_int(args, FWD_L)
-    var x = arg_f32(args, FWD_X)
-    var y = arg_f32(args, FWD_Y)
-    var lens = arg_i64(args, FWD_LENGTHS)
-    var ragged = arg_int(args, FWD_LENGTHS) != 0
-    var d = dims.d
-    for r in range(r0, r1):
-        var bb = r // nc
-        var t = t0 + r % nc
-        var off = (bb * l + t) * d
-        if ragged and t >= Int(lens[unsafe_offset=bb]):
-            for col in range(c0, c1):
-                y[unsafe_offset=off + col] = 0.0
-        else:
-            comptime W = 16
-            var col = c0
-            while col + W <= c1:
-                y.unsafe_store(off + col, x.unsafe_load[width=W](off + col)
-                               + proj.unsafe_load[width=W](r * d + col))
-                col += W
-            while col < c1:
-                y[unsafe_offset=off + col] = x[unsafe_offset=off + col] + proj[unsafe_offset=r * d + col]
-                col += 1
 
 
 def _load_state(args: I64Ptr, dims: M1Dims, wk: M1Work, work: F32Ptr, bb: Int):

@@ -39,7 +39,7 @@ from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task, NR, WF_F32, KSEG
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row_vjp
+from ..norms import rmsnorm_row_vjp, block_norm_vjp_row
 from .layout import M3Dims, NST, HP, NANG, QC
 from ..lanes import copy_floats
 from .stages import norm_rows, bc_norm_rows
@@ -463,15 +463,11 @@ def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: I
     var lens = arg_int(args, BW_LENGTHS)
     for r in range(r0, r1):
         var off = ((r // nc) * l + t0 + r % nc) * d
-        if lens != 0 and t0 + r % nc >= Int(I64Ptr(unsafe_from_address=lens)[
-                unsafe_offset=r // nc]):
-            for j in range(d):  # padding: +0.0, and nothing to the norm weight
-                dx[unsafe_offset=off + j] = 0.0
-                work[unsafe_offset=wk.o_pn + r * d + j] = 0.0
-            continue
-        rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(dims.o_norm),
-                              work.unsafe_offset(wk.o_dxn + r * d), g.unsafe_offset(off),
-                              dx.unsafe_offset(off), work.unsafe_offset(wk.o_pn + r * d))
+        var pad = lens != 0 and t0 + r % nc >= Int(I64Ptr(unsafe_from_address=lens)[
+            unsafe_offset=r // nc])
+        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
+                           blob.unsafe_offset(dims.o_norm), work.unsafe_offset(wk.o_dxn + r * d),
+                           work.unsafe_offset(wk.o_pn + r * d), d, pad)
 
 
 def _normw(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):

@@ -6,6 +6,7 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
     arg_int, arg_f32, round_up, ceil_div,
 )
+from ..regions import Regions
 from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
 from ..weight_panels import blob_formats
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
@@ -219,78 +220,50 @@ struct BW3(ImplicitlyCopyable):
         var r = self.rmax
         var d = dims.d
         var di = dims.di
-        var o = 0
-        self.o_ckh = o
-        o += round_up(self.nchunks * bh * HP * NST, ALIGN_FLOATS)
-        self.o_ckt = o
-        o += round_up(self.nchunks * bh * NANG, ALIGN_FLOATS)
-        self.o_ckv = o
-        o += round_up(self.nchunks * bh * HP, ALIGN_FLOATS)
-        self.o_ckk = o
-        o += round_up(self.nchunks * bh * NST, ALIGN_FLOATS)
-        self.o_cdh = o
-        o += round_up(bh * HP * NST, ALIGN_FLOATS)
-        self.o_cdt = o
-        o += round_up(bh * NANG, ALIGN_FLOATS)
-        self.o_cbeta = o
-        o += round_up(bh, ALIGN_FLOATS)
-        self.o_xn = o
-        o += round_up(r * d, ALIGN_FLOATS)
-        self.o_gch = o
-        o += round_up(r * d, ALIGN_FLOATS)
-        self.o_proj = o
-        o += round_up(r * dims.np, ALIGN_FLOATS)
-        self.o_bcn = o
-        o += round_up(r * 2 * NST, ALIGN_FLOATS)
-        self.o_o = o
-        o += round_up(r * di, ALIGN_FLOATS)
-        self.o_y = o
-        o += round_up(r * di, ALIGN_FLOATS)
-        self.o_do = o
-        o += round_up(r * di, ALIGN_FLOATS)
-        self.o_dproj = o
-        o += round_up(r * dims.np, ALIGN_FLOATS)
-        self.o_qkr = o
-        o += round_up(r * dims.nh * QK, ALIGN_FLOATS)
-        self.o_cs = o
-        o += round_up(r * dims.nh * CSW, ALIGN_FLOATS)
-        self.o_dqk = o
-        o += round_up(r * dims.nh * QK, ALIGN_FLOATS)
-        self.o_dang = o
-        o += round_up(r * dims.nh * NANG, ALIGN_FLOATS)
-        self.o_dd = o
-        o += round_up(r * dims.nh, ALIGN_FLOATS)
-        self.o_pbc = o
-        o += round_up(r * 2 * NST, ALIGN_FLOATS)
-        self.o_pn = o
-        o += round_up(r * d, ALIGN_FLOATS)
-        self.o_dxn = o
-        o += round_up(r * d, ALIGN_FLOATS)
-        self.o_scr = o
-        o += bh * SCR
-        self.o_sv = o
-        if n0 > 0:
-            o += bh * SV
+        var regions = Regions()
+        self.o_ckh = regions.take(self.nchunks * bh * HP * NST)
+        self.o_ckt = regions.take(self.nchunks * bh * NANG)
+        self.o_ckv = regions.take(self.nchunks * bh * HP)
+        self.o_ckk = regions.take(self.nchunks * bh * NST)
+        self.o_cdh = regions.take(bh * HP * NST)
+        self.o_cdt = regions.take(bh * NANG)
+        self.o_cbeta = regions.take(bh)
+        self.o_xn = regions.take(r * d)
+        self.o_gch = regions.take(r * d)
+        self.o_proj = regions.take(r * dims.np)
+        self.o_bcn = regions.take(r * 2 * NST)
+        self.o_o = regions.take(r * di)
+        self.o_y = regions.take(r * di)
+        self.o_do = regions.take(r * di)
+        self.o_dproj = regions.take(r * dims.np)
+        self.o_qkr = regions.take(r * dims.nh * QK)
+        self.o_cs = regions.take(r * dims.nh * CSW)
+        self.o_dqk = regions.take(r * dims.nh * QK)
+        self.o_dang = regions.take(r * dims.nh * NANG)
+        self.o_dd = regions.take(r * dims.nh)
+        self.o_pbc = regions.take(r * 2 * NST)
+        self.o_pn = regions.take(r * d)
+        self.o_dxn = regions.take(r * d)
+        self.o_scr = regions.take_exact(bh * SCR)
+        self.o_sv = regions.take_exact(bh * SV if n0 > 0 else 0)
         var kr = b * QC
         self.keep_slot = (round_up(kr * d, ALIGN_FLOATS) + round_up(kr * dims.np, ALIGN_FLOATS)
                           + round_up(kr * 2 * NST, ALIGN_FLOATS))
         self.nkeep = min(self.nchunks - 1, KEEP_MAX_BYTES // (4 * self.keep_slot))
-        self.o_keep = o
-        o += self.nkeep * self.keep_slot
+        self.o_keep = regions.take_exact(self.nkeep * self.keep_slot)
         var tot = b * l
         var sfl = (round_up(tot * dims.np, ALIGN_FLOATS) + 2 * round_up(tot * d, ALIGN_FLOATS)
                    + round_up(tot * di, ALIGN_FLOATS))
         self.defer = sfl * 4 <= DEFER_MAX_BYTES
-        self.o_sdp = o
-        self.o_sxn = o
-        self.o_sgc = o
-        self.o_so = o
+        self.o_sdp = regions.take_exact(sfl if self.defer else 0)
+        self.o_sxn = self.o_sdp
+        self.o_sgc = self.o_sdp
+        self.o_so = self.o_sdp
         if self.defer:
             self.o_sxn = self.o_sdp + round_up(tot * dims.np, ALIGN_FLOATS)
             self.o_sgc = self.o_sxn + round_up(tot * d, ALIGN_FLOATS)
             self.o_so = self.o_sgc + round_up(tot * d, ALIGN_FLOATS)
-            o += sfl
-        self.floats = o
+        self.floats = regions.end
 
     def chunk_tokens(self, c: Int) -> Int:
         """Tokens of chunk c (chunk 0 may have none: a full buffered chunk)."""

@@ -17,7 +17,7 @@ from ..numerics import (
 )
 from ..trig import sin_f32, cos_f32, mod2pi_f32
 from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
-from ..dot128 import V4, dot128, dots128x4, dots128_block
+from ..dot128 import V4, dot128, dots128x4, dots128_block, lane_dot, lane_dots_x4
 
 from ..lanes import copy_floats
 from .backward_layout import (
@@ -31,29 +31,6 @@ from .backward_layout import (
 
 
 # ------------------------------------------------------------ small helpers
-
-
-@always_inline
-def _dot64(a: F32Ptr, b: F32Ptr) -> Float32:
-    """64-long dot: lane l = fma chain over p = l + 16 c, c = 0..3, then tree16."""
-    var acc = V16(0.0)
-    comptime for c in range(4):
-        acc = a.unsafe_load[width=16](c * 16).fma(b.unsafe_load[width=16](c * 16), acc)
-    return tree16(acc)
-
-
-@always_inline
-def _dots64x4(a: F32Ptr, sa: Int, b: F32Ptr, sb: Int) -> V4:
-    """_dot64(a + q sa, b + q sb) for q = 0..3, four chains in flight."""
-    var acc = Array[V16, 4](fill=V16(0.0))
-    comptime for c in range(4):
-        comptime for q in range(4):
-            acc[q] = a.unsafe_load[width=16](q * sa + c * 16).fma(
-                b.unsafe_load[width=16](q * sb + c * 16), acc[q])
-    var r = V4(0.0)
-    comptime for q in range(4):
-        r[q] = tree16(acc[q])
-    return r
 
 
 @always_inline
@@ -170,7 +147,7 @@ def _fold[T: Int](scr: F32Ptr, v: F32Ptr, ldv: Int, qk: F32Ptr, dqk: F32Ptr,
         var j = j0 + t
         var vj = v.unsafe_offset(j * ldv)
         var ut = u.unsafe_offset(t * 64)
-        var vdk = _dot64(vj, ut)
+        var vdk = lane_dot[4](vj, ut)
         var f: Float32 = 1.0
         if j < last:
             f = scr[unsafe_offset=M_L + last * QC + j]
@@ -402,7 +379,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             var sz = sigmoid_f32[16](z)
             var sgrad = sz * z.fma(V16(1.0) - sz, V16(1.0))
             dpr.unsafe_store(hh * HP + cc * 16, (g * yrow.unsafe_load[width=16](cc * 16)) * sgrad)
-        var dvv = _dot64(dy.unsafe_offset(i * HP), vb.unsafe_offset(i * ldv))
+        var dvv = lane_dot[4](dy.unsafe_offset(i * HP), vb.unsafe_offset(i * ldv))
         scr[unsafe_offset=V_DVV + i] = dvv
         work[unsafe_offset=wk.o_dd + r * nh + hh] = dvv
         scr[unsafe_offset=V_DCUM + i] = 0.0
@@ -414,11 +391,11 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         while j0 < i:  # four dots at a time, then the updates in j order
             var d4: V4
             if j0 + 4 <= i:
-                d4 = _dots64x4(dyi, 0, vb.unsafe_offset(j0 * ldv), ldv)
+                d4 = lane_dots_x4[4](dyi, 0, vb.unsafe_offset(j0 * ldv), ldv)
             else:
                 d4 = V4(0.0)
                 for q in range(i - j0):
-                    d4[q] = _dot64(dyi, vb.unsafe_offset((j0 + q) * ldv))
+                    d4[q] = lane_dot[4](dyi, vb.unsafe_offset((j0 + q) * ldv))
             for q in range(min(4, i - j0)):
                 var j = j0 + q
                 var dv_ = d4[q]
@@ -455,7 +432,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var dvrow = dvb.unsafe_offset(i * ldv)
         comptime for cc in range(4):
             dvrow.unsafe_store(cc * 16, self_c.fma(dy.unsafe_load[width=16](i * HP + cc * 16), va[cc]))
-        scr[unsafe_offset=V_DCUM + i] = scr[unsafe_offset=V_DCUM + i] + e * _dot64(
+        scr[unsafe_offset=V_DCUM + i] = scr[unsafe_offset=V_DCUM + i] + e * lane_dot[4](
             dy.unsafe_offset(i * HP), scr.unsafe_offset(M_HQ + i * HP))
         scr[unsafe_offset=V_DGAM + i] = dvv * scr[unsafe_offset=V_QK + i]
     # 4. fold
@@ -489,7 +466,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var vp = work.unsafe_offset(wk.o_ckv + (c * nbh + bh) * HP)
         for p in range(0, HP, 4):
             u.unsafe_store(p, dots128x4(dH.unsafe_offset(p * NST), NST, kp, 0))
-        dbeta_prev = _dot64(vp, u)
+        dbeta_prev = lane_dot[4](vp, u)
     # 5.
     var acc_c: Float32 = 0.0
     var m = last

@@ -27,6 +27,7 @@ recurrence); tests/test_mamba3_forward.py compares against it.
 from ..abi import (
     F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,
 )
+from ..residual import add_residual_tile
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
     pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
@@ -159,31 +160,7 @@ def m3_forward_task(args: I64Ptr, phase: Int, task: Int):
     else:
         var t = matmul_task_wf(dims.wf_out, task, o, dims.np, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, d, xn, d)
-        _residual(args, dims, t0, nc, t.r0, t.r1, t.c0, t.c1, xn)
+        add_residual_tile(arg_f32(args, FWD_X), arg_f32(args, FWD_Y), xn, arg_int(args, FWD_L),
+                          dims.d, arg_i64(args, FWD_LENGTHS), arg_int(args, FWD_LENGTHS) != 0,
+                          t0, nc, t.r0, t.r1, t.c0, t.c1)
 
-
-def _residual(args: I64Ptr, dims: M3Dims, t0: Int, nc: Int,
-              r0: Int, r1: Int, c0: Int, c1: Int, proj: F32Ptr):
-    var l = arg_int(args, FWD_L)
-    var x = arg_f32(args, FWD_X)
-    var y = arg_f32(args, FWD_Y)
-    var lens = arg_i64(args, FWD_LENGTHS)
-    var ragged = arg_int(args, FWD_LENGTHS) != 0
-    var d = dims.d
-    for r in range(r0, r1):
-        var bb = r // nc
-        var t = t0 + r % nc
-        var off = (bb * l + t) * d
-        if ragged and t >= Int(lens[unsafe_offset=bb]):
-            for col in range(c0, c1):
-                y[unsafe_offset=off + col] = 0.0
-        else:
-            comptime W = 16
-            var col = c0
-            while col + W <= c1:
-                y.unsafe_store(off + col, x.unsafe_load[width=W](off + col)
-                               + proj.unsafe_load[width=W](r * d + col))
-                col += W
-            while col < c1:
-                y[unsafe_offset=off + col] = x[unsafe_offset=off + col] + proj[unsafe_offset=r * d + col]
-                col += 1

@@ -3,6 +3,7 @@ workspace's layouts (mamba3/forward.mojo runs the block, mamba3/scan.mojo its sc
 the backward modules share these)."""
 from std.sys import is_defined
 from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
+from ..regions import Regions
 from ..linear import packed_floats
 from ..weight_panels import section_format, ALL_F32
 
@@ -157,26 +158,17 @@ struct M3Dims(ImplicitlyCopyable):
         self.c_a = self.c_dt + self.nh
         self.c_tr = self.c_a + self.nh
         self.c_ang = self.c_tr + self.nh
-        var o = ALIGN_FLOATS  # header: the weight formats (weight_panels.mojo)
-        self.o_norm = o
-        o += round_up(d, ALIGN_FLOATS)
-        self.o_in = o
-        o += packed_floats(self.np, d, self.wf_in)
-        self.o_out = o
-        o += packed_floats(d, self.di, self.wf_out)
-        self.o_dtb = o
-        o += round_up(self.nh, ALIGN_FLOATS)
-        self.o_bnw = o
-        o += NST
-        self.o_cnw = o
-        o += NST
-        self.o_bb = o
-        o += self.nh * NST
-        self.o_cb = o
-        o += self.nh * NST
-        self.o_dskip = o
-        o += round_up(self.nh, ALIGN_FLOATS)
-        self.blob = o
+        var regions = Regions(ALIGN_FLOATS)  # header: the weight formats (weight_panels.mojo)
+        self.o_norm = regions.take(d)
+        self.o_in = regions.take_exact(packed_floats(self.np, d, self.wf_in))
+        self.o_out = regions.take_exact(packed_floats(d, self.di, self.wf_out))
+        self.o_dtb = regions.take(self.nh)
+        self.o_bnw = regions.take_exact(NST)
+        self.o_cnw = regions.take_exact(NST)
+        self.o_bb = regions.take_exact(self.nh * NST)
+        self.o_cb = regions.take_exact(self.nh * NST)
+        self.o_dskip = regions.take(self.nh)
+        self.blob = regions.end
 
 
 struct M3Work(ImplicitlyCopyable):
@@ -198,12 +190,9 @@ struct M3Work(ImplicitlyCopyable):
         self.tc = max(1, min(l, MAX_CHUNK_ROWS // b))
         self.nchunks = ceil_div(l, self.tc)
         var rows = b * self.tc
-        var o = 0
-        self.o_xn = o
-        o += round_up(rows * dims.d, ALIGN_FLOATS)
-        self.o_proj = o
-        o += round_up(rows * dims.np, ALIGN_FLOATS)
-        self.o_scr = o
+        var regions = Regions()
+        self.o_xn = regions.take(rows * dims.d)
+        self.o_proj = regions.take(rows * dims.np)
         self.scr = S_QK + min(self.tc, QC) * QC
         self.scan_heads = 1
         if self.tc >= COPY_TOKENS:
@@ -211,8 +200,8 @@ struct M3Work(ImplicitlyCopyable):
             comptime if not is_defined["GPU_API"]():  # a GPU wants a thread per head
                 self.scan_heads = ceil_div(dims.nh, max(1, min(dims.nh, COPY_TASKS // b)))
         self.scan_tasks = b * ceil_div(dims.nh, self.scan_heads)
-        o += self.scan_tasks * self.scr
-        self.floats = o
+        self.o_scr = regions.take_exact(self.scan_tasks * self.scr)
+        self.floats = regions.end
 
     def chunk_tokens(self, c: Int) -> Int:
         return min(self.tc, self.l - c * self.tc)

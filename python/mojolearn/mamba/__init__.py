@@ -20,7 +20,7 @@ Examples
 >>> state = block.allocate_state(batch_size=x.shape[0])
 >>> y0 = block.step(x[:, :1], state)
 """
-from importlib import import_module
+from .._lazy import lazy_getattr
 
 from ..families import exported_classes
 
@@ -30,13 +30,7 @@ _LAZY = exported_classes()
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'mojolearn.mamba' has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__():

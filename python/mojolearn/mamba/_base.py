@@ -297,6 +297,46 @@ class _MambaBase:
         return p
 
     # -- estimator API ------------------------------------------------------
+    def forward(self, x, state=None, *, lengths=None):
+        """Run the block over a sequence.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, L, d_model)
+        state : the block's state (a Mamba1State for a Mamba1Block, and so
+            on) or None
+            None: a self-contained prefill from a zero state. A state is read
+            at entry and updated in place (a later call continues it bit for
+            bit).
+        lengths : sequence of int or None
+            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0
+            (Mamba-1 never reads padding inputs; Mamba-2 reads them as +0.0).
+            Mamba-2 and Mamba-3 refuse lengths with a state; on a Mamba1Block row b's
+            state is left as it was after its first lengths[b] tokens (what
+            the row alone at its length leaves, bit for bit) and
+            absolute_position still advances by L.
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, L, d_model)
+        """
+        return self._runner.forward(self, x, state, lengths)
+
+    def step(self, x, state):
+        """Run one decode token: forward at L = 1 with the state carried.
+
+        Parameters
+        ----------
+        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
+        state : the block's state (a Mamba1State for a Mamba1Block, and so
+            on; required; updated in place)
+
+        Returns
+        -------
+        y : mojolearn.Array, shape (B, 1, d_model)
+        """
+        return self._runner.step(self, x, state)
+
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters: {'weights': copies, 'numeric_mode': ...};
         packed weights are returned packed, with the codes they were given

@@ -248,42 +248,6 @@ class Mamba1Block(_MambaBase):
     _state_views = _state_views
 
     # -- compute ------------------------------------------------------------
-    def forward(self, x, state=None, *, lengths=None):
-        """Run the block over a sequence.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, L, d_model)
-        state : Mamba1State or None
-            None: a self-contained prefill from a zero state. A state is read
-            at entry and updated in place.
-        lengths : sequence of int or None
-            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0
-            and padding inputs are never read. With a state, row b's state
-            is left as it was after its first lengths[b] tokens (what the
-            row alone at its length leaves, bit for bit);
-            absolute_position still advances by L.
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, L, d_model)
-        """
-        return self._runner.forward(self, x, state, lengths)
-
-    def step(self, x, state):
-        """Run one decode token: forward at L = 1 with the state carried.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
-        state : Mamba1State (required; updated in place)
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, 1, d_model)
-        """
-        return self._runner.step(self, x, state)
-
     def backward(self, x, grad_output, state=None, *, grad_state=None, lengths=None):
         """Gradients of ``forward(x, state)`` (a vector-Jacobian product).
 

@@ -313,40 +313,6 @@ class Mamba2Block(_MambaBase):
     _state_views = _state_views
 
     # -- compute ------------------------------------------------------------
-    def forward(self, x, state=None, *, lengths=None):
-        """Run the block over a sequence.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, L, d_model)
-        state : Mamba2State or None
-            None: a self-contained prefill from a zero state. A state is read
-            at entry and updated in place (a later call continues it bit for
-            bit).
-        lengths : sequence of int or None
-            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0
-            and padding inputs are read as +0.0. Not allowed with a state.
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, L, d_model)
-        """
-        return self._runner.forward(self, x, state, lengths)
-
-    def step(self, x, state):
-        """Run one decode token: forward at L = 1 with the state carried.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
-        state : Mamba2State (required; updated in place)
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, 1, d_model)
-        """
-        return self._runner.step(self, x, state)
-
     def _args(self, b, l, x_addr, y_addr, sv, s, lens_addr, hlast_addr, save):
         named = dict(zip(Mamba2State._ARRAYS, sv)) if sv is not None else {}
         return self._runner.forward_slots(self).pack(

@@ -366,39 +366,6 @@ class Mamba3Block(_MambaBase):
     _state_views = _state_views
 
     # -- compute ------------------------------------------------------------
-    def forward(self, x, state=None, *, lengths=None):
-        """Run the block over a sequence.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, L, d_model)
-        state : Mamba3State or None
-            None: a self-contained prefill from a zero state. A state is read
-            at entry and updated in place.
-        lengths : sequence of int or None
-            Ragged batch: B ints in [1, L]; padding outputs are exactly +0.0.
-            Not allowed together with state.
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, L, d_model)
-        """
-        return self._runner.forward(self, x, state, lengths)
-
-    def step(self, x, state):
-        """Run one decode token: forward at L = 1 with the state carried.
-
-        Parameters
-        ----------
-        x : float32 buffer, shape (B, 1, d_model) or (B, d_model)
-        state : Mamba3State (required; updated in place)
-
-        Returns
-        -------
-        y : mojolearn.Array, shape (B, 1, d_model)
-        """
-        return self._runner.step(self, x, state)
-
     def decode_session(self, state, *, cache: bool = True):
         """Open a Mamba3DecodeSession: token-by-token decoding that gives the
         bytes of ``step`` without re-validating the state at every token.

@@ -221,6 +221,17 @@ class _RowPositions:
         """A chunk position after one more token."""
         return self._block._runner.spec.position_after(n, 1)
 
+    def _position_after_step(self, n):
+        """The session's position after a step from position n: n moved on
+        by a token, or, with row_tokens, n unchanged and each row moved on
+        instead (here, unless the row_tokens Array is shared: its owner
+        moves it)."""
+        if self._rows is None:
+            return self._row_after(n)
+        if not self._rows_shared:
+            self.advance_rows()
+        return n
+
     def advance_rows(self):
         """Move every row's position on by one token (opened with a shared
         row_tokens Array: the owner calls this once per model step)."""
@@ -393,11 +404,7 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
         args[self._s_slot] = self._s
 
     def _after_step(self):
-        if self._rows is not None:
-            if not self._rows_shared:
-                self.advance_rows()
-        else:
-            self._s = self._row_after(self._s)
+        self._s = self._position_after_step(self._s)
 
     def sync_state(self):
         """Copy the session's state into the Mamba2State; return it."""
@@ -504,11 +511,7 @@ class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
         args[self._pending_slot] = 1 if self._pending else 0
 
     def _after_step(self):
-        if self._rows is not None:
-            if not self._rows_shared:
-                self.advance_rows()
-        else:
-            self._nb = self._row_after(self._nb)
+        self._nb = self._position_after_step(self._nb)
         self._pending = False
 
     def sync_state(self):

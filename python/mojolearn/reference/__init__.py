@@ -27,7 +27,7 @@ not, NumPy is imported when a function is first used):
 The functions are also reachable from this package, e.g.
 ``mojolearn.reference.mamba1_numpy``.
 """
-from importlib import import_module
+from .._lazy import lazy_getattr
 
 _LAZY = {
     "mamba1_numpy": ".mamba1",
@@ -52,17 +52,7 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'mojolearn.reference' has no attribute {name!r}")
-    where = _LAZY[name]
-    if where is None:
-        value = import_module(f".{name}", __name__)
-    else:
-        value = getattr(import_module(where, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__():
