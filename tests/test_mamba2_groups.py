@@ -191,3 +191,19 @@ def test_set_params_changes_the_groups():
     want = mojolearn.Mamba2Block(w2, n_groups=2).forward(x)
     assert np.asarray(blk.forward(x)).tobytes() == np.asarray(want).tobytes()
     assert math.isfinite(float(np.asarray(want).sum()))
+
+
+def test_torch_module_takes_the_groups():
+    """mojolearn.torch.Mamba2(n_groups=G): parameters in the group shapes,
+    the block's bytes; a bad value is refused by name."""
+    from mojolearn.torch import Mamba2
+    w = _weights(128, 2, seed=7)
+    m = Mamba2.from_weights(w, n_groups=2)
+    assert tuple(m.state_dict()["conv1d.bias"].shape) == (256 + 512,)
+    x = random_input(1, 6, 128, seed=8)
+    with torch.no_grad():
+        y = m(torch.from_numpy(x)).numpy()
+    want = np.asarray(mojolearn.Mamba2Block(w, n_groups=2).forward(x))
+    assert y.tobytes() == want.tobytes()
+    with raises_naming(ValueError, "n_groups"):
+        Mamba2(128, n_groups=3)
