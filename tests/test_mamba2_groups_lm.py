@@ -69,7 +69,7 @@ def test_logits_and_greedy_tokens_match_transformers(hf):
     err = float(np.abs(ours - ref).max())
     print(f"\nn_groups={G} LM logits: max |err| {err:.3g}, bound {_bound(ref):.3g}")
     assert err <= _bound(ref)
-    for p, got in zip(PROMPTS[:3], lm.generate(PROMPTS[:3], max_new_tokens=4)):
+    for p, got in zip(PROMPTS[:2], lm.generate(PROMPTS[:2], max_new_tokens=4)):
         want, gap = _greedy_reference(lambda t: _hf_logits(model, t), p, 4)
         assert gap > 1e-4 and got == want
     other = _hf_logits(model, [[4] + TOKENS[0][1:], TOKENS[1]])  # control
