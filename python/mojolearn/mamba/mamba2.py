@@ -42,7 +42,9 @@ def check_n_groups(n_groups, d: int, name: str = "n_groups") -> int:
 
 
 def mamba2_weight_shapes(d: int, n_groups: int = 1) -> dict:
-    di, h, cd, npj = mamba2_dims(d, n_groups)
+    """{weight name: shape} for d_model d and n_groups (checked:
+    check_n_groups)."""
+    di, h, cd, npj = mamba2_dims(d, check_n_groups(n_groups, d))
     return {
         "block_norm.weight": (d,),
         "in_proj.weight": (npj, d),

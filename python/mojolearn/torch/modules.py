@@ -335,13 +335,12 @@ class Mamba2(_MambaModule):
 
     def __init__(self, d_model, *, n_groups=1, dt_limit=(0.0, math.inf),
                  numeric_mode="identical", generator=None, _init=True):
-        object.__setattr__(self, "_n_groups", n_groups)  # read by _shapes, checked there
+        object.__setattr__(self, "_n_groups", n_groups)  # read by _shapes (checked by the shapes)
         super().__init__(d_model, numeric_mode=numeric_mode, generator=generator,
                          _init=_init, dt_limit=tuple(dt_limit), n_groups=n_groups)
 
     def _shapes(self, d: int) -> dict:
-        from ..mamba.mamba2 import check_n_groups
-        return self._FAMILY.weight_shapes(d, check_n_groups(self._n_groups, d))
+        return self._FAMILY.weight_shapes(d, self._n_groups)
 
     @staticmethod
     def _check_d(d):
