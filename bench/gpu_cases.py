@@ -13,10 +13,11 @@ cotangents and ragged rows; Mamba-2 a backward from a state with an open
 chunk and final-state cotangents, and a ragged one), and blocks on packed
 bfloat16/int8 weights (codes, read-back, expansion, forward, decode,
 backward), and whole language models (bench/lm_cases.py); then the block
-options (VARIANTS: Falcon-Mamba's B/C/dt norms), through the same shape,
-packed and batch-8 cases under their own names; then the packed and LM
-cases of the q4_0 / q8_0 formats; last, blocks whose projections mix
-formats (MIXED). Sizes cross each chunk (Mamba-2: 256, Mamba-3: 64) and Mamba-1's
+options (VARIANTS: Falcon-Mamba's B/C/dt norms, Mamba-2's groups), through
+the same shape, packed and batch-8 cases under their own names; then the
+packed and LM cases of the q4_0 / q8_0 formats; last, blocks whose
+projections mix formats (MIXED). Sizes cross each chunk (Mamba-2: 256,
+Mamba-3: 64) and Mamba-1's
 256-row workspace chunks. Needs NumPy (weights from mojolearn.reference).
 
 Users: tests/test_cpu_variants.py (every CPU binary against the file),
@@ -79,6 +80,12 @@ VARIANTS = {
     "falcon": (1, {"bcdt_rms_eps": 1e-6},
                [(1, 40, 2, 30, [30, 9]), (1, 64, 3, 100, [100, 37, 1])],
                [(1, 64, 2, 20)], [(1, 64)]),
+    # Mamba-2 with groups of B and C (Mamba-Codestral: 8): d 128 puts two
+    # heads in each of two groups, d 256 one head in each of eight
+    "groups": (2, {"n_groups": 2},
+               [(2, 128, 2, 300, [300, 57]), (2, 128, 3, 5, None)],
+               [(2, 128, 2, 20)], [(2, 128)]),
+    "groups8": (2, {"n_groups": 8}, [(2, 256, 2, 260, [260, 3])], [], []),
 }
 
 MATH_FUNCTIONS = 15  # math_eval.mojo MATH_EVAL_COUNT: exp, ..., mod2pi, sincos's sin, cos
@@ -94,8 +101,11 @@ def perturbation_exempt(name: str) -> bool:
     return name == "nonfinite" or name.endswith(" weights")
 
 
-def _weights(kind: int, d: int):
+def _weights(kind: int, d: int, variant=None):
     from mojolearn.reference.weights import mamba1_weights, mamba2_weights, mamba3_weights
+    groups = _options(variant).get("n_groups")  # Mamba-2's weights depend on it
+    if groups is not None:
+        return mamba2_weights(d, seed=kind, n_groups=groups)
     return {1: mamba1_weights, 2: mamba2_weights, 3: mamba3_weights}[kind](d, seed=kind)
 
 
@@ -128,7 +138,7 @@ def _tag(kind, variant) -> str:
 
 def block_for(mojolearn, kind: int, d: int, variant=None, weights=None):
     cls = {1: mojolearn.Mamba1Block, 2: mojolearn.Mamba2Block, 3: mojolearn.Mamba3Block}[kind]
-    return cls(_weights(kind, d) if weights is None else weights, **_options(variant))
+    return cls(_weights(kind, d, variant) if weights is None else weights, **_options(variant))
 
 
 # State fields in a fixed order; ints/bools are hashed as "name=value".
@@ -267,7 +277,7 @@ def _packed_cases(mojolearn, kind, d, b, l, variant=None, formats=("bfloat16", "
         tag = f"{_tag(kind, variant)} d{d} B{b} L{l} {label}"
         # the codes (OP_LOWBIT_PACK), read back from the blob (OP_PANELS_EXTRACT)
         # and expanded (OP_LOWBIT_UNPACK)
-        packed = mojolearn.lowbit.pack(_weights(kind, d), how)
+        packed = mojolearn.lowbit.pack(_weights(kind, d, variant), how)
         block = block_for(mojolearn, kind, d, variant, weights=packed)
         back = block.get_params()["weights"]
         parts = []

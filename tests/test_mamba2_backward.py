@@ -26,7 +26,7 @@ INF = math.inf
 
 
 # --------------------------------------------------------------------------- reference
-def grad_reference(weights, x, grad_output, dt_limit=(0.0, INF)):
+def grad_reference(weights, x, grad_output, dt_limit=(0.0, INF), n_groups=1):
     """PyTorch autograd of transformers' Mamba2Block in verified float64.
 
     Same block, weights (float64 leaf parameters), torch path and casts
@@ -36,7 +36,8 @@ def grad_reference(weights, x, grad_output, dt_limit=(0.0, INF)):
     array} (our names; conv1d.weight as (CD, 1, 4)).
     """
     lo, hi = _hf._check_dt_limit(dt_limit)
-    block, _cfg, _d, _di, _h = _hf._mamba2_block(weights, (lo, hi), residual_in_fp32=False)
+    block, _cfg, _d, _di, _h = _hf._mamba2_block(weights, (lo, hi), residual_in_fp32=False,
+                                                 n_groups=n_groups)
     out = checks.hf_float64_grads(block, _hf._hf_m2, _hf._M2_KERNEL_NAMES, x, grad_output,
                                   _our_name)
     assert set(out) == set(NAMES)

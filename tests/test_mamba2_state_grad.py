@@ -124,13 +124,14 @@ def make_cotangents(block, b, seed):
     return checks.random_cotangents(block._state_shapes(b), seed, STATE)
 
 
-def run_case(d, b, l, n0, seed, cot=True, dt_limit=(0.0, float("inf"))):
-    w = mamba2_weights(d, seed=seed)
-    block = mojolearn.Mamba2Block(w, dt_limit=dt_limit)
+def run_case(d, b, l, n0, seed, cot=True, dt_limit=(0.0, float("inf")), n_groups=1):
+    w = mamba2_weights(d, seed=seed, n_groups=n_groups)
+    block = mojolearn.Mamba2Block(w, dt_limit=dt_limit, n_groups=n_groups)
     state = make_state(block, b, n0, seed + 1)
     got, ref, scale, x, g, cots = checks.backward_from_state(
         block, w, state, l, seed, cot, block._state_shapes(b), STATE,
-        lambda ww, xx, gg, *rest: state_grads(ww, xx, gg, *rest, s=n0, dt_limit=dt_limit))
+        lambda ww, xx, gg, *rest: state_grads(ww, xx, gg, *rest, s=n0, dt_limit=dt_limit,
+                                              n_groups=n_groups))
     assert state.buffered_tokens == n0
     return got, ref, with_underflow_floor(scale), (w, block, state, x, g, cots)
 

@@ -24,7 +24,8 @@ comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 # 6: weight formats 3 (q4_0) and 4 (q8_0), panels of float16 scales then codes.
 # 7: the prepare ops' wfmt slot and blob header word 0 hold one 4-bit format per
 #    projection (weight_panels.mojo's formats word): blocks that mix formats.
-comptime ABI_VERSION = 7
+# 8: OP_M2_PREPARE n_groups (recorded in the blob header's option word).
+comptime ABI_VERSION = 8
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
 comptime PLAN_WORKSPACE = -1

@@ -273,11 +273,13 @@ def _m2_prepare[S: SlotSink](mut s: S):
     s.slot("exp:in_proj.weight", m2.PREP_IN_EXP, K_I32, BUF_IN, 0)
     s.slot("exp:out_proj.weight", m2.PREP_OUT_EXP, K_I32, BUF_IN, 0)
     _int(s, "a_given", m2.PREP_A_GIVEN)
+    _int(s, "n_groups", m2.PREP_NGROUPS)
 
 
 def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m2.FWD_B)
-    var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_formats(arg_f32(args, m2.FWD_BLOB)))
+    var blob = arg_f32(args, m2.FWD_BLOB)
+    var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_formats(blob), m2.blob_ngroups(blob))
     var bx = _tokens(args)
     var heads = b * dm.nh * m2.P * m2.N  # h, h_last: (B, H, P, N)
     _sizes(s)
@@ -295,12 +297,13 @@ def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     # scratch: nothing in it outlives a call (a session's own copies live in
     # its state arrays and the cache)
     s.slot("work", m2.FWD_WORK, K_WORK, 0, 0)
-    _f32(s, "cache", m2.FWD_CACHE, BUF_INOUT, b * m2.cache_floats_per_row(dm.nh))
+    _f32(s, "cache", m2.FWD_CACHE, BUF_INOUT, b * m2.cache_floats_per_row(dm.nh, dm.ng))
     s.slot("row_tokens", m2.FWD_ROW_S, K_I64, BUF_IN, b * I8)
 
 
 def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
-    var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_formats(arg_f32(args, m2b.BW_BLOB)))
+    var blob = arg_f32(args, m2b.BW_BLOB)
+    var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_formats(blob), m2.blob_ngroups(blob))
     var d = dm.d
     var bx = _tokens(args)
     _sizes(s)

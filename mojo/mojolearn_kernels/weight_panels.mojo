@@ -98,6 +98,14 @@ def blob_option_f32(blob: F32Ptr) -> Float32:
     return blob[unsafe_offset=O_OPTION]
 
 
+def blob_option_int(blob: F32Ptr) -> Int:
+    """The block option a prepare op recorded, as an int32 (0 for a null
+    blob or none)."""
+    if Int(blob) == 0:
+        return 0
+    return _word(blob, O_OPTION)
+
+
 def blob_formats(blob: F32Ptr) -> Int:
     """The formats word a prepare op wrote into blob (all float32 for a
     null blob)."""

@@ -6,7 +6,7 @@ are not mirrored: OpSpec reads them from the binary.
 """
 from __future__ import annotations
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 VENDORS = {0: "cpu", 1: "cuda", 2: "hip", 3: "metal"}
 NUMERIC_MODES = {0: "identical", 1: "fast"}

@@ -64,7 +64,7 @@ def assemble(cfg, summary, tensors, folder=None):
     fmt = summary.get("format", "transformers")
     d, n = summary["d_model"], summary["n_layers"]
     want = {}
-    for name, shape in fam.weight_shapes(d).items():
+    for name, shape in fam.weight_shapes(d, summary.get("n_groups") or 1).items():
         options = shape if isinstance(shape[0], tuple) else (shape,)
         stored = fam.stored_shape(fmt, name, options[0])
         want[name] = (options[0], options + ((stored,) if stored not in options else ()))

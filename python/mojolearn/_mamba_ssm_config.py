@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from .configs import _equal, _fail, _is_int, check_dt_limit, check_layers
+from .configs import _equal, _fail, _is_int, check_dt_limit, check_layers, check_n_groups
 from .families import FAMILIES, by_ssm_layer
 
 # top-level MambaConfig fields that do not change the float32 function
@@ -67,6 +67,7 @@ def check_mamba_ssm_config(cfg: dict) -> dict:
         _fail("pad_vocab_size_multiple", mult, "a positive int")
     fixed, ignored = fam.ssm_options()
     dt_limit = None
+    n_groups = 1 if "n_groups" in fam.block_options else None
     for name, value in ssm.items():
         field = f"ssm_cfg.{name}"
         if name == "layer" or name in ignored:
@@ -79,6 +80,8 @@ def check_mamba_ssm_config(cfg: dict) -> dict:
                 _fail(field, value, f"None or 2 * d_model = {2 * d} (no gated-MLP part)")
         elif name == "dt_limit" and "dt_limit" in fam.block_options:
             dt_limit = check_dt_limit(value, field)
+        elif name == "ngroups" and "n_groups" in fam.block_options:
+            n_groups = check_n_groups(value, d, field)
         elif name in fixed:
             if not _equal(value, fixed[name]):
                 _fail(field, value, fixed[name])
@@ -87,4 +90,5 @@ def check_mamba_ssm_config(cfg: dict) -> dict:
     if "dt_limit" in fam.block_options and dt_limit is None:
         dt_limit = (0.0, math.inf)
     return {"kind": fam.kind, "format": "mamba_ssm", "d_model": d, "n_layers": n_layers,
-            "vocab_size": vocab + (-vocab % mult), "tie": tie, "dt_limit": dt_limit}
+            "vocab_size": vocab + (-vocab % mult), "tie": tie, "dt_limit": dt_limit,
+            "n_groups": n_groups}

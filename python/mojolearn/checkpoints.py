@@ -114,7 +114,14 @@ def _infer_config(tensors: dict) -> dict:
             cfg["num_heads"] = h
             cfg["head_dim"] = out[1] // h if h else 0
             if conv:
-                cfg["state_size"] = (conv[0] - out[1]) // 2  # assuming n_groups = 1
+                # x | B | C channels: B and C are n_groups * state_size each,
+                # and the block's state_size is 128 (else: one group, and
+                # the state size is named when refused)
+                bc = conv[0] - out[1]
+                if bc > 0 and bc % 256 == 0:
+                    cfg["state_size"], cfg["n_groups"] = 128, bc // 256
+                else:
+                    cfg["state_size"] = bc // 2
     emb = next((shapes[p + k] for k in _EMBED_KEYS for p in ("backbone.", "")
                 if p + k in shapes), None)
     if emb:
@@ -152,6 +159,9 @@ class Checkpoint:
     tie_word_embeddings : bool
     dt_limit : (float, float) or None
         Mamba-2's time_step_limit; None for Mamba-1 and Mamba-3.
+    n_groups : int or None
+        Mamba-2's groups of B and C (transformers' n_groups, mamba_ssm's
+        ngroups; Mamba-Codestral: 8); None for Mamba-1 and Mamba-3.
     bcdt_rms_eps : float or None
         Falcon-Mamba's mixer_rms_eps (its blocks are Mamba1Block with that
         option); None for every other model.
@@ -170,6 +180,7 @@ class Checkpoint:
         self.vocab_size = _shape(embeddings)[0]
         self.tie_word_embeddings = summary["tie"]
         self.dt_limit = summary["dt_limit"]
+        self.n_groups = summary.get("n_groups")
         self.bcdt_rms_eps = summary.get("bcdt_rms_eps")
         self.eos_token_ids = tuple(eos_token_ids)
         self.layers = layers
@@ -190,8 +201,8 @@ class Checkpoint:
         return self.family.block_class
 
     def blocks(self, *, weight_format=None, numeric_mode: str = "identical") -> list:
-        """One block per layer (Mamba1Block, Mamba2Block with dt_limit, or
-        Mamba3Block).
+        """One block per layer (Mamba1Block, Mamba2Block with dt_limit and
+        n_groups, or Mamba3Block).
 
         weight_format None (the default) keeps each weight as the file
         stores it (a GGUF file's q4_0 / q8_0 matrices stay packed, the rest

@@ -116,7 +116,8 @@ def check_config(config) -> dict:
     """Check that a checkpoint config fits the fixed blocks.
 
     Returns a summary dict {kind, format, d_model, n_layers, vocab_size,
-    tie, dt_limit, bcdt_rms_eps} (bcdt_rms_eps: a falcon_mamba config's
+    tie, dt_limit, n_groups, bcdt_rms_eps} (n_groups: Mamba-2's groups of B
+    and C, else None; bcdt_rms_eps: a falcon_mamba config's
     mixer_rms_eps, default 1e-6, else None; vocab_size: the embedding rows the weights must have,
     None when the config does not say); raises ValueError naming the first
     field the blocks cannot represent. transformers configs (Mamba-1:
@@ -124,7 +125,7 @@ def check_config(config) -> dict:
     hidden_size, time_step_rank ceil(hidden_size / 16), use_bias False,
     use_conv_bias True, hidden_act silu, layer_norm_epsilon 1e-5; Mamba-2
     additionally hidden_size % 32 == 0, state_size 128, head_dim 64,
-    num_heads 2 * hidden_size / 64, n_groups 1, chunk_size 256, rms_norm
+    num_heads 2 * hidden_size / 64, n_groups dividing num_heads, chunk_size 256, rms_norm
     True and norm_before_gate False where present, time_step_limit two
     numbers lo <= hi) and mamba_ssm configs (docs/checkpoints.md) are read.
     """
@@ -162,13 +163,24 @@ def check_config(config) -> dict:
             _fail("norm_before_gate", cfg["norm_before_gate"], "False (gate before the norm)")
         dt_limit = check_dt_limit(cfg.get("time_step_limit", (0.0, math.inf)),
                                   "time_step_limit")
+    n_groups = None
+    if "n_groups" in fam.block_options:
+        n_groups = check_n_groups(cfg.get("n_groups", 1), d, "n_groups")
     bcdt_rms_eps = None
     if cfg.get("model_type") in fam.variant_model_types:  # falcon_mamba
         bcdt_rms_eps = check_mixer_rms_eps(cfg.get("mixer_rms_eps", 1e-6))
     return {"kind": fam.kind, "format": "transformers", "d_model": d, "n_layers": n_layers,
             "vocab_size": check_vocab(cfg.get("vocab_size"), "vocab_size"),
             "tie": bool(cfg.get("tie_word_embeddings", fam.tied_by_default)),
-            "dt_limit": dt_limit, "bcdt_rms_eps": bcdt_rms_eps}
+            "dt_limit": dt_limit, "n_groups": n_groups, "bcdt_rms_eps": bcdt_rms_eps}
+
+
+def check_n_groups(v, d: int, field: str) -> int:
+    """Mamba-2's groups of B and C: a positive int dividing the 2 d / 64 heads."""
+    heads = 2 * d // 64
+    if not _is_int(v) or v < 1 or heads % v:
+        _fail(field, v, f"a positive divisor of the {heads} heads")
+    return v
 
 
 def check_mixer_rms_eps(v) -> float:

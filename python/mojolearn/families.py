@@ -127,8 +127,12 @@ class Family:
     reference_weight_maker = _Resolved("reference_weights", "mojolearn.reference.weights' "
                                        "maker of this family's weights (imports NumPy).")
 
-    def weight_shapes(self, d_model: int) -> dict:
-        """{block weight name: shape} for d_model (conv1d: two accepted shapes)."""
+    def weight_shapes(self, d_model: int, n_groups: int = 1) -> dict:
+        """{block weight name: shape} for d_model (conv1d: two accepted
+        shapes); n_groups: Mamba-2's groups of B and C (other families have
+        one)."""
+        if "n_groups" in self.block_options:
+            return _resolve(self.shapes)(d_model, n_groups)
         return _resolve(self.shapes)(d_model)
 
     def initial_weights(self, d_model: int, draw, out_scale: float, dt_min: float,
@@ -177,9 +181,13 @@ class Family:
         fixed, ignored = _SSM_OPTIONS[self.kind]
         return dict(fixed), tuple(ignored)
 
-    def saved_config(self, d: int) -> dict:
-        """The config.json fields save_checkpoint writes for d_model d."""
-        return dict(_SAVED[self.kind](d))
+    def saved_config(self, d: int, n_groups: int = 1) -> dict:
+        """The config.json fields save_checkpoint writes for d_model d (and
+        Mamba-2's n_groups)."""
+        out = dict(_SAVED[self.kind](d))
+        if "n_groups" in self.block_options:
+            out["n_groups"] = n_groups
+        return out
 
 
 def _insert_axis1(shape):
@@ -190,7 +198,7 @@ _LAYOUTS = {"insert_axis1": _insert_axis1}
 
 _FIXED = {
     "mamba": lambda d: {"state_size": 16},
-    "mamba2": lambda d: {"state_size": 128, "head_dim": 64, "n_groups": 1, "chunk_size": 256,
+    "mamba2": lambda d: {"state_size": 128, "head_dim": 64, "chunk_size": 256,
                          "num_heads": 2 * d // 64},
     "mamba3": lambda d: {"state_size": 128, "head_dim": 64, "num_heads": 2 * d // 64,
                          "chunk_size": 64},
@@ -199,7 +207,7 @@ _FIXED = {
 _SAVED = {
     "mamba": lambda d: {},
     "mamba2": lambda d: {"state_size": 128, "head_dim": 64, "num_heads": d * 2 // 64,
-                         "n_groups": 1, "expand": 2, "chunk_size": 256},
+                         "expand": 2, "chunk_size": 256},
     "mamba3": lambda d: {"state_size": 128, "head_dim": 64, "num_heads": d * 2 // 64,
                          "expand": 2, "chunk_size": 64},
 }
@@ -211,7 +219,7 @@ _SSM_INIT = ("dt_min", "dt_max", "dt_init_floor", "layer_idx", "device", "dtype"
 _SSM_OPTIONS = {
     "mamba": ({"d_state": 16, "d_conv": 4, "expand": 2, "conv_bias": True, "bias": False},
               _SSM_INIT + ("dt_init", "dt_scale", "use_fast_path")),
-    "mamba2": ({"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "ngroups": 1,
+    "mamba2": ({"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64,
                 "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False,
                 "bias": False, "conv_bias": True, "chunk_size": 256, "process_group": None},
                _SSM_INIT + ("conv_init", "A_init_range", "use_mem_eff_path",
@@ -242,7 +250,7 @@ FAMILIES = (
               min_multiple=1, dt_rank=True, variant_model_types=("falcon_mamba",)),
     _numbered(2, kind="mamba2", aliases=(), model_type="mamba2",
               input_norm="block_norm.weight", row_positions=True,
-              block_options=("dt_limit",), min_multiple=32, tied_by_default=False),
+              block_options=("dt_limit", "n_groups"), min_multiple=32, tied_by_default=False),
     _numbered(3, kind="mamba3", aliases=(), model_type="mamba3",
               input_norm="block_norm.weight", row_positions=True, block_options=(),
               min_multiple=32,

@@ -49,6 +49,8 @@ def save_checkpoint(folder, kind: str, layers: list, embeddings, final_norm, lm_
     layers : list of dict
         One weight dict per layer, under the block's names (Mamba1Block /
         Mamba2Block / Mamba3Block), float32, in the block's shapes.
+        Mamba-2's n_groups is read from layer 0's conv1d.bias (2 d_model
+        + 256 n_groups entries) and written to config.json.
     embeddings : float32 buffer (vocab_size, d_model)
     final_norm : float32 buffer (d_model,)
     lm_head : float32 buffer (vocab_size, d_model) or None
@@ -110,7 +112,8 @@ def _checked(kind, layers, embeddings, final_norm, lm_head, config):
         if head.shape != emb.shape:
             raise ValueError(f"lm_head must have shape {emb.shape}, got {head.shape}")
         tensors["lm_head.weight"] = lm_head
-    shapes = fam.weight_shapes(d)
+    n_groups = _groups_of(fam, layers[0], d)
+    shapes = fam.weight_shapes(d, n_groups)
     for i, w in enumerate(layers):
         if not hasattr(w, "keys"):
             raise TypeError(f"layers[{i}] must be a dict of weights, got {type(w).__name__}")
@@ -129,7 +132,7 @@ def _checked(kind, layers, embeddings, final_norm, lm_head, config):
     cfg = {"model_type": fam.model_type, "hidden_size": d, "num_hidden_layers": len(layers),
            "vocab_size": vocab, "tie_word_embeddings": lm_head is None,
            "layer_norm_epsilon": 1e-5}
-    cfg.update(fam.saved_config(d))
+    cfg.update(fam.saved_config(d, n_groups))
     if config is not None:
         if not hasattr(config, "items") or not all(isinstance(k, str) for k in config):
             raise TypeError("config must be a dict with str keys")
@@ -139,3 +142,19 @@ def _checked(kind, layers, embeddings, final_norm, lm_head, config):
     except (TypeError, ValueError) as e:
         raise TypeError(f"config must hold JSON values only ({e})") from None
     return tensors, cfg
+
+
+def _groups_of(fam, w, d: int) -> int:
+    """Mamba-2's n_groups as layer 0's conv1d.bias tells it (x | B | C
+    channels: 2 d + 256 n_groups); 1 for other families, and when the bias
+    says nothing valid (the shape check then names it)."""
+    if "n_groups" not in fam.block_options or not hasattr(w, "keys") or "conv1d.bias" not in w:
+        return 1
+    try:
+        shape = _intake.float32_view(w["conv1d.bias"], "conv1d.bias").shape
+    except (TypeError, ValueError):
+        return 1
+    bc = shape[0] - 2 * d if len(shape) == 1 else 0
+    heads = 2 * d // 64
+    g = bc // 256 if bc > 0 and bc % 256 == 0 else 1
+    return g if heads and heads % g == 0 else 1

@@ -141,9 +141,9 @@ _KINDS = [
          batch_words=lambda name, rows: (f"state.conv_window has {rows} rows"
                                          if name == "conv_window" else f"state.h {rows}")),
     dict(kind=2, maker=mamba2_weights, d=64, chunk=256, norm="block_norm.weight", small_d=32,
-         attrs=("d_model", "d_inner", "nheads", "conv_dim", "dt_limit", "weight_format",
-                "numeric_mode"),
-         params={"weights", "numeric_mode", "dt_limit"}, reports=("h_last_",),
+         attrs=("d_model", "d_inner", "nheads", "n_groups", "conv_dim", "dt_limit",
+                "weight_format", "numeric_mode"),
+         params={"weights", "numeric_mode", "dt_limit", "n_groups"}, reports=("h_last_",),
          buffers=("buffer_xbc", "buffer_dtraw"), unread=(), inert=(),
          position="buffered_tokens", ulp_moves=(), batch_words=lambda name, rows: f"{name} {rows}"),
     dict(kind=3, maker=mamba3_weights, d=64, chunk=64, norm="block_norm.weight", small_d=32,
@@ -160,6 +160,13 @@ CASES = [Case(f"Mamba{k['kind']}{suffix}", **k) for k in _KINDS
 # Falcon-Mamba: Mamba-1 with the weightless norms of dt, B and C (its own
 # kernel stage and backward stage), through every contract.
 CASES[2:2] = [Case(f"Mamba1{suffix}", options={"bcdt_rms_eps": 1e-6}, **_KINDS[0])
+              for suffix in ("Block", "BlockInference")]
+# Mamba-2 with two groups of B and C (Mamba-Codestral has eight): d 128, so
+# heads 0, 1 read group 0 and heads 2, 3 group 1, and the gated norm runs
+# per group.
+CASES[6:6] = [Case(f"Mamba2{suffix}", options={"n_groups": 2},
+                   **dict(_KINDS[1], d=128, small_d=64,
+                          maker=functools.partial(mamba2_weights, n_groups=2)))
               for suffix in ("Block", "BlockInference")]
 
 

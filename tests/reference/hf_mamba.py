@@ -343,40 +343,41 @@ def _check_dt_limit(dt_limit):
     return lo, hi
 
 
-def _mamba2_config(d: int, dt_limit, residual_in_fp32: bool) -> Mamba2Config:
+def _mamba2_config(d: int, dt_limit, residual_in_fp32: bool, n_groups: int = 1) -> Mamba2Config:
     return Mamba2Config(
-        hidden_size=d, num_heads=(2 * d) // 64, head_dim=64, state_size=128, n_groups=1, expand=2,
+        hidden_size=d, num_heads=(2 * d) // 64, head_dim=64, state_size=128, n_groups=n_groups,
+        expand=2,
         conv_kernel=4, chunk_size=256, use_bias=False, use_conv_bias=True, hidden_act="silu",
         layer_norm_epsilon=1e-5, norm_before_gate=False, rms_norm=True,
         time_step_limit=tuple(dt_limit), residual_in_fp32=residual_in_fp32, num_hidden_layers=1)
 
 
-def _mamba2_block(weights: dict, dt_limit, residual_in_fp32: bool):
+def _mamba2_block(weights: dict, dt_limit, residual_in_fp32: bool, n_groups: int = 1):
     names = ("block_norm.weight", "norm.weight") + _M2_MIXER_NAMES
     _check_names(weights, names)
     d = int(np.asarray(weights["block_norm.weight"]).shape[0])
     if d < 32 or d % 32:
         raise ValueError(f"Mamba-2 needs d_model a multiple of 32, got {d}")
     di = 2 * d
-    H, CD = di // 64, di + 256
-    shapes = {"in_proj.weight": (2 * di + 256 + H, d), "conv1d.bias": (CD,), "dt_bias": (H,),
+    H, CD = di // 64, di + 256 * n_groups
+    shapes = {"in_proj.weight": (di + CD + H, d), "conv1d.bias": (CD,), "dt_bias": (H,),
               "A_log": (H,), "D": (H,), "out_proj.weight": (d, di)}
     state = {f"mixer.{k}": _as64(weights[k], k, s) for k, s in shapes.items()}
     state["mixer.conv1d.weight"] = _conv_weight(weights["conv1d.weight"], CD)
     state["norm.weight"] = _as64(weights["block_norm.weight"], "block_norm.weight", (d,))
     state["mixer.norm.weight"] = _as64(weights["norm.weight"], "norm.weight", (di,))
-    cfg = _mamba2_config(d, dt_limit, residual_in_fp32)
+    cfg = _mamba2_config(d, dt_limit, residual_in_fp32, n_groups)
     block = build(_hf_m2.Mamba2Block, cfg, layer_idx=0, seed=0).to(torch.float64).eval()
     block.load_state_dict(state, strict=True)
     for p in block.parameters():
         assert p.dtype == torch.float64
-    assert block.mixer.chunk_size == 256 and block.mixer.n_groups == 1
-    assert block.mixer.norm.group_size == di
+    assert block.mixer.chunk_size == 256 and block.mixer.n_groups == n_groups
+    assert block.mixer.norm.group_size == di // n_groups
     return block, cfg, d, di, H
 
 
 def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf), *,
-                     _neutralise: bool = True):
+                     n_groups: int = 1, _neutralise: bool = True):
     """transformers' ``Mamba2Block.forward`` (torch_forward path) in verified float64.
 
     Parameters
@@ -391,6 +392,9 @@ def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf),
         Initial SSM states (zeros if None). The conv window always starts at zeros.
     dt_limit : (lo, hi)
         transformers' ``time_step_limit``: dt = clamp(softplus(dtraw + dt_bias), lo, hi).
+    n_groups : int
+        transformers' ``n_groups`` (groups of B and C; the gated norm's group size is
+        d_inner / n_groups).
 
     Returns
     -------
@@ -412,7 +416,8 @@ def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf),
     """
     lo, hi = _check_dt_limit(dt_limit)
     neutral = bool(_neutralise)
-    block, cfg, d, di, H = _mamba2_block(weights, (lo, hi), residual_in_fp32=not neutral)
+    block, cfg, d, di, H = _mamba2_block(weights, (lo, hi), residual_in_fp32=not neutral,
+                                         n_groups=n_groups)
     x64 = _x64(x, d)
     B, L, _ = x64.shape
     h0 = _as64(initial_h, "initial_h", (B, H, 64, 128)) if initial_h is not None else None

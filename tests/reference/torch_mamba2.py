@@ -31,14 +31,17 @@ def _rms(v, w):
     return w * (v * torch.rsqrt((v * v).mean(-1, keepdim=True) + 1e-5))
 
 
-def forward(W: dict, x, st: dict, s: int, dt_limit=(0.0, float("inf"))):
+def forward(W: dict, x, st: dict, s: int, dt_limit=(0.0, float("inf")), n_groups=1):
     """(y (B, L, d), final state {name: tensor}; the buffers hold only the
     final state's rows, (B, rows, ...)) of the block from state st (float64
-    tensors in the Mamba2State layouts) with s buffered rows."""
+    tensors in the Mamba2State layouts) with s buffered rows; n_groups
+    groups of B and C (head h reads group h // (H / n_groups); the gated
+    norm runs per group)."""
     b, l, d = x.shape
     di = 2 * d
-    H, P, N = di // 64, 64, 128
-    cd = di + 2 * N
+    H, P, N, G = di // 64, 64, 128, n_groups
+    cd = di + 2 * G * N
+    hg = torch.arange(H) // (H // G)
     lo, hi = dt_limit
     conv_w = W["conv1d.weight"].reshape(cd, 4)
     a = -torch.exp(W["A_log"])
@@ -49,9 +52,9 @@ def forward(W: dict, x, st: dict, s: int, dt_limit=(0.0, float("inf"))):
     def scan(xbc, dtraw, h):
         dt = torch.clamp(F.softplus(dtraw + W["dt_bias"]), lo, hi)     # (B, H)
         xv = xbc[:, :di].reshape(b, H, P)
-        bt = xbc[:, di:di + N]
+        bt = xbc[:, di:di + G * N].reshape(b, G, N)[:, hg]               # (B, H, N)
         return (torch.exp(dt * a)[:, :, None, None] * h
-                + (dt[:, :, None] * xv)[:, :, :, None] * bt[:, None, None, :])
+                + (dt[:, :, None] * xv)[:, :, :, None] * bt[:, :, None, :])
 
     for j in range(s):
         xbc, dtraw = st["buffer_xbc"][:, j], st["buffer_dtraw"][:, j]
@@ -66,9 +69,10 @@ def forward(W: dict, x, st: dict, s: int, dt_limit=(0.0, float("inf"))):
         win = torch.cat([win[:, :, 1:], raw[:, :, None]], dim=2)
         xbc = F.silu((win * conv_w).sum(2) + W["conv1d.bias"])
         h = scan(xbc, dtraw, h)
-        y = (torch.einsum("bhpn,bn->bhp", h, xbc[:, di + N:])
+        y = (torch.einsum("bhpn,bhn->bhp", h, xbc[:, di + G * N:].reshape(b, G, N)[:, hg])
              + W["D"][None, :, None] * xbc[:, :di].reshape(b, H, P))
-        g = _rms(y.reshape(b, di) * F.silu(z), W["norm.weight"])
+        yg = (y.reshape(b, di) * F.silu(z)).reshape(b, G, di // G)
+        g = _rms(yg, W["norm.weight"].reshape(G, di // G)).reshape(b, di)
         ys.append(xt + g @ W["out_proj.weight"].T)
         rows.append((xbc, dtraw))
         if len(rows) == CHUNK:  # the chunk is complete: folded into h
@@ -79,9 +83,9 @@ def forward(W: dict, x, st: dict, s: int, dt_limit=(0.0, float("inf"))):
     return torch.stack(ys, dim=1), final
 
 
-def state_grads(weights, x, g, *state_and_cot, s, dt_limit=(0.0, float("inf"))):
+def state_grads(weights, x, g, *state_and_cot, s, dt_limit=(0.0, float("inf")), n_groups=1):
     """float64 autograd of sum(y g) + <cot, final state> (buffer rows past
     the final buffered_tokens carry no cotangent): {name: ndarray} for x,
     every weight and 'state.<name>'."""
-    return state_vjp(lambda W, xt, st: forward(W, xt, st, s, dt_limit), weights, x, g, STATE,
-                     state_and_cot[:len(STATE)], state_and_cot[len(STATE):])
+    return state_vjp(lambda W, xt, st: forward(W, xt, st, s, dt_limit, n_groups), weights, x, g,
+                     STATE, state_and_cot[:len(STATE)], state_and_cot[len(STATE):])

@@ -203,9 +203,12 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
         _ssd_fwd(bw, work, blob, c, task // dims.nh, task % dims.nh, task)
     elif stage == S_GNORM:
         var r0 = task * ROWS_PER_TASK
+        var gs = dims.gs
         for r in range(r0, min(rows, r0 + ROWS_PER_TASK)):
-            rmsnorm_row(work.unsafe_offset(bw.o_yg + r * di), di,
-                        blob.unsafe_offset(dims.o_gnorm), work.unsafe_offset(bw.o_g + r * di))
+            for g in range(dims.ng):  # one norm per B/C group's channels
+                var o = r * di + g * gs
+                rmsnorm_row(work.unsafe_offset(bw.o_yg + o), gs,
+                            blob.unsafe_offset(dims.o_gnorm + g * gs), work.unsafe_offset(bw.o_g + o))
     elif stage == S_OUT:
         var n1 = matmul_ntasks(rows, di)
         if task < n1:  # dg[r, k] = sum_o gout[r, o] W_out[o, k]
@@ -253,37 +256,42 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
 
 
 def _gate_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
-    """Gated RMSNorm VJP (g = w * (yg * r)): per row gx_j = dg_j w_j;
-    dot = fma chain over j of gx_j yg_j; coef = (dot * ((r * r) * r)) / di;
-    dyg_j = fma(-yg_j, coef, r * gx_j); pgn_j = dg_j * (yg_j * r). Then
-    dy = dyg * silu(z), dz = (dyg * y) * silu'(z)."""
+    """Gated RMSNorm VJP (g = w * (yg * r)), per B/C group's gs channels
+    (all of d_inner for one group): per row and group gx_j = dg_j w_j;
+    dot = fma chain over the group's j of gx_j yg_j; coef = (dot * ((r * r)
+    * r)) / gs; dyg_j = fma(-yg_j, coef, r * gx_j); pgn_j = dg_j * (yg_j *
+    r). Then dy = dyg * silu(z), dz = (dyg * y) * silu'(z)."""
     var dims = bw.dims
     var di = dims.di
+    var gs = dims.gs
     var npj = dims.npj
     var rows = bw.b * bw.nt(c)
-    var w = blob.unsafe_offset(dims.o_gnorm)
     var r0 = task * ROWS_PER_TASK
     for r in range(r0, min(rows, r0 + ROWS_PER_TASK)):
-        var v = work.unsafe_offset(bw.o_yg + r * di)
-        var dg = work.unsafe_offset(bw.o_dg + r * di)
-        var rs = rms_scale(v, di)
-        var dot: Float32 = 0.0
-        for j in range(di):
-            var gx = dg[unsafe_offset=j] * w[unsafe_offset=j]
-            dot = gx.fma(v[unsafe_offset=j], dot)
-        var coef = (dot * ((rs * rs) * rs)) / Float32(di)
-        var j = 0
-        while j < di:
-            var vj = v.unsafe_load[width=LANES](j)
-            var gj = dg.unsafe_load[width=LANES](j)
-            var gx = gj * w.unsafe_load[width=LANES](j)
-            var dyg = (-vj).fma(LV(coef), LV(rs) * gx)
-            work.unsafe_store(bw.o_pgn + r * di + j, gj * (vj * LV(rs)))
-            var z = work.unsafe_load[width=LANES](bw.o_zx + r * npj + j)
-            var y = work.unsafe_load[width=LANES](bw.o_y + r * di + j)
-            work.unsafe_store(bw.o_dy + r * di + j, dyg * silu_f32[LANES](z))
-            work.unsafe_store(bw.o_dzx + r * npj + j, (dyg * y) * silu_grad_f32[LANES](z))
-            j += LANES
+        for g in range(dims.ng):
+            var o = r * di + g * gs
+            var w = blob.unsafe_offset(dims.o_gnorm + g * gs)
+            var v = work.unsafe_offset(bw.o_yg + o)
+            var dg = work.unsafe_offset(bw.o_dg + o)
+            var rs = rms_scale(v, gs)
+            var dot: Float32 = 0.0
+            for j in range(gs):
+                var gx = dg[unsafe_offset=j] * w[unsafe_offset=j]
+                dot = gx.fma(v[unsafe_offset=j], dot)
+            var coef = (dot * ((rs * rs) * rs)) / Float32(gs)
+            var j = 0
+            while j < gs:
+                var vj = v.unsafe_load[width=LANES](j)
+                var gj = dg.unsafe_load[width=LANES](j)
+                var gx = gj * w.unsafe_load[width=LANES](j)
+                var dyg = (-vj).fma(LV(coef), LV(rs) * gx)
+                work.unsafe_store(bw.o_pgn + o + j, gj * (vj * LV(rs)))
+                var zo = r * npj + g * gs + j
+                var z = work.unsafe_load[width=LANES](bw.o_zx + zo)
+                var y = work.unsafe_load[width=LANES](bw.o_y + o + j)
+                work.unsafe_store(bw.o_dy + o + j, dyg * silu_f32[LANES](z))
+                work.unsafe_store(bw.o_dzx + zo, (dyg * y) * silu_grad_f32[LANES](z))
+                j += LANES
 
 
 def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):

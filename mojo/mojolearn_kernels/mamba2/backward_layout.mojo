@@ -9,7 +9,7 @@ from ..weight_panels import blob_formats
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale
 from ..numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
-from .layout import P, N, Q, KCONV, M2Dims
+from .layout import P, N, Q, KCONV, M2Dims, blob_ngroups
 from .ssd import seg_row
 
 # OP_M2_BACKWARD argument slots.
@@ -112,8 +112,8 @@ struct BW2(ImplicitlyCopyable):
     var o_pdtb: Int  # per (row, head, token) terms of d dt_bias, d A, d D
     var o_pa: Int
     var o_pd: Int
-    var o_cb: Int  # (B, Q, Q)
-    var o_dcb: Int  # (B, Q, Q)
+    var o_cb: Int  # (ng, B, Q, Q): per B/C group
+    var o_dcb: Int  # (ng, B, Q, Q)
     var o_y: Int  # (rows, di)
     var o_yg: Int
     var o_g: Int
@@ -129,7 +129,7 @@ struct BW2(ImplicitlyCopyable):
     var floats: Int
 
     def __init__(out self, args: I64Ptr):
-        self.dims = M2Dims(arg_int(args, BW_D))
+        self.dims = M2Dims(arg_int(args, BW_D), ng=blob_ngroups(arg_f32(args, BW_BLOB)))
         self.b = arg_int(args, BW_B)
         self.l = arg_int(args, BW_L)
         self.n0 = arg_int(args, BW_N0)
@@ -185,9 +185,9 @@ struct BW2(ImplicitlyCopyable):
         self.o_pd = o
         o += hq
         self.o_cb = o
-        o += round_up(b * Q * Q, ALIGN_FLOATS)
+        o += round_up(self.dims.ng * b * Q * Q, ALIGN_FLOATS)
         self.o_dcb = o
-        o += round_up(b * Q * Q, ALIGN_FLOATS)
+        o += round_up(self.dims.ng * b * Q * Q, ALIGN_FLOATS)
         var rdi = round_up(rows * di, ALIGN_FLOATS)
         self.o_y = o
         o += rdi
@@ -246,6 +246,10 @@ struct BW2(ImplicitlyCopyable):
     def pad(self, bb: Int, t: Int) -> Bool:
         """Is token t of row bb padding (ragged rows)?"""
         return self.lens != 0 and t >= Int(I64Ptr(unsafe_from_address=self.lens)[unsafe_offset=bb])
+
+    def qq(self, g: Int, bb: Int) -> Int:
+        """Offset of group g's (Q, Q) block of row bb in o_cb / o_dcb."""
+        return (g * self.b + bb) * Q * Q
 
     def hq(self, bb: Int, hh: Int) -> Int:
         """Offset of row bb, head hh in a (B, H, Q) array."""

@@ -133,21 +133,23 @@ def _cx(bw: BW2, work: F32Ptr, bb: Int, nc: Int, j: Int) -> F32Ptr:
 
 
 @always_inline
-def _xrows(bw: BW2, work: F32Ptr, bb: Int, nc: Int) -> XRows:
-    """Row bb's xBC rows of the chunk, for ssd.mojo's functions."""
+def _xrows(bw: BW2, work: F32Ptr, bb: Int, nc: Int, g: Int) -> XRows:
+    """Row bb's xBC rows of the chunk (B and C of group g), for ssd.mojo's
+    functions."""
     var rows = _cx(bw, work, bb, nc, 0)
-    return XRows(rows, 0, rows, 0, bw.dims.cd)
+    return XRows(rows, 0, rows, 0, bw.dims, g)
 
 
 def _cb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
-    """CB_ij for the task's token rows i, j <= i (ssd.cb_row_direct;
-    state rows have no output, so no CB row)."""
-    var di = bw.dims.di
+    """CB_ij of every B/C group for the task's token rows i, j <= i
+    (ssd.cb_row_direct; state rows have no output, so no CB row)."""
     var nc = bw.nc(c)
-    var xr = _xrows(bw, work, bb, nc)
-    var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
-    for i in range(max(bw.s0(c), rb * ROWS_PER_TASK), min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-        cb_row_direct(xr, di, i, xr.row(i).unsafe_offset(di + N), cb.unsafe_offset(i * Q))
+    for g in range(bw.dims.ng):
+        var xr = _xrows(bw, work, bb, nc, g)
+        var cb = work.unsafe_offset(bw.o_cb + bw.qq(g, bb))
+        for i in range(max(bw.s0(c), rb * ROWS_PER_TASK),
+                       min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+            cb_row_direct(xr, i, xr.row(i).unsafe_offset(xr.co), cb.unsafe_offset(i * Q))
 
 
 def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task: Int):
@@ -164,13 +166,14 @@ def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task
     for p in range(P):
         for n in range(N):
             ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
-    var xr = _xrows(bw, work, bb, nc)
+    var g = dims.group(hh)
+    var xr = _xrows(bw, work, bb, nc, g)
     var dskip = LV(blob[unsafe_offset=dims.o_dskip + hh])
     var r = bb * nt  # token rows from s0 (state rows have no output)
     var o = r * di + hh * P
     ssd_rows[True](xr, di, hh, s0, nc, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
                    work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)),
-                   work.unsafe_offset(bw.o_cb + (bb * Q + s0) * Q), ht, dskip,
+                   work.unsafe_offset(bw.o_cb + bw.qq(g, bb) + s0 * Q), ht, dskip,
                    work.unsafe_offset(bw.o_zx + r * dims.npj + hh * P), dims.npj,
                    work.unsafe_offset(bw.o_yg + o), work.unsafe_offset(bw.o_y + o),
                    scr.unsafe_offset(2 * Q + N * P))
@@ -183,7 +186,7 @@ def _fold(args: I64Ptr, bw: BW2, c: Int, bb: Int, hh: Int):
     var work = arg_f32(args, BW_WORK)
     var nc = bw.nc(c)
     var scr = work.unsafe_offset(bw.o_scr + (bb * dims.nh + hh) * SCR)
-    fold_chunk(_xrows(bw, work, bb, nc), dims.di, hh, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
+    fold_chunk(_xrows(bw, work, bb, nc, dims.group(hh)), dims.di, hh, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
                work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)), nc,
                work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N),
                work.unsafe_offset(bw.o_ckh + (((c + 1) * bw.b + bb) * dims.nh + hh) * P * N),

@@ -79,7 +79,10 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
     var h0 = work.unsafe_offset(bw.o_ckh + c * hs + off_h)
     var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + off_h)
     var dhout = work.unsafe_offset(bw.o_dh + ((c + 1) % 2) * hs + off_h)
-    var cb = work.unsafe_offset(bw.o_cb + bb * Q * Q)
+    var g = dims.group(hh)
+    var bcol = dims.bcol(g)
+    var ccol = dims.ccol(g)
+    var cb = work.unsafe_offset(bw.o_cb + bw.qq(g, bb))
     var o = bw.hq(bb, hh)
     var dts = work.unsafe_offset(bw.o_dt + o)
     var da = work.unsafe_offset(bw.o_da + o)
@@ -132,7 +135,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             ddt[unsafe_offset=j] = wrow[unsafe_offset=j].fma(g, ddt[unsafe_offset=j])
             trow[unsafe_offset=j] = uj * g
         # Yoff: yo[p] = C_i . h0[p]; T_i,-1 = e_i * (dy_i . yo)
-        var crow = _cx(bw, work, bb, nc, i).unsafe_offset(di + N)
+        var crow = _cx(bw, work, bb, nc, i).unsafe_offset(ccol)
         var yov = Array[LV, 4](fill=LV(0.0))
         for n in range(N):
             var cn = LV(crow[unsafe_offset=n])
@@ -168,7 +171,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             var eld = el * dts[unsafe_offset=j]
             work[unsafe_offset=bw.o_elast + o + j] = eld
             var row = _cx(bw, work, bb, nc, j)
-            var br = row.unsafe_offset(di)
+            var br = row.unsafe_offset(bcol)
             var qv = Array[LV, 4](fill=LV(0.0))
             for n in range(N):
                 var bn = LV(br[unsafe_offset=n])
@@ -246,38 +249,41 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
 
 
 def dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
-    """dCB_ij = + chain over heads ascending (from +0.0) of
-    (G_ij * exp(S_i(j))) * dt_j, G_ij = _dot_tree(dy_i, x_j)."""
+    """For each B/C group g: dCB_ij = + chain over the group's heads
+    ascending (from +0.0) of (G_ij * exp(S_i(j))) * dt_j, G_ij =
+    _dot_tree(dy_i, x_j)."""
     var dims = bw.dims
     var di = dims.di
     var nc = bw.nc(c)
     var s0 = bw.s0(c)
     var seg = work.unsafe_offset(bw.o_scr2 + t * Q)
-    var dcb = work.unsafe_offset(bw.o_dcb + bb * Q * Q)
     # token rows i only (a state row has no output: its dCB row is zero)
-    for i in range(max(s0, rb * ROWS_PER_TASK), min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-        var r = bb * bw.nt(c) + i - s0
-        for j in range(i + 1):
-            dcb[unsafe_offset=i * Q + j] = 0.0
-        for hh in range(dims.nh):
-            var o = bw.hq(bb, hh)
-            _ = seg_row(work.unsafe_offset(bw.o_da + o), i, seg)
-            var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
+    for g in range(dims.ng):
+        var dcb = work.unsafe_offset(bw.o_dcb + bw.qq(g, bb))
+        for i in range(max(s0, rb * ROWS_PER_TASK), min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+            var r = bb * bw.nt(c) + i - s0
             for j in range(i + 1):
-                var g = _dot_tree(dyp, _cx(bw, work, bb, nc, j).unsafe_offset(hh * P))
-                var e = exp_f32[1](seg[unsafe_offset=j])
-                dcb[unsafe_offset=i * Q + j] = dcb[unsafe_offset=i * Q + j] + (
-                    (g * e) * work[unsafe_offset=bw.o_dt + o + j])
+                dcb[unsafe_offset=i * Q + j] = 0.0
+            for hh in range(g * dims.hpg, (g + 1) * dims.hpg):
+                var o = bw.hq(bb, hh)
+                _ = seg_row(work.unsafe_offset(bw.o_da + o), i, seg)
+                var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
+                for j in range(i + 1):
+                    var gij = _dot_tree(dyp, _cx(bw, work, bb, nc, j).unsafe_offset(hh * P))
+                    var e = exp_f32[1](seg[unsafe_offset=j])
+                    dcb[unsafe_offset=i * Q + j] = dcb[unsafe_offset=i * Q + j] + (
+                        (gij * e) * work[unsafe_offset=bw.o_dt + o + j])
 
 
 def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
-    """dC_i[n] = fma chain over j = 0..i of dCB_ij B_j[n], then for heads
-    ascending fma(e_i, t[n], .) with t[n] = fma chain over p of
-    dy_i[p] h0[p][n]. dB_j[n] = fma chain over i = j..n-1 of dCB_ij C_i[n],
-    then (when dh_end may be nonzero) for heads ascending fma(el_j dt_j,
-    t[n], .) with t[n] = fma chain over p of x_j[p] dh_end[p][n]. A state row has
-    no output: its dC is +0.0 and its dB sums over the token rows i2 only;
-    the h_end terms run as in ssd_head_backward."""
+    """For each B/C group g (its heads h): dC_i[n] = fma chain over j =
+    0..i of dCB_ij B_j[n], then for the heads ascending fma(e_i, t[n], .)
+    with t[n] = fma chain over p of dy_i[p] h0[p][n]. dB_j[n] = fma chain
+    over i = j..n-1 of dCB_ij C_i[n], then (when dh_end may be nonzero) for
+    the heads ascending fma(el_j dt_j, t[n], .) with t[n] = fma chain over
+    p of x_j[p] dh_end[p][n]. A state row has no output: its dC is +0.0 and
+    its dB sums over the token rows i2 only; the h_end terms run as in
+    ssd_head_backward."""
     comptime NV = N // LANES
     var dims = bw.dims
     var di = dims.di
@@ -288,47 +294,52 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
     var last = c == bw.nch - 1
     var fold_terms = not last or (bw.has(args, BW_C_H) and not bw.last_open(c))
     var hs = bw.b * nh * P * N
-    var dcb = work.unsafe_offset(bw.o_dcb + bb * Q * Q)
-    for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-        var r = bb * nc + i  # (scan row)
-        var row = _cx(bw, work, bb, nc, i)
-        var acc = Array[LV, NV](fill=LV(0.0))  # dC_i (+0.0 for a state row)
-        if i >= s0:
-            for j in range(i + 1):
-                var s = LV(dcb[unsafe_offset=i * Q + j])
-                var br = _cx(bw, work, bb, nc, j).unsafe_offset(di)
-                comptime for q in range(NV):
-                    acc[q] = s.fma(br.unsafe_load[width=LANES](q * LANES), acc[q])
-            for hh in range(nh):
-                var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
-                var dyp = work.unsafe_offset(bw.o_dy + (bb * bw.nt(c) + i - s0) * di + hh * P)
-                var t = Array[LV, NV](fill=LV(0.0))
-                for p in range(P):
-                    var dp = LV(dyp[unsafe_offset=p])
+    for g in range(dims.ng):
+        var dcb = work.unsafe_offset(bw.o_dcb + bw.qq(g, bb))
+        var bcol = dims.bcol(g)
+        var ccol = dims.ccol(g)
+        var h_lo = g * dims.hpg
+        var h_hi = h_lo + dims.hpg
+        for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+            var r = bb * nc + i  # (scan row)
+            var row = _cx(bw, work, bb, nc, i)
+            var acc = Array[LV, NV](fill=LV(0.0))  # dC_i (+0.0 for a state row)
+            if i >= s0:
+                for j in range(i + 1):
+                    var s = LV(dcb[unsafe_offset=i * Q + j])
+                    var br = _cx(bw, work, bb, nc, j).unsafe_offset(bcol)
                     comptime for q in range(NV):
-                        t[q] = dp.fma(h0.unsafe_load[width=LANES](p * N + q * LANES), t[q])
-                var eo = LV(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i])
-                comptime for q in range(NV):
-                    acc[q] = eo.fma(t[q], acc[q])
-        comptime for q in range(NV):
-            work.unsafe_store(bw.o_dcx + r * cd + di + N + q * LANES, acc[q])
-        var bacc = Array[LV, NV](fill=LV(0.0))
-        for i2 in range(max(i, s0), nc):
-            var s = LV(dcb[unsafe_offset=i2 * Q + i])
-            var cr = _cx(bw, work, bb, nc, i2).unsafe_offset(di + N)
+                        acc[q] = s.fma(br.unsafe_load[width=LANES](q * LANES), acc[q])
+                for hh in range(h_lo, h_hi):
+                    var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
+                    var dyp = work.unsafe_offset(bw.o_dy + (bb * bw.nt(c) + i - s0) * di + hh * P)
+                    var t = Array[LV, NV](fill=LV(0.0))
+                    for p in range(P):
+                        var dp = LV(dyp[unsafe_offset=p])
+                        comptime for q in range(NV):
+                            t[q] = dp.fma(h0.unsafe_load[width=LANES](p * N + q * LANES), t[q])
+                    var eo = LV(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i])
+                    comptime for q in range(NV):
+                        acc[q] = eo.fma(t[q], acc[q])
             comptime for q in range(NV):
-                bacc[q] = s.fma(cr.unsafe_load[width=LANES](q * LANES), bacc[q])
-        if fold_terms:
-            for hh in range(nh):
-                var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + (bb * nh + hh) * P * N)
-                var xp = row.unsafe_offset(hh * P)
-                var t = Array[LV, NV](fill=LV(0.0))
-                for p in range(P):
-                    var xv = LV(xp[unsafe_offset=p])
-                    comptime for q in range(NV):
-                        t[q] = xv.fma(dhe.unsafe_load[width=LANES](p * N + q * LANES), t[q])
-                var el = LV(work[unsafe_offset=bw.o_elast + bw.hq(bb, hh) + i])
+                work.unsafe_store(bw.o_dcx + r * cd + ccol + q * LANES, acc[q])
+            var bacc = Array[LV, NV](fill=LV(0.0))
+            for i2 in range(max(i, s0), nc):
+                var s = LV(dcb[unsafe_offset=i2 * Q + i])
+                var cr = _cx(bw, work, bb, nc, i2).unsafe_offset(ccol)
                 comptime for q in range(NV):
-                    bacc[q] = el.fma(t[q], bacc[q])
-        comptime for q in range(NV):
-            work.unsafe_store(bw.o_dcx + r * cd + di + q * LANES, bacc[q])
+                    bacc[q] = s.fma(cr.unsafe_load[width=LANES](q * LANES), bacc[q])
+            if fold_terms:
+                for hh in range(h_lo, h_hi):
+                    var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + (bb * nh + hh) * P * N)
+                    var xp = row.unsafe_offset(hh * P)
+                    var t = Array[LV, NV](fill=LV(0.0))
+                    for p in range(P):
+                        var xv = LV(xp[unsafe_offset=p])
+                        comptime for q in range(NV):
+                            t[q] = xv.fma(dhe.unsafe_load[width=LANES](p * N + q * LANES), t[q])
+                    var el = LV(work[unsafe_offset=bw.o_elast + bw.hq(bb, hh) + i])
+                    comptime for q in range(NV):
+                        bacc[q] = el.fma(t[q], bacc[q])
+            comptime for q in range(NV):
+                work.unsafe_store(bw.o_dcx + r * cd + bcol + q * LANES, bacc[q])

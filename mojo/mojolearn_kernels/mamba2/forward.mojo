@@ -37,7 +37,7 @@ from std.memory import bitcast
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    pack_weight_panels, set_blob_formats, set_blob_section, valid_formats,
+    pack_weight_panels, set_blob_formats, set_blob_section, set_blob_option, valid_formats,
 )
 from ..norms import rmsnorm_row
 from ..conv import causal_conv_silu
@@ -47,7 +47,7 @@ from .layout import (
     P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
     PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
     PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
-    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN, SEC_IN, SEC_OUT, NPROJ,
+    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN, PREP_NGROUPS, SEC_IN, SEC_OUT, NPROJ,
     ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
     M2Dims, M2Call, M2Group, FWD_ROW_S,
 )
@@ -61,12 +61,20 @@ def _f32_bits(v: Int) -> Float32:
     return bitcast[DType.float32, 1](Int32(v))
 
 
+def _prep_dims(args: I64Ptr) -> M2Dims:
+    return M2Dims(arg_int(args, PREP_D), arg_int(args, PREP_WFMT), arg_int(args, PREP_NGROUPS))
+
+
 def m2_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     var wfs = arg_int(args, PREP_WFMT)
     if not valid_formats(wfs, NPROJ):
         return -3
+    var ng = arg_int(args, PREP_NGROUPS)
+    var nh = 2 * arg_int(args, PREP_D) // P
+    if ng < 0 or (ng > 1 and nh % ng != 0):
+        return -3  # heads split evenly over the groups
     if phase == PLAN_WORKSPACE:
-        return M2Dims(arg_int(args, PREP_D), wfs).blob * 4
+        return _prep_dims(args).blob * 4
     if phase == 0:
         return 4
     return PHASE_END
@@ -74,7 +82,7 @@ def m2_prepare_plan(args: I64Ptr, phase: Int) -> Int:
 
 def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var wfs = arg_int(args, PREP_WFMT)
-    var dims = M2Dims(arg_int(args, PREP_D), wfs)
+    var dims = _prep_dims(args)
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     if task == 0:
@@ -92,6 +100,7 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
         set_blob_formats(blob, wfs)
         set_blob_section(blob, SEC_IN, dims.o_in)
         set_blob_section(blob, SEC_OUT, dims.o_out)
+        set_blob_option(blob, arg_int(args, PREP_NGROUPS))
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
@@ -132,7 +141,7 @@ def m2_forward_plan(args: I64Ptr, phase: Int) -> Int:
     if stage == ST_INPROJ:
         return matmul_ntasks(rows, dims.npj)
     if stage == ST_CONV:
-        return dims.nh + 4
+        return dims.cd // P  # 64-channel blocks: nh + 4 ng
     if stage == ST_CB:
         return wk.b * ceil_div(gp.gn, CB_ROWS_PER_TASK)
     if stage == ST_SSD:
@@ -200,7 +209,10 @@ def _norm_rows(cl: M2Call, gp: M2Group, task: Int):
 
 
 def _gnorm_rows(cl: M2Call, gp: M2Group, task: Int):
+    """The gated RMSNorm of the group's rows, over each B/C group's gs
+    channels of d_inner on its own (one norm over d_inner for one group)."""
     var di = cl.dims.di
+    var gs = cl.dims.gs
     var gn = gp.gn
     var yg = cl.work.unsafe_offset(cl.wk.o_yg)
     var w = cl.blob.unsafe_offset(cl.dims.o_gnorm)
@@ -210,8 +222,9 @@ def _gnorm_rows(cl: M2Call, gp: M2Group, task: Int):
         var bb = r // gn
         var t = gp.t0 + r % gn
         if not _is_pad(cl, bb, t):  # padding rows stay +0.0
-            var row = yg.unsafe_offset(r * di)
-            rmsnorm_row(row, di, w, row)
+            for g in range(cl.dims.ng):
+                var row = yg.unsafe_offset(r * di + g * gs)
+                rmsnorm_row(row, gs, w.unsafe_offset(g * gs), row)
 
 
 def _residual(cl: M2Call, gp: M2Group, r0: Int, r1: Int, c0: Int, c1: Int):
@@ -270,9 +283,9 @@ def _conv_task(cl: M2Call, gp: M2Group, task: Int):
                 draw[unsafe_offset=rg.i0 + rg.gs + r] = work[
                     unsafe_offset=wk.o_zx + (bb * gn + r) * dims.npj + di + cd + hh]
             dt_rows(cl, rg.c, bb, hh, rg.lo, rg.hi, cl.dt_cached(rg))
-        elif task < nh + 2 and rg.nnew > DIRECT_CB_MAX:
-            var n0 = (task - nh) * P
-            var bt = work.unsafe_offset(wk.o_bt + bb * N * Q)
+        elif task < nh + 2 * dims.ng and rg.nnew > DIRECT_CB_MAX:
+            var n0 = (task - nh) * P  # over the ng N B columns, group-major
+            var bt = work.unsafe_offset(wk.o_bt + bb * dims.ng * N * Q)
             for i in range(rg.lo, rg.hi):
                 var br = cl.xbc_row(bb, rg.c, i).unsafe_offset(di)
                 for n in range(n0, n0 + P):

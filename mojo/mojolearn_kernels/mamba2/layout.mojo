@@ -5,7 +5,7 @@ from ..abi import (
     F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
 )
 from ..linear import packed_floats
-from ..weight_panels import blob_formats, section_format, ALL_F32
+from ..weight_panels import blob_formats, section_format, blob_option_int, ALL_F32
 
 comptime P = 64  # head dim
 comptime N = 128  # state size
@@ -32,6 +32,9 @@ comptime PREP_WFMT = 13  # projection formats word (weight_panels.mojo); 0: all 
 comptime PREP_IN_EXP = 14  # int8: int32 exponents, one per row
 comptime PREP_OUT_EXP = 15
 comptime PREP_A_GIVEN = 16  # 1: the A_log slot holds A itself (GGUF's -exp(A_log)), copied
+# n_groups of B and C (0 reads as 1); recorded in the blob header's option
+# word, so every op on the blob sees the same value.
+comptime PREP_NGROUPS = 17
 
 # The projections' sections (blob header words, formats word nibbles), in
 # the order of the *_EXP slots.
@@ -92,7 +95,7 @@ comptime TILE_SCR = TR * (2 * Q + 2 * P)
 comptime SCR = 2 * Q + N * P + TILE_SCR
 # Decode session cache, per batch row: for each head a marker float and h
 # transposed (N, P); then a count float and the open chunk's B rows
-# transposed (N, Q); then for each head a count float and the dt and dA rows
+# transposed (ng N, Q); then for each head a count float and the dt and dA rows
 # of the open chunk (Q each); then for each head a count float and the open
 # chunk's x rows of that head (Q rows of P). Copies of state values only (or
 # of values computed from them by the same functions), laid out so one-token
@@ -110,8 +113,13 @@ comptime CACHE_DT = CACHE_HDR + 2 * Q
 comptime CACHE_X = CACHE_HDR + Q * P
 
 
-def cache_floats_per_row(nh: Int) -> Int:
-    return nh * CACHE_HEAD + CACHE_HDR + N * Q + nh * CACHE_DT + nh * CACHE_X
+def cache_floats_per_row(nh: Int, ng: Int) -> Int:
+    return nh * CACHE_HEAD + CACHE_HDR + ng * N * Q + nh * CACHE_DT + nh * CACHE_X
+
+
+def blob_ngroups(blob: F32Ptr) -> Int:
+    """n_groups a prepare op recorded in blob (1 for none or a null blob)."""
+    return max(1, blob_option_int(blob))
 
 
 struct M2Dims(ImplicitlyCopyable):
@@ -119,7 +127,10 @@ struct M2Dims(ImplicitlyCopyable):
     var d: Int
     var di: Int
     var nh: Int
-    var cd: Int
+    var ng: Int  # groups of B and C; head hh reads group hh // hpg
+    var hpg: Int  # heads per group
+    var gs: Int  # channels of d_inner per group (the gated norm's groups)
+    var cd: Int  # x | B (ng N) | C (ng N)
     var npj: Int  # in_proj outputs: z | xBC | dtraw
     var o_norm: Int
     var o_in: Int
@@ -136,12 +147,15 @@ struct M2Dims(ImplicitlyCopyable):
     var wf_in: Int  # each projection's format (linear.WF_*)
     var wf_out: Int
 
-    def __init__(out self, d: Int, wfs: Int = ALL_F32):
+    def __init__(out self, d: Int, wfs: Int = ALL_F32, ng: Int = 1):
         self.d = d
         self.di = 2 * d
         self.nh = self.di // P
-        self.cd = self.di + 2 * N
-        self.npj = 2 * self.di + 2 * N + self.nh
+        self.ng = max(1, ng)
+        self.hpg = max(1, self.nh // self.ng)
+        self.gs = self.di // self.ng
+        self.cd = self.di + 2 * self.ng * N
+        self.npj = 2 * self.di + 2 * self.ng * N + self.nh
         self.wfs = wfs
         self.wf_in = section_format(wfs, SEC_IN)
         self.wf_out = section_format(wfs, SEC_OUT)
@@ -168,6 +182,21 @@ struct M2Dims(ImplicitlyCopyable):
         o += ALIGN_FLOATS
         self.blob = o
 
+    @always_inline
+    def group(self, hh: Int) -> Int:
+        """The group of B and C head hh reads."""
+        return hh // self.hpg
+
+    @always_inline
+    def bcol(self, g: Int) -> Int:
+        """Column of group g's B in an xBC row."""
+        return self.di + g * N
+
+    @always_inline
+    def ccol(self, g: Int) -> Int:
+        """Column of group g's C in an xBC row."""
+        return self.di + (self.ng + g) * N
+
 
 struct M2Work(ImplicitlyCopyable):
     """Chunk geometry and workspace layout of one forward call.
@@ -192,8 +221,8 @@ struct M2Work(ImplicitlyCopyable):
     var o_draw: Int  # (B, H, Q) raw dt of the chunk's new rows
     var o_dt: Int  # (B, H, Q) dt of every chunk row (M2Call.dt_row)
     var o_da: Int  # (B, H, Q) dA = dt * A of every chunk row
-    var o_bt: Int  # (B, N, Q) B transposed
-    var o_cb: Int  # (B g, Q) C_i . B_j of the group's rows i
+    var o_bt: Int  # (B, ng N, Q) B transposed
+    var o_cb: Int  # (ng, B g, Q) C_i . B_j of the group's rows i, per B/C group
     var o_yg: Int  # (B g, di) gated y, then g (normed in place)
     var o_scr: Int  # (B H, SCR) SSD task scratch
     var floats: Int
@@ -225,9 +254,9 @@ struct M2Work(ImplicitlyCopyable):
         self.o_da = o
         o += round_up(b * dims.nh * Q, ALIGN_FLOATS)
         self.o_bt = o
-        o += round_up(b * N * Q, ALIGN_FLOATS)
+        o += round_up(b * dims.ng * N * Q, ALIGN_FLOATS)
         self.o_cb = o
-        o += round_up(rows * Q, ALIGN_FLOATS)
+        o += round_up(dims.ng * rows * Q, ALIGN_FLOATS)
         self.o_yg = o
         o += round_up(rows * dims.di, ALIGN_FLOATS)
         self.o_scr = o
@@ -304,7 +333,8 @@ struct M2Group(ImplicitlyCopyable):
 struct XRows(ImplicitlyCopyable):
     """Where one batch row's post-conv xBC rows (cd floats each) of a chunk
     live: rows i < nbuf in buf (a state's buffered rows, row 0 first), the
-    others in new (its first row is chunk row i0). The SSD functions
+    others in new (its first row is chunk row i0); bo and co: the columns
+    of the B and C group the reader uses. The SSD functions
     (mamba2/ssd.mojo) read rows only through this, so the forward and the
     backward's recompute run the same code on their own memory."""
     var buf: F32Ptr
@@ -312,13 +342,17 @@ struct XRows(ImplicitlyCopyable):
     var new: F32Ptr
     var i0: Int
     var cd: Int
+    var bo: Int
+    var co: Int
 
-    def __init__(out self, buf: F32Ptr, nbuf: Int, new: F32Ptr, i0: Int, cd: Int):
+    def __init__(out self, buf: F32Ptr, nbuf: Int, new: F32Ptr, i0: Int, dims: M2Dims, g: Int):
         self.buf = buf
         self.nbuf = nbuf
         self.new = new
         self.i0 = i0
-        self.cd = cd
+        self.cd = dims.cd
+        self.bo = dims.bcol(g)
+        self.co = dims.ccol(g)
 
     @always_inline
     def row(self, i: Int) -> F32Ptr:
@@ -359,7 +393,8 @@ struct M2Call(ImplicitlyCopyable):
     var per_row: Bool
 
     def __init__(out self, args: I64Ptr):
-        self.dims = M2Dims(arg_int(args, FWD_D), blob_formats(arg_f32(args, FWD_BLOB)))
+        var blob = arg_f32(args, FWD_BLOB)
+        self.dims = M2Dims(arg_int(args, FWD_D), blob_formats(blob), blob_ngroups(blob))
         self.has_state = arg_int(args, FWD_H) != 0
         var s = arg_int(args, FWD_S) if self.has_state else 0
         self.wk = M2Work(self.dims, arg_int(args, FWD_B), arg_int(args, FWD_L), s,
@@ -408,19 +443,19 @@ struct M2Call(ImplicitlyCopyable):
             return Int(self.lens[unsafe_offset=bb])
         return self.s_of(bb) + self.wk.l
 
-    def xrows(self, bb: Int, c: Int) -> XRows:
+    def xrows(self, bb: Int, c: Int, g: Int) -> XRows:
         """Post-conv xBC rows of row bb's chunk c: the state buffer's, then
-        the new rows'."""
+        the new rows' (B and C of group g)."""
         var cd = self.dims.cd
         var s = self.s_of(bb)
         var i0 = s if c == 0 else 0  # M2Work.i0 for the row's own position
         return XRows(self.bufx.unsafe_offset(bb * Q * cd), s if c == 0 else 0,
                      self.work.unsafe_offset(self.wk.o_cx + bb * self.wk.nn * cd),
-                     i0, cd)
+                     i0, self.dims, g)
 
     def xbc_row(self, bb: Int, c: Int, i: Int) -> F32Ptr:
         """Post-conv xBC of chunk row i: the state buffer or a new row."""
-        return self.xrows(bb, c).row(i)
+        return self.xrows(bb, c, 0).row(i)
 
     def dtraw(self, bb: Int, c: Int, i: Int, hh: Int) -> Float32:
         if c == 0 and i < self.s_of(bb):
@@ -436,18 +471,19 @@ struct M2Call(ImplicitlyCopyable):
 
     def hcache(self, bb: Int, hh: Int) -> F32Ptr:
         """Head hh of row bb in the decode cache: marker, then h^T (N, P)."""
-        var base = bb * cache_floats_per_row(self.dims.nh)
+        var base = bb * cache_floats_per_row(self.dims.nh, self.dims.ng)
         return self.cache.unsafe_offset(base + hh * CACHE_HEAD)
 
     def bcache(self, bb: Int) -> F32Ptr:
-        """Row bb's open-chunk B^T in the decode cache: count, then (N, Q)."""
+        """Row bb's open-chunk B^T in the decode cache: count, then (ng N, Q)."""
         var nh = self.dims.nh
-        return self.cache.unsafe_offset(bb * cache_floats_per_row(nh) + nh * CACHE_HEAD)
+        return self.cache.unsafe_offset(bb * cache_floats_per_row(nh, self.dims.ng)
+                                        + nh * CACHE_HEAD)
 
     def dtcache(self, bb: Int, hh: Int) -> F32Ptr:
         """Head hh of row bb's open-chunk dt rows in the decode cache: count,
         then dt (Q), then dA (Q)."""
-        return self.bcache(bb).unsafe_offset(CACHE_HDR + N * Q + hh * CACHE_DT)
+        return self.bcache(bb).unsafe_offset(CACHE_HDR + self.dims.ng * N * Q + hh * CACHE_DT)
 
     def xcache(self, bb: Int, hh: Int) -> F32Ptr:
         """Head hh of row bb's open-chunk x rows in the decode cache: count,

@@ -63,51 +63,54 @@ def dt_rows(cl: M2Call, c: Int, bb: Int, hh: Int, lo_row: Int, hi_row: Int, cach
 
 def cb_task(cl: M2Call, gp: M2Group, task: Int):
     """CB_ij = fma chain over n of C_i[n] B_j[n], for the group's rows i and
-    j <= i (computed 16 j at a time; lanes past i are never read)."""
+    j <= i (computed 16 j at a time; lanes past i are never read), for each
+    B/C group in turn."""
     var wk = cl.wk
-    var di = cl.dims.di
+    var dims = cl.dims
     var nrb = ceil_div(gp.gn, CB_ROWS_PER_TASK)
     var bb = task // nrb
     var rb = task % nrb
     var rg = cl.row_group(gp, bb)  # (rows with their own positions)
     var c = rg.c
     var gn = rg.gn
-    var bt = cl.work.unsafe_offset(wk.o_bt + bb * N * Q)
     var r1 = min(gn, rb * CB_ROWS_PER_TASK + CB_ROWS_PER_TASK)
-    for r in range(rb * CB_ROWS_PER_TASK, r1):
-        var i = rg.i0 + rg.gs + r
-        var crow = cl.xbc_row(bb, c, i).unsafe_offset(di + N)
-        var dst = cl.work.unsafe_offset(wk.o_cb + (bb * gn + r) * Q)
-        if rg.nnew <= DIRECT_CB_MAX:
-            if cl.has_cache:
-                cb_row_cached(cl, c, bb, i, crow, dst)
-            else:
-                cb_row_direct(cl.xrows(bb, c), di, i, crow, dst)
-            continue
-        var jv = 0
-        while jv + 4 * VW <= i + 1:  # four independent chains at a time
-            var a0 = V(0.0)
-            var a1 = V(0.0)
-            var a2 = V(0.0)
-            var a3 = V(0.0)
-            for n in range(N):
-                var cn = V(crow[unsafe_offset=n])
-                var bp = bt.unsafe_offset(n * Q + jv)
-                a0 = cn.fma(bp.unsafe_load[width=VW](0), a0)
-                a1 = cn.fma(bp.unsafe_load[width=VW](VW), a1)
-                a2 = cn.fma(bp.unsafe_load[width=VW](2 * VW), a2)
-                a3 = cn.fma(bp.unsafe_load[width=VW](3 * VW), a3)
-            dst.unsafe_store(jv, a0)
-            dst.unsafe_store(jv + VW, a1)
-            dst.unsafe_store(jv + 2 * VW, a2)
-            dst.unsafe_store(jv + 3 * VW, a3)
-            jv += 4 * VW
-        while jv <= i:
-            var acc = V(0.0)
-            for n in range(N):
-                acc = V(crow[unsafe_offset=n]).fma(bt.unsafe_load[width=VW](n * Q + jv), acc)
-            dst.unsafe_store(jv, acc)
-            jv += VW
+    for g in range(dims.ng):
+        var bt = cl.work.unsafe_offset(wk.o_bt + (bb * dims.ng + g) * N * Q)
+        var xr = cl.xrows(bb, c, g)
+        for r in range(rb * CB_ROWS_PER_TASK, r1):
+            var i = rg.i0 + rg.gs + r
+            var crow = xr.row(i).unsafe_offset(xr.co)
+            var dst = cl.work.unsafe_offset(wk.o_cb + ((g * wk.b + bb) * gn + r) * Q)
+            if rg.nnew <= DIRECT_CB_MAX:
+                if cl.has_cache:
+                    cb_row_cached(cl, c, bb, g, i, crow, dst)
+                else:
+                    cb_row_direct(xr, i, crow, dst)
+                continue
+            var jv = 0
+            while jv + 4 * VW <= i + 1:  # four independent chains at a time
+                var a0 = V(0.0)
+                var a1 = V(0.0)
+                var a2 = V(0.0)
+                var a3 = V(0.0)
+                for n in range(N):
+                    var cn = V(crow[unsafe_offset=n])
+                    var bp = bt.unsafe_offset(n * Q + jv)
+                    a0 = cn.fma(bp.unsafe_load[width=VW](0), a0)
+                    a1 = cn.fma(bp.unsafe_load[width=VW](VW), a1)
+                    a2 = cn.fma(bp.unsafe_load[width=VW](2 * VW), a2)
+                    a3 = cn.fma(bp.unsafe_load[width=VW](3 * VW), a3)
+                dst.unsafe_store(jv, a0)
+                dst.unsafe_store(jv + VW, a1)
+                dst.unsafe_store(jv + 2 * VW, a2)
+                dst.unsafe_store(jv + 3 * VW, a3)
+                jv += 4 * VW
+            while jv <= i:
+                var acc = V(0.0)
+                for n in range(N):
+                    acc = V(crow[unsafe_offset=n]).fma(bt.unsafe_load[width=VW](n * Q + jv), acc)
+                dst.unsafe_store(jv, acc)
+                jv += VW
 
 
 @always_inline
@@ -119,17 +122,19 @@ def held_rows(cache: F32Ptr, i: Int) -> Int:
     return 0 if have > i else have
 
 
-def cb_row_cached(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
-    """CB_ij for j = 0..i from the session's transposed copy of the open
-    chunk's B rows (rows not yet copied are added first): the same fma chain
-    over n per element, 16 j per vector."""
+def cb_row_cached(cl: M2Call, c: Int, bb: Int, g: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
+    """CB_ij of B/C group g for j = 0..i from the session's transposed copy
+    of the open chunk's B rows (rows not yet copied are added first, every
+    group's at once): the same fma chain over n per element, 16 j per
+    vector."""
     var bc = cl.bcache(bb)
-    var bt = bc.unsafe_offset(CACHE_HDR)
+    var gn = cl.dims.ng * N
     for j in range(held_rows(bc, i), i + 1):
         var br = cl.xbc_row(bb, c, j).unsafe_offset(cl.dims.di)
-        for n in range(N):
-            bt[unsafe_offset=n * Q + j] = br[unsafe_offset=n]
+        for n in range(gn):
+            bc[unsafe_offset=CACHE_HDR + n * Q + j] = br[unsafe_offset=n]
     bc[unsafe_offset=0] = Float32(i + 1)
+    var bt = bc.unsafe_offset(CACHE_HDR + g * N * Q)
     var jv = 0
     while jv <= i:  # lanes past i hold stale values and are never read
         var acc = V(0.0)
@@ -139,16 +144,17 @@ def cb_row_cached(cl: M2Call, c: Int, bb: Int, i: Int, crow: F32Ptr, dst: F32Ptr
         jv += VW
 
 
-def cb_row_direct(xr: XRows, di: Int, i: Int, crow: F32Ptr, dst: F32Ptr):
-    """CB_ij for j = 0..i from row-major B rows: the same fma chain over n
-    per element as the transposed path, eight chains interleaved."""
+def cb_row_direct(xr: XRows, i: Int, crow: F32Ptr, dst: F32Ptr):
+    """CB_ij for j = 0..i from row-major B rows (xr's group): the same fma
+    chain over n per element as the transposed path, eight chains
+    interleaved."""
     comptime G = 8
     var j0 = 0
     while j0 <= i:
         var g = min(G, i + 1 - j0)
         var rows = Array[F32Ptr, G](fill=crow)
         for k in range(g):
-            rows[k] = xr.row(j0 + k).unsafe_offset(di)
+            rows[k] = xr.row(j0 + k).unsafe_offset(xr.bo)
         var acc = SIMD[DType.float32, G](0.0)
         for n in range(N):
             var cn = crow[unsafe_offset=n]
@@ -191,6 +197,8 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     var hh_home = cl.hhome(bb, hh)
     var yg = work.unsafe_offset(wk.o_yg)
     var zx = work.unsafe_offset(wk.o_zx)
+    var g = dims.group(hh)
+    var cbg = wk.o_cb + g * wk.b * gn * Q  # the group's CB rows
     var direct = gn <= DIRECT_CB_MAX  # few rows (decode): no transpose of h
     var in_cache = False  # a session's step: h^T and the x rows from its cache
     if direct and cl.has_cache:  # a session keeps h^T until the next fold
@@ -207,19 +215,19 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
         _transpose_h(hh_home, ht)
     if out_end > g_lo:
         var dskip = V(cl.blob[unsafe_offset=dims.o_dskip + hh])
-        var xr = cl.xrows(bb, c)
+        var xr = cl.xrows(bb, c, g)
         var r0 = bb * gn
         if not direct and gn > DIRECT_CB_MAX:  # (else few rows: decode steps)
             var dst = yg.unsafe_offset(r0 * di + hh * P)
             ssd_rows[False](xr, di, hh, g_lo, out_end, da, dts,
-                            work.unsafe_offset(wk.o_cb + r0 * Q), ht, dskip,
+                            work.unsafe_offset(cbg + r0 * Q), ht, dskip,
                             zx.unsafe_offset(r0 * dims.npj + hh * P), dims.npj, dst, dst, tiles)
         else:
             var xc = cl.xcache(bb, hh)
             for i in range(g_lo, out_end):
                 var r = r0 + i - g_lo
                 var dst = yg.unsafe_offset(r * di + hh * P)
-                var cbrow = work.unsafe_offset(wk.o_cb + r * Q)
+                var cbrow = work.unsafe_offset(cbg + r * Q)
                 var zr = zx.unsafe_offset(r * dims.npj + hh * P)
                 if in_cache:
                     _extend_xcache(xr, hh, i, xc)
@@ -238,14 +246,14 @@ def ssd_task(cl: M2Call, group: M2Group, bb: Int, hh: Int, task: Int):
     var want = cl.has_hlast and c == last_c
     var hl = cl.hlast.unsafe_offset((bb * nh + hh) * P * N)
     if n_real == Q:
-        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, Q, hh_home, hh_home, seg, wrow, tiles)
+        fold_chunk(cl.xrows(bb, c, g), di, hh, da, dts, Q, hh_home, hh_home, seg, wrow, tiles)
         if cl.has_cache:
             cl.hcache(bb, hh)[unsafe_offset=0] = 0.0
         if want:
             for k in range(P * N):
                 hl[unsafe_offset=k] = hh_home[unsafe_offset=k]
     elif want:
-        fold_chunk(cl.xrows(bb, c), di, hh, da, dts, n_real, hh_home, hl, seg, wrow, tiles)
+        fold_chunk(cl.xrows(bb, c, g), di, hh, da, dts, n_real, hh_home, hl, seg, wrow, tiles)
 
 
 def _extend_xcache(xr: XRows, hh: Int, i: Int, xc: F32Ptr):
@@ -314,7 +322,7 @@ def ssd_row[KEEP_Y: Bool, XC: Bool = False](
         d2 = wj.fma(xp.unsafe_load[width=VW](2 * VW), d2)
         d3 = wj.fma(xp.unsafe_load[width=VW](3 * VW), d3)
     var row = xr.row(i)
-    var crow = row.unsafe_offset(di + N)
+    var crow = row.unsafe_offset(xr.co)
     var o0 = V(0.0)
     var o1 = V(0.0)
     var o2 = V(0.0)

@@ -99,7 +99,7 @@ def _rows_tile[R: Int, KEEP_Y: Bool](xr: XRows, di: Int, hh: Int, i0: Int, da: F
         j0 = j1
     var crow = Array[F32Ptr, R](fill=cb)
     comptime for r in range(R):
-        crow[r] = xr.row(i0 + r).unsafe_offset(di + N)
+        crow[r] = xr.row(i0 + r).unsafe_offset(xr.co)
     for n0 in range(0, N, KB):
         for c0 in range(0, P, TC):
             _yoff_tile[R](ht.unsafe_offset(c0), n0, crow, yo.unsafe_offset(c0))
@@ -215,7 +215,7 @@ def fold_rows(xr: XRows, di: Int, hh: Int, nr: Int, wrow: F32Ptr, el: V, src: F3
         var first = ib0 == 0
         for p0 in range(0, P, FR):
             for n0 in range(0, N, TC):
-                _fold_tile(xr, di + n0, ib0, ib1, u.unsafe_offset(p0), el, first,
+                _fold_tile(xr, xr.bo + n0, ib0, ib1, u.unsafe_offset(p0), el, first,
                            src.unsafe_offset(p0 * N + n0), dst.unsafe_offset(p0 * N + n0))
         ib0 = ib1
         if ib0 >= nr:

@@ -21,16 +21,30 @@ CHUNK = 256
 _KEEP_WORK_BYTES = 64 << 20
 
 
-def mamba2_dims(d: int) -> tuple:
-    """(d_inner, nheads, conv_dim, in_proj rows) for d_model d."""
+def mamba2_dims(d: int, n_groups: int = 1) -> tuple:
+    """(d_inner, nheads, conv_dim, in_proj rows) for d_model d and n_groups
+    groups of B and C."""
     di = 2 * d
     h = di // HEAD_DIM
-    cd = di + 2 * D_STATE
-    return di, h, cd, 2 * di + 2 * D_STATE + h
+    cd = di + 2 * n_groups * D_STATE
+    return di, h, cd, 2 * di + 2 * n_groups * D_STATE + h
 
 
-def mamba2_weight_shapes(d: int) -> dict:
-    di, h, cd, npj = mamba2_dims(d)
+def check_n_groups(n_groups, d: int, name: str = "n_groups") -> int:
+    """n_groups as an int; ValueError naming ``name`` unless it is an
+    integer >= 1 that divides the nheads = 2 d / 64 heads of d_model d."""
+    g = _intake.as_int(n_groups, name)
+    h = 2 * d // HEAD_DIM
+    if g < 1 or h % g:
+        raise ValueError(f"{name} must be a positive divisor of the {h} heads "
+                         f"(nheads = 2 * d_model / 64 for d_model {d}), got {g}")
+    return g
+
+
+def mamba2_weight_shapes(d: int, n_groups: int = 1) -> dict:
+    """{weight name: shape} for d_model d and n_groups (checked:
+    check_n_groups)."""
+    di, h, cd, npj = mamba2_dims(d, check_n_groups(n_groups, d))
     return {
         "block_norm.weight": (d,),
         "in_proj.weight": (npj, d),
@@ -88,8 +102,8 @@ def _f32_bits(v: float) -> int:
 class Mamba2State(StateBase):
     """Recurrent state of a Mamba2Block, owned by the caller.
 
-    With H = d_model / 32 heads and CD = 2 * d_model + 256 convolution
-    channels. Make one with ``Mamba2Block.allocate_state``; it is all zeros
+    With H = d_model / 32 heads and CD = 2 * d_model + 256 * n_groups
+    convolution channels. Make one with ``Mamba2Block.allocate_state``; it is all zeros
     (and buffered_tokens == 0) before the first token. forward and step
     update it in place. Setting h nonzero on a fresh state supplies the
     reference's initial_states.
@@ -187,7 +201,7 @@ def _launch(block, xv, y, b, l, state, sv, lens, kind):
 
 def _prepare_scalars(block) -> dict:
     lo, hi = block.dt_limit
-    return {"dt_lo_bits": _f32_bits(lo), "dt_hi_bits": _f32_bits(hi)}
+    return {"dt_lo_bits": _f32_bits(lo), "dt_hi_bits": _f32_bits(hi), "n_groups": block.n_groups}
 
 
 _PROJECTIONS = ("in_proj.weight", "out_proj.weight")
@@ -207,22 +221,23 @@ class Mamba2Block(_MambaBase):
     (B, L, d_model) float32 and returns (B, L, d_model) float32, with the
     recurrent state explicit and caller-owned (Mamba2State).
 
-    d_model must be a multiple of 32. Fixed: d_state 128, head dim 64, one
-    group, chunk 256, expand 2, conv 4 with bias, gate applied before the
-    gated RMSNorm. Decoding resumes the open chunk, so step and a forward
-    with a carried state continue a prefill bit for bit (docs/mamba2.md).
+    d_model must be a multiple of 32. Fixed: d_state 128, head dim 64,
+    chunk 256, expand 2, conv 4 with bias, gate applied before the gated
+    RMSNorm. Decoding resumes the open chunk, so step and a forward with a
+    carried state continue a prefill bit for bit (docs/mamba2.md).
 
     Parameters
     ----------
     weights : dict of str to float32 buffer
-        With d = d_model, di = 2d, H = di / 64 heads and CD = di + 256;
-        copied at construction. Projection weights may be packed with
+        With d = d_model, di = 2d, H = di / 64 heads, G = n_groups and
+        CD = di + 256 G; copied at construction. Projection weights may be packed with
         :mod:`mojolearn.lowbit`; they stay packed in the block (the kernels
         widen them exactly on load), each in its own format (a mix is
         allowed).
 
         - ``block_norm.weight`` (d,), the block norm
-        - ``in_proj.weight`` (2di + 256 + H, d), rows z | xBC | dt
+        - ``in_proj.weight`` (2di + 256 G + H, d), rows z | xBC | dt,
+          xBC = x (di) | B (G x 128) | C (G x 128)
         - ``conv1d.weight`` (CD, 1, 4) or (CD, 4)
         - ``conv1d.bias`` (CD,)
         - ``dt_bias`` (H,)
@@ -232,6 +247,12 @@ class Mamba2Block(_MambaBase):
         - ``D`` (H,)
         - ``norm.weight`` (di,), the gated norm
         - ``out_proj.weight`` (d, di)
+    n_groups : int, default 1
+        Groups of B and C (transformers' ``n_groups``, mamba_ssm's
+        ``ngroups``): head h reads group h // (H / G), and the gated
+        RMSNorm normalises each group's di / G channels on its own. Must
+        divide H (ValueError naming it). The default keeps the bits of a
+        block without the option.
     dt_limit : (lo, hi), default (0.0, inf)
         dt = min(max(softplus(dtraw + dt_bias), lo), hi); the limits are
         rounded to float32. NaN, lo > hi or not two numbers: ValueError.
@@ -246,8 +267,10 @@ class Mamba2Block(_MambaBase):
         Inner dimension, 2 * d_model.
     nheads : int
         Number of heads H, d_inner / 64.
+    n_groups : int
+        Groups G of B and C.
     conv_dim : int
-        Convolution channels CD, d_inner + 256.
+        Convolution channels CD, d_inner + 256 G.
     dt_limit : tuple of float
         The dt clamp (lo, hi), rounded to float32.
     weight_format : str
@@ -273,10 +296,11 @@ class Mamba2Block(_MambaBase):
     >>> y0 = block.step(x[:, :1], state)
     """
 
-    _param_names = ("weights", "numeric_mode", "dt_limit")
+    _param_names = ("weights", "numeric_mode", "dt_limit", "n_groups")
     _runner = Runner(_SPEC)
 
-    def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode: str = "identical"):
+    def __init__(self, weights, *, n_groups=1, dt_limit=(0.0, math.inf),
+                 numeric_mode: str = "identical"):
         self._setup_common(numeric_mode)
         lo, hi = check_dt_limit(dt_limit)
         if not hasattr(weights, "keys") or "block_norm.weight" not in weights:
@@ -286,19 +310,23 @@ class Mamba2Block(_MambaBase):
         if d < 32 or d % 32:
             raise ValueError(f"Mamba-2 needs d_model a positive multiple of 32; "
                              f"block_norm.weight has {d} entries")
-        views = weight_views(weights, mamba2_weight_shapes(d), self._lib)
+        g = check_n_groups(n_groups, d)
+        views = weight_views(weights, mamba2_weight_shapes(d, g), self._lib)
         prep = self._keep_weights(views)
         self.d_model = d
-        self.d_inner, self.nheads, self.conv_dim, self._npj = mamba2_dims(d)
+        self.n_groups = g
+        self.d_inner, self.nheads, self.conv_dim, self._npj = mamba2_dims(d, g)
         self.dt_limit = (lo, hi)
         self._blob = self._make_blob(prep)
         self._h_last = None
         self._h_last_src = None
 
     def get_params(self, deep: bool = True) -> dict:
-        """Constructor parameters: weights (copies), numeric_mode, dt_limit."""
+        """Constructor parameters: weights (copies), numeric_mode, dt_limit,
+        n_groups."""
         p = super().get_params(deep)
         p["dt_limit"] = self.dt_limit
+        p["n_groups"] = self.n_groups
         return p
 
     # -- state --------------------------------------------------------------

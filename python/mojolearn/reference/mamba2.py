@@ -6,7 +6,9 @@ forward). It is the exact-arithmetic per-token recurrence of the block
 
     h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,    y_t = h_t C_t + D x_t
 
-with one group and the gate applied before the gated RMSNorm. It does not
+with n_groups groups of B and C (head h reads group h // (H / n_groups))
+and the gate applied before the gated RMSNorm, which normalises each
+group's d_inner / n_groups channels on its own. It does not
 model the kernel's 256-token chunking, which changes only rounding. The test
 suite compares the kernel against transformers' ``Mamba2Block`` run in
 verified float64 (``tests/reference/hf_mamba.py``), which is itself checked
@@ -29,7 +31,7 @@ from .ops import _conv_step, _w64, rmsnorm, silu, softplus
 __all__ = ["mamba2_numpy"]
 
 
-def mamba2_numpy(weights: dict, x, h0=None, dt_limit=(0.0, math.inf)):
+def mamba2_numpy(weights: dict, x, h0=None, dt_limit=(0.0, math.inf), n_groups: int = 1):
     """The Mamba-2 block as the per-token recurrence, in float64.
 
     Parameters
@@ -46,6 +48,8 @@ def mamba2_numpy(weights: dict, x, h0=None, dt_limit=(0.0, math.inf)):
     dt_limit : (float, float)
         ``dt = clip(softplus(dtraw + dt_bias), lo, hi)``, as the block's
         ``dt_limit``; the default clips nothing.
+    n_groups : int
+        Groups of B and C, as the block's ``n_groups``.
 
     Returns
     -------
@@ -58,8 +62,9 @@ def mamba2_numpy(weights: dict, x, h0=None, dt_limit=(0.0, math.inf)):
     x = np.asarray(x, dtype=np.float64)
     Bsz, L, d = x.shape
     di = 2 * d
-    H, P, N = di // 64, 64, 128
-    CD = di + 2 * N
+    H, P, N, G = di // 64, 64, 128, int(n_groups)
+    CD = di + 2 * G * N
+    head_group = np.arange(H) // (H // G)                                # (H,)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     conv_w = W["conv1d.weight"].reshape(CD, 4)
     A = -np.exp(W["A_log"])                                              # (H,)
@@ -73,11 +78,14 @@ def mamba2_numpy(weights: dict, x, h0=None, dt_limit=(0.0, math.inf)):
         window, cv = _conv_step(window, xbc, conv_w, W["conv1d.bias"])
         xbc = silu(cv)
         xv = xbc[:, :di].reshape(Bsz, H, P)
-        Bt, Ct = xbc[:, di:di + N], xbc[:, di + N:]
+        Bt = xbc[:, di:di + G * N].reshape(Bsz, G, N)[:, head_group]      # (B, H, N)
+        Ct = xbc[:, di + G * N:].reshape(Bsz, G, N)[:, head_group]
         dt = np.clip(softplus(dtraw + W["dt_bias"]), lo, hi)              # (B, H)
         hs = (np.exp(dt * A)[:, :, None, None] * hs
-              + (dt[:, :, None] * xv)[:, :, :, None] * Bt[:, None, None, :])
-        y = np.einsum("bhpn,bn->bhp", hs, Ct) + W["D"][None, :, None] * xv
-        g = rmsnorm(y.reshape(Bsz, di) * silu(z), W["norm.weight"])
+              + (dt[:, :, None] * xv)[:, :, :, None] * Bt[:, :, None, :])
+        y = np.einsum("bhpn,bhn->bhp", hs, Ct) + W["D"][None, :, None] * xv
+        yg = (y.reshape(Bsz, di) * silu(z)).reshape(Bsz, G, di // G)
+        wn = W["norm.weight"].reshape(G, di // G)
+        g = np.stack([rmsnorm(yg[:, k], wn[k]) for k in range(G)], axis=1).reshape(Bsz, di)
         ys[:, t] = xt + g @ W["out_proj.weight"].T
     return ys, hs

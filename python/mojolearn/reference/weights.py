@@ -53,17 +53,21 @@ def mamba1_dims(d_model: int) -> dict:
             "d_state": D_STATE_1, "d_conv": D_CONV}
 
 
-def mamba2_dims(d_model: int) -> dict:
-    """Derived Mamba-2 sizes: d_inner = 2 d, H = d_inner / 64, conv_dim = d_inner + 256."""
+def mamba2_dims(d_model: int, n_groups: int = 1) -> dict:
+    """Derived Mamba-2 sizes: d_inner = 2 d, H = d_inner / 64, conv_dim =
+    d_inner + 256 n_groups."""
     d_model = int(d_model)
     if d_model < 32 or d_model % 32:
         raise ValueError(f"Mamba-2 needs d_model a positive multiple of 32, got {d_model}")
     d_inner = 2 * d_model
     nheads = d_inner // HEAD_DIM
-    conv_dim = d_inner + 2 * D_STATE_2
+    g = int(n_groups)
+    if g < 1 or nheads % g:
+        raise ValueError(f"n_groups must be a positive divisor of the {nheads} heads, got {g}")
+    bc = 2 * g * D_STATE_2
     return {"d_model": d_model, "d_inner": d_inner, "nheads": nheads, "head_dim": HEAD_DIM,
-            "d_state": D_STATE_2, "conv_dim": conv_dim, "d_in_proj": 2 * d_inner + 2 * D_STATE_2 + nheads,
-            "d_conv": D_CONV}
+            "d_state": D_STATE_2, "n_groups": g, "conv_dim": d_inner + bc,
+            "d_in_proj": 2 * d_inner + bc + nheads, "d_conv": D_CONV}
 
 
 def _linear(rng: np.random.Generator, out_f: int, in_f: int, scale: float) -> np.ndarray:
@@ -112,15 +116,18 @@ def mamba1_weights(d_model: int, seed: int, scale: float = 1.0, *,
 
 def mamba2_weights(d_model: int, seed: int, scale: float = 1.0, *,
                    dt_min: float = 0.001, dt_max: float = 0.1,
-                   A_init_range: tuple[float, float] = (1.0, 16.0)) -> dict[str, np.ndarray]:
+                   A_init_range: tuple[float, float] = (1.0, 16.0),
+                   n_groups: int = 1) -> dict[str, np.ndarray]:
     """Float32 Mamba-2 block weights (names and shapes of Mamba2Block), deterministic in seed.
 
-    Shapes with d = d_model (multiple of 32), di = 2d, H = di/64, CD = di + 256:
-    block_norm.weight (d,), in_proj.weight (2di + 256 + H, d) in row order z | xBC | dt,
+    Shapes with d = d_model (multiple of 32), di = 2d, H = di/64, G = n_groups,
+    CD = di + 256 G (in_proj: 2di + 256 G + H rows); n_groups = 1 draws the
+    same values as before the option:
+    block_norm.weight (d,), in_proj.weight (2di + 256G + H, d) in row order z | xBC | dt,
     conv1d.weight (CD, 1, 4), conv1d.bias (CD,), dt_bias (H,), A_log (H,), D (H,),
     norm.weight (di,) (the gated norm), out_proj.weight (d, di).
     """
-    dims = mamba2_dims(d_model)
+    dims = mamba2_dims(d_model, n_groups)
     d, di, H, CD = dims["d_model"], dims["d_inner"], dims["nheads"], dims["conv_dim"]
     rng = np.random.default_rng(seed)
     w = {}

@@ -317,9 +317,9 @@ class Mamba2(_MambaModule):
     and residual) as a torch.nn.Module; d_model a multiple of 32.
 
     Parameters (state_dict keys), d = d_model, di = 2d, H = di / 64,
-    CD = di + 256: ``block_norm.weight`` (d,) (transformers'
+    G = n_groups, CD = di + 256 G: ``block_norm.weight`` (d,) (transformers'
     ``Mamba2Block.norm.weight``), then transformers' ``Mamba2Mixer`` names:
-    ``in_proj.weight`` (2di + 256 + H, d), ``conv1d.weight`` (CD, 1, 4),
+    ``in_proj.weight`` (2di + 256 G + H, d), ``conv1d.weight`` (CD, 1, 4),
     ``conv1d.bias`` (CD,), ``dt_bias`` (H,), ``A_log`` (H,), ``D`` (H,),
     ``norm.weight`` (di,) (the mixer's gated norm), ``out_proj.weight``
     (d, di). A ``Mamba2Mixer`` state_dict plus ``block_norm.weight`` loads
@@ -328,6 +328,8 @@ class Mamba2(_MambaModule):
     Parameters
     ----------
     d_model : int
+    n_groups : int, default 1
+        transformers' ``n_groups`` (see :class:`mojolearn.Mamba2Block`).
     dt_limit : (lo, hi), default (0.0, inf)
         transformers' ``time_step_limit`` (see :class:`mojolearn.Mamba2Block`).
     numeric_mode : {'identical', 'fast'}, default 'identical'
@@ -337,10 +339,14 @@ class Mamba2(_MambaModule):
     _FAMILY = family("mamba2")
     _BLOCK = _FAMILY.block_class
 
-    def __init__(self, d_model, *, dt_limit=(0.0, math.inf), numeric_mode="identical",
-                 generator=None, _init=True):
+    def __init__(self, d_model, *, n_groups=1, dt_limit=(0.0, math.inf),
+                 numeric_mode="identical", generator=None, _init=True):
+        object.__setattr__(self, "_n_groups", n_groups)  # read by _shapes (checked by the shapes)
         super().__init__(d_model, numeric_mode=numeric_mode, generator=generator,
-                         _init=_init, dt_limit=tuple(dt_limit))
+                         _init=_init, dt_limit=tuple(dt_limit), n_groups=n_groups)
+
+    def _shapes(self, d: int) -> dict:
+        return self._FAMILY.weight_shapes(d, self._n_groups)
 
     @staticmethod
     def _check_d(d):
