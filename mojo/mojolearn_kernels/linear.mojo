@@ -430,18 +430,16 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
 ):
     """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k), in
     the order SEG (module docstring)."""
-    if r1 - r0 == 8:  # a batch-8 step: weights that come from DRAM
-        comptime if WIDE:  # one pass over the weights, not a 6-row and a 2-row one
+    comptime if WIDE:
+        if r1 - r0 == 8:  # a batch-8 step in one pass over the weights
             _rows_few[8, WF, SEG](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
                              y.unsafe_offset(r0 * ldy), ldy)
-        else:  # per segment 4 rows, prefetching, then 4 more on its weights in L1
-            # (was 4 rows over all the panels, then 4 more from L2: the
-            # weights streamed only during the first pass; in_proj and
-            # out_proj of a d = 768 step 0.88-0.93x the time)
-            _rows_few[8, WF, SEG, FEW_PF, 4](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
-                                        y.unsafe_offset(r0 * ldy), ldy)
-        return
-    if r1 - r0 > MR and r1 - r0 <= MANY_ROWS:  # a batched decode step
+            return
+    # A batched decode step (AVX2 batch 8: per segment 4 rows, prefetching,
+    # then 4 more on its weights in L1; was 4 rows over all the panels,
+    # then 4 more from L2: in_proj and out_proj of a d = 768 step 0.88-0.93x
+    # the time)
+    if r1 - r0 > MR and r1 - r0 <= MANY_ROWS:
         _rows_many[WF, SEG](x.unsafe_offset(r0 * ldx), ldx, r1 - r0, wp, k, m, p0, p1,
                             y.unsafe_offset(r0 * ldy), ldy)
         return
