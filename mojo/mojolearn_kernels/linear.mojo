@@ -319,7 +319,7 @@ def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG, PF: Int = FEW_PF if R >
     and 2-5 rows of four panels spilled them to the stack, 1.2-1.7x slower),
     or R = 8 on AVX-512 (a batch-8 step in one pass over the weights: 8 x 2
     panels, measured faster than 8 x 3). RS: rows per register group
-    (_tile_panels; AVX2 batch-8 steps: two groups of 4)."""
+    (_tile_panels). AVX2 batch-8 steps take _rows_many."""
     comptime NP = (min(4, max(1, 24 // R)) if R < MR else 2) if WIDE else min(4, max(1, 6 // RS))
     var ps = panel_floats[WF](k)
     var p = p0
@@ -358,9 +358,10 @@ def _rows_many[WF: Int, SEG: Int](
     the first one asking for the panel's steps FEW_PF ahead. So the panel
     streams from memory once, while the other groups work on the segment in
     L1 (row tiles over whole panels, as for a prefill block, paused the
-    stream for the other tiles: a batch-32 step's projections ran at under
-    half the sgemm rate). The fma chains and their order are those of every
-    other pass (segment by segment, from +0.0)."""
+    stream for the other tiles; AVX2, one thread: 32-row products
+    0.88-0.91x the time, 16-row 0.75-0.80x, bench/RESULTS.md). The fma
+    chains and their order are those of every other pass (segment by
+    segment, from +0.0)."""
     var ps = panel_floats[WF](k)
     comptime NP = TP
     comptime LDS = NP * NR
