@@ -39,6 +39,7 @@ from std.collections import Array
 from std.memory import bitcast
 from std.sys import get_defined_string
 from std.sys.intrinsics import prefetch, PrefetchOptions
+from std.memory import stack_allocation
 from .abi import F32Ptr, ceil_div, round_up, ALIGN_FLOATS
 
 comptime NR = 16
@@ -261,32 +262,43 @@ def _tile_panels[R: Int, NP: Int, WF: Int = WF_F32, PF: Int = 0, SEG: Int = KSEG
         comptime for q in range(NP):
             scale[q] = _wscale[WF](panel.unsafe_offset(q * pstride), k0)
         comptime for g in range(R // RS):
-            var xg = x.unsafe_offset(g * RS * ldx)
-            var yg = y.unsafe_offset(g * RS * ldy)
-            var acc = Array[VN, RS * NP](fill=VN(0.0))
-            comptime for h in range(_parts[WF]()):
-                for kk in range(_part_start[WF, h](k0, k1), _part_end[WF, h](k0, k1)):
-                    comptime if PF > 0 and WF == WF_F32 and g == 0:
-                        comptime for q in range(NP):
-                            prefetch[PrefetchOptions().for_read().high_locality()](
-                                panel.unsafe_offset(q * pstride + (kk + PF) * NR))
-                    comptime for q in range(NP):
-                        var wv = _wload[WF, h](panel.unsafe_offset(q * pstride), kk, k0, scale[q])
-                        comptime for i in range(RS):
-                            acc[i * NP + q] = VN(xg[unsafe_offset=i * ldx + kk]).fma(
-                                wv, acc[i * NP + q])
-            if k0 == 0:
-                comptime for i in range(RS):
-                    comptime for q in range(NP):
-                        yg.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
-            else:
-                comptime for i in range(RS):
-                    comptime for q in range(NP):
-                        var o = i * ldy + q * NR
-                        yg.unsafe_store(o, yg.unsafe_load[width=NR](o) + acc[i * NP + q])
+            _seg_group[RS, NP, WF, PF if g == 0 else 0](
+                x.unsafe_offset(g * RS * ldx), ldx, panel, pstride, scale, k0, k1,
+                y.unsafe_offset(g * RS * ldy), ldy)
         k0 = k1
         if k0 >= k:
             break
+
+
+@always_inline
+def _seg_group[RS: Int, NP: Int, WF: Int, PF: Int](
+    x: F32Ptr, ldx: Int, panel: F32Ptr, pstride: Int, scale: Array[VN, NP], k0: Int, k1: Int,
+    y: F32Ptr, ldy: Int,
+):
+    """One segment [k0, k1) of RS rows x NP full panels (pstride floats
+    apart): the segment's fma chains from +0.0, stored to y (k0 = 0) or
+    added to it. PF > 0: ask for each panel's step kk + PF while at kk
+    (float32 panels only)."""
+    var acc = Array[VN, RS * NP](fill=VN(0.0))
+    comptime for h in range(_parts[WF]()):
+        for kk in range(_part_start[WF, h](k0, k1), _part_end[WF, h](k0, k1)):
+            comptime if PF > 0 and WF == WF_F32:
+                comptime for q in range(NP):
+                    prefetch[PrefetchOptions().for_read().high_locality()](
+                        panel.unsafe_offset(q * pstride + (kk + PF) * NR))
+            comptime for q in range(NP):
+                var wv = _wload[WF, h](panel.unsafe_offset(q * pstride), kk, k0, scale[q])
+                comptime for i in range(RS):
+                    acc[i * NP + q] = VN(x[unsafe_offset=i * ldx + kk]).fma(wv, acc[i * NP + q])
+    if k0 == 0:
+        comptime for i in range(RS):
+            comptime for q in range(NP):
+                y.unsafe_store(i * ldy + q * NR, acc[i * NP + q])
+    else:
+        comptime for i in range(RS):
+            comptime for q in range(NP):
+                var o = i * ldy + q * NR
+                y.unsafe_store(o, y.unsafe_load[width=NR](o) + acc[i * NP + q])
 
 
 # Steps ahead the 8-row pass asks for its panels (64: 4 KB, a page ahead).
@@ -307,7 +319,7 @@ def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG, PF: Int = FEW_PF if R >
     and 2-5 rows of four panels spilled them to the stack, 1.2-1.7x slower),
     or R = 8 on AVX-512 (a batch-8 step in one pass over the weights: 8 x 2
     panels, measured faster than 8 x 3). RS: rows per register group
-    (_tile_panels; AVX2 batch-8 steps: two groups of 4)."""
+    (_tile_panels). AVX2 batch-8 steps take _rows_many."""
     comptime NP = (min(4, max(1, 24 // R)) if R < MR else 2) if WIDE else min(4, max(1, 6 // RS))
     var ps = panel_floats[WF](k)
     var p = p0
@@ -319,6 +331,88 @@ def _rows_few[R: Int, WF: Int = WF_F32, SEG: Int = KSEG, PF: Int = FEW_PF if R >
         comptime for g in range(R // RS):  # RS rows at a time, as above
             _tile[RS, WF, SEG](x.unsafe_offset(g * RS * ldx), ldx, wp.unsafe_offset(p * ps), k,
                                y.unsafe_offset(g * RS * ldy + p * NR), ldy, min(NR, m - p * NR))
+        p += 1
+
+
+# Most rows the segment-major pass (_rows_many) takes: a batched decode
+# step's rows, not a prefill chunk's 192-row blocks.
+comptime MANY_ROWS = 64
+
+
+@always_inline
+def _group_rows(n: Int, g: Int) -> Int:
+    """Rows of group g when n rows (n > MR) are cut into ceil(n / MR)
+    register groups of nearly equal size (32 rows: 5, 5, 5, 5, 6, 6): each
+    group keeps at least 3 rows (6 fma chains; a 1-2 row group has too few
+    to hide the fma latency)."""
+    var groups = ceil_div(n, MR)
+    return n // groups + (1 if g >= groups - n % groups else 0)
+
+
+def _rows_many[WF: Int, SEG: Int](
+    x: F32Ptr, ldx: Int, n: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
+    y: F32Ptr, ldy: Int,
+):
+    """n rows (MR < n <= MANY_ROWS) over panels [p0, p1), segment-major: per
+    panel (TP panels on AVX-512) and k segment, every row group in turn,
+    the first one asking for the panel's steps FEW_PF ahead. So the panel
+    streams from memory once, while the other groups work on the segment in
+    L1 (row tiles over whole panels, as for a prefill block, paused the
+    stream for the other tiles; AVX2, one thread: 32-row products
+    0.88-0.91x the time, 16-row 0.75-0.80x, bench/RESULTS.md). The fma
+    chains and their order are those of every other pass (segment by
+    segment, from +0.0)."""
+    var ps = panel_floats[WF](k)
+    comptime NP = TP
+    comptime LDS = NP * NR
+    # The running sums of the panel's rows, contiguous: y's rows are often a
+    # multiple of 4 KB apart (Mamba-1's in_proj: 12 KB), so the same rows
+    # of y would share one L1 set and be evicted between segments.
+    var sums = F32Ptr(unsafe_from_address=Int(stack_allocation[MANY_ROWS * LDS, Float32,
+                                                               alignment=64]()))
+    var p = p0
+    while p < p1 and (p + 1) * NR <= m:
+        var panel = wp.unsafe_offset(p * ps)
+        if NP > 1 and not (p + NP <= p1 and (p + NP) * NR <= m):
+            break  # AVX-512: a last single panel goes to the per-tile pass below
+        var k0 = 0
+        while True:
+            var k1 = _seg_end[SEG](k0, k)
+            var scale = Array[VN, NP](fill=VN(1.0))
+            comptime for q in range(NP):
+                scale[q] = _wscale[WF](panel.unsafe_offset(q * ps), k0)
+            var r = 0
+            var g = 0
+            while r < n:
+                var rs = _group_rows(n, g)
+                var xg = x.unsafe_offset(r * ldx)
+                var sg = sums.unsafe_offset(r * LDS)
+                comptime for RS in range(3, MR + 1):
+                    if rs == RS:
+                        if g == 0:
+                            _seg_group[RS, NP, WF, FEW_PF](xg, ldx, panel, ps, scale, k0, k1, sg, LDS)
+                        else:
+                            _seg_group[RS, NP, WF, 0](xg, ldx, panel, ps, scale, k0, k1, sg, LDS)
+                r += rs
+                g += 1
+            k0 = k1
+            if k0 >= k:
+                break
+        for i in range(n):
+            comptime for q in range(NP):
+                y.unsafe_store(i * ldy + p * NR + q * NR, sums.unsafe_load[width=NR](i * LDS + q * NR))
+        p += NP
+    while p < p1:  # a partial last panel (m not a multiple of NR), or one AVX-512 panel
+        var r = 0
+        var ncols = min(NR, m - p * NR)
+        while r + MR <= n:
+            _tile[MR, WF, SEG](x.unsafe_offset(r * ldx), ldx, wp.unsafe_offset(p * ps), k,
+                               y.unsafe_offset(r * ldy + p * NR), ldy, ncols)
+            r += MR
+        comptime for R in range(1, MR):
+            if n - r == R:
+                _tile[R, WF, SEG](x.unsafe_offset(r * ldx), ldx, wp.unsafe_offset(p * ps), k,
+                                  y.unsafe_offset(r * ldy + p * NR), ldy, ncols)
         p += 1
 
 
@@ -337,16 +431,18 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
 ):
     """Rows [r0, r1) x panels [p0, p1) of y = x @ W^T, W packed (m, k), in
     the order SEG (module docstring)."""
-    if r1 - r0 == 8:  # a batch-8 step: weights that come from DRAM
-        comptime if WIDE:  # one pass over the weights, not a 6-row and a 2-row one
+    comptime if WIDE:
+        if r1 - r0 == 8:  # a batch-8 step in one pass over the weights
             _rows_few[8, WF, SEG](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
                              y.unsafe_offset(r0 * ldy), ldy)
-        else:  # per segment 4 rows, prefetching, then 4 more on its weights in L1
-            # (was 4 rows over all the panels, then 4 more from L2: the
-            # weights streamed only during the first pass; in_proj and
-            # out_proj of a d = 768 step 0.88-0.93x the time)
-            _rows_few[8, WF, SEG, FEW_PF, 4](x.unsafe_offset(r0 * ldx), ldx, wp, k, m, p0, p1,
-                                        y.unsafe_offset(r0 * ldy), ldy)
+            return
+    # A batched decode step (AVX2 batch 8: per segment 4 rows, prefetching,
+    # then 4 more on its weights in L1; was 4 rows over all the panels,
+    # then 4 more from L2: in_proj and out_proj of a d = 768 step 0.88-0.93x
+    # the time)
+    if r1 - r0 > MR and r1 - r0 <= MANY_ROWS:
+        _rows_many[WF, SEG](x.unsafe_offset(r0 * ldx), ldx, r1 - r0, wp, k, m, p0, p1,
+                            y.unsafe_offset(r0 * ldy), ldy)
         return
     var full = r0 + (r1 - r0) // MR * MR
     var p = p0
