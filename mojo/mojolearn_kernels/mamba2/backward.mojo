@@ -42,7 +42,7 @@ from ..abi import (
 from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale, rmsnorm_row_vjp
+from ..norms import rmsnorm_row, rms_scale, block_norm_vjp_row
 from ..numerics import silu_f32, silu_grad_f32
 from .layout import P, N, Q, KCONV, M2Dims
 from .backward_layout import (
@@ -387,14 +387,10 @@ def _norm_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
     for r in range(r0, min(bw.b * nt, r0 + ROWS_PER_TASK)):
         var t = bw.tok0(c) + r % nt
         var off = ((r // nt) * bw.l + t) * d
-        if bw.pad(r // nt, t):
-            for j in range(d):
-                dx[unsafe_offset=off + j] = 0.0
-                work[unsafe_offset=bw.o_pn + r * d + j] = 0.0
-            continue
-        rmsnorm_row_vjp[True](x.unsafe_offset(off), d, blob.unsafe_offset(bw.dims.o_norm),
-                              work.unsafe_offset(bw.o_dxn + r * d), g.unsafe_offset(off),
-                              dx.unsafe_offset(off), work.unsafe_offset(bw.o_pn + r * d))
+        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
+                           blob.unsafe_offset(bw.dims.o_norm),
+                           work.unsafe_offset(bw.o_dxn + r * d),
+                           work.unsafe_offset(bw.o_pn + r * d), d, bw.pad(r // nt, t))
 
 
 def _column_sums(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int):

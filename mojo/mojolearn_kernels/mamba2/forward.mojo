@@ -40,6 +40,7 @@ from ..weight_panels import (
     pack_weight_panels, set_blob_formats, set_blob_section, set_blob_option, valid_formats,
 )
 from ..norms import rmsnorm_row
+from ..residual import add_residual_tile
 from ..conv import causal_conv_silu
 from ..numerics import exp_f32
 from ..lanes import copy_floats, transpose_in, transpose_out
@@ -228,27 +229,8 @@ def _gnorm_rows(cl: M2Call, gp: M2Group, task: Int):
 
 
 def _residual(cl: M2Call, gp: M2Group, r0: Int, r1: Int, c0: Int, c1: Int):
-    var d = cl.dims.d
-    var gn = gp.gn
-    var proj = cl.work.unsafe_offset(cl.wk.o_xn)
-    var x = cl.x
-    var y = cl.y
-    for r in range(r0, r1):
-        var bb = r // gn
-        var t = gp.t0 + r % gn
-        var off = (bb * cl.wk.l + t) * d
-        if _is_pad(cl, bb, t):
-            for col in range(c0, c1):
-                y[unsafe_offset=off + col] = 0.0
-        else:
-            var col = c0
-            while col + VW <= c1:
-                y.unsafe_store(off + col, x.unsafe_load[width=VW](off + col)
-                               + proj.unsafe_load[width=VW](r * d + col))
-                col += VW
-            while col < c1:
-                y[unsafe_offset=off + col] = x[unsafe_offset=off + col] + proj[unsafe_offset=r * d + col]
-                col += 1
+    add_residual_tile(cl.x, cl.y, cl.work.unsafe_offset(cl.wk.o_xn), cl.wk.l, cl.dims.d,
+                      cl.lens, cl.ragged, gp.t0, gp.gn, r0, r1, c0, c1)
 
 
 def _conv_task(cl: M2Call, gp: M2Group, task: Int):
