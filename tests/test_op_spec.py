@@ -13,7 +13,7 @@ import pytest
 
 from mojolearn import _abi, _loader
 
-OPS = {k: v for k, v in vars(_abi).items() if k.startswith("OP_")}
+OPS = _abi.op_names()
 PACKAGE = Path(_abi.__file__).parent
 
 

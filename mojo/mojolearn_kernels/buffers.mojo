@@ -12,8 +12,8 @@ op_buffers(op, args, table, cap) writes rows (slot, bytes, flags) for the
 non-null buffer slots of `op` (at most `cap` rows) and returns the count.
 """
 from .abi import I64Ptr, arg_int, PLAN_WORKSPACE
-from .dispatch import op_plan, is_host_op
-from .opspec import SlotSink, op_spec, K_INT, K_WORK, BUF_IN, BUF_OUT, BUF_INOUT
+from .dispatch import op_plan, is_host_op, op_spec
+from .opspec import SlotSink, K_INT, K_WORK, BUF_IN, BUF_OUT, BUF_INOUT
 
 comptime BUF_ROW = 3  # Int64s per table row
 

@@ -1,6 +1,6 @@
 """The one declaration of every op's argument slots.
 
-For each op, `op_spec` lists every slot once: its name, kind (a scalar or
+For each op (ops.mojo), its `*_spec` function lists every slot once: its name, kind (a scalar or
 the element type of a buffer), direction and, for a buffer, its size in
 bytes for the call in `args`. The slot numbers themselves are the comptime
 constants next to each kernel (FWD_X, BW_G_IN, ...); nothing else spells
@@ -14,13 +14,7 @@ A sink receives the rows; `args` may be all zeros (the text form), so a
 size formula must not read through a pointer slot (blob_format of a null
 blob is float32).
 """
-from .abi import (
-    I64Ptr, arg_int, arg_f32,
-    OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD, OP_M1_BACKWARD,
-    OP_M2_PREPARE, OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_PREPARE, OP_M3_FORWARD,
-    OP_M3_BACKWARD, OP_PACK_TRANSPOSED, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK, OP_PANELS_EXTRACT,
-    OP_LM_PREPARE, OP_LM_EMBED, OP_LM_LOGITS, OP_LM_NEXT,
-)
+from .abi import I64Ptr, arg_int, arg_f32
 from .mamba1 import forward as m1
 from .mamba1 import backward_layout as m1b
 from .mamba2 import layout as m2
@@ -62,87 +56,72 @@ trait SlotSink:
         ...
 
 
-def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
-    """Every slot of `op` into s; False for an unknown op."""
-    if op == OP_M1_FORWARD:
-        _m1_forward(args, s)
-    elif op == OP_M1_BACKWARD:
-        _m1_backward(args, s)
-    elif op == OP_M1_PREPARE:
-        _m1_prepare(s)
-    elif op == OP_M2_FORWARD:
-        _m2_forward(args, s)
-    elif op == OP_M2_BACKWARD:
-        _m2_backward(args, s)
-    elif op == OP_M2_PREPARE:
-        _m2_prepare(s)
-    elif op == OP_M3_FORWARD:
-        _m3_forward(args, s)
-    elif op == OP_M3_BACKWARD:
-        _m3_backward(args, s)
-    elif op == OP_M3_PREPARE:
-        _m3_prepare(s)
-    elif op == OP_MATH_EVAL:
-        var n = arg_int(args, me.ME_N)
-        _int(s, "fn", me.ME_FN)
-        s.slot("src", me.ME_SRC, K_F32, BUF_IN, n * F4)
-        s.slot("dst", me.ME_DST, K_F32, BUF_OUT, n * F4)
-        _int(s, "n", me.ME_N)
-        _int(s, "width", me.ME_WIDTH)
-    elif op == OP_FIRST_NONFINITE:
-        _int(s, "b", ck.NF_B)
-        _int(s, "l", ck.NF_L)
-        _int(s, "inner", ck.NF_INNER)
-        var bl = arg_int(args, ck.NF_B) * arg_int(args, ck.NF_L)
-        s.slot("src", ck.NF_PTR, K_F32, BUF_IN, bl * arg_int(args, ck.NF_INNER) * F4)
-        s.slot("lengths", ck.NF_LENGTHS, K_I64, BUF_IN, arg_int(args, ck.NF_B) * I8)
-        s.slot("out", ck.NF_OUT, K_I64, BUF_OUT, I8)
-    elif op == OP_LOWBIT_PACK:
-        var rows = arg_int(args, lb.PK_ROWS)
-        var n = rows * arg_int(args, lb.PK_COLS)
-        _int(s, "fmt", lb.PK_FMT)
-        _int(s, "rows", lb.PK_ROWS)
-        _int(s, "cols", lb.PK_COLS)
-        s.slot("src", lb.PK_SRC, K_F32, BUF_IN, n * F4)
-        s.slot("dst", lb.PK_DST, K_CODES, BUF_OUT, n * _code_bytes(arg_int(args, lb.PK_FMT)))
-        s.slot("aux", lb.PK_AUX, K_I32, BUF_OUT, rows * F4)
-    elif op == OP_LOWBIT_UNPACK:
-        var rows = arg_int(args, lb.UP_ROWS)
-        var n = rows * arg_int(args, lb.UP_COLS)
-        _int(s, "fmt", lb.UP_FMT)
-        _int(s, "rows", lb.UP_ROWS)
-        _int(s, "cols", lb.UP_COLS)
-        s.slot("src", lb.UP_SRC, K_CODES, BUF_IN, n * _code_bytes(arg_int(args, lb.UP_FMT)))
-        s.slot("aux", lb.UP_AUX, K_I32, BUF_IN, rows * F4)
-        s.slot("dst", lb.UP_DST, K_F32, BUF_OUT, n * F4)
-    elif op == OP_PANELS_EXTRACT:
-        # the blob's size is not in the arguments: this op runs on the host
-        var rows = arg_int(args, wp.EX_ROWS)
-        var wf = blob_format(arg_f32(args, wp.EX_BLOB))
-        _int(s, "section", wp.EX_SECTION)
-        _int(s, "rows", wp.EX_ROWS)
-        _int(s, "cols", wp.EX_COLS)
-        s.slot("blob", wp.EX_BLOB, K_F32, BUF_IN, 0)
-        s.slot("dst", wp.EX_DST, K_CODES, BUF_OUT,
-               rows * arg_int(args, wp.EX_COLS) * _code_bytes(wf))
-        s.slot("exponents", wp.EX_EXP, K_I32, BUF_OUT, rows * F4)
-    elif op == OP_PACK_TRANSPOSED:
-        var k1 = arg_int(args, lg.PT_K1)
-        var m1_ = arg_int(args, lg.PT_M1)
-        var k2 = arg_int(args, lg.PT_K2)
-        var m2_ = arg_int(args, lg.PT_M2)
-        _int(s, "k1", lg.PT_K1)
-        _int(s, "m1", lg.PT_M1)
-        s.slot("w1", lg.PT_W1, K_F32, BUF_IN, k1 * m1_ * F4)
-        _int(s, "k2", lg.PT_K2)
-        _int(s, "m2", lg.PT_M2)
-        s.slot("w2", lg.PT_W2, K_F32, BUF_IN, k2 * m2_ * F4)
-        s.slot("dst", lg.PT_DST, K_F32, BUF_OUT, TPanels(k1, m1_, k2, m2_).floats * F4)
-    elif op == OP_LM_PREPARE or op == OP_LM_EMBED or op == OP_LM_LOGITS or op == OP_LM_NEXT:
-        _lm(op, args, s)
-    else:
-        return False
-    return True
+def math_eval_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var n = arg_int(args, me.ME_N)
+    _int(s, "fn", me.ME_FN)
+    s.slot("src", me.ME_SRC, K_F32, BUF_IN, n * F4)
+    s.slot("dst", me.ME_DST, K_F32, BUF_OUT, n * F4)
+    _int(s, "n", me.ME_N)
+    _int(s, "width", me.ME_WIDTH)
+
+
+def first_nonfinite_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    _int(s, "b", ck.NF_B)
+    _int(s, "l", ck.NF_L)
+    _int(s, "inner", ck.NF_INNER)
+    var bl = arg_int(args, ck.NF_B) * arg_int(args, ck.NF_L)
+    s.slot("src", ck.NF_PTR, K_F32, BUF_IN, bl * arg_int(args, ck.NF_INNER) * F4)
+    s.slot("lengths", ck.NF_LENGTHS, K_I64, BUF_IN, arg_int(args, ck.NF_B) * I8)
+    s.slot("out", ck.NF_OUT, K_I64, BUF_OUT, I8)
+
+
+def lowbit_pack_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var rows = arg_int(args, lb.PK_ROWS)
+    var n = rows * arg_int(args, lb.PK_COLS)
+    _int(s, "fmt", lb.PK_FMT)
+    _int(s, "rows", lb.PK_ROWS)
+    _int(s, "cols", lb.PK_COLS)
+    s.slot("src", lb.PK_SRC, K_F32, BUF_IN, n * F4)
+    s.slot("dst", lb.PK_DST, K_CODES, BUF_OUT, n * _code_bytes(arg_int(args, lb.PK_FMT)))
+    s.slot("aux", lb.PK_AUX, K_I32, BUF_OUT, rows * F4)
+
+
+def lowbit_unpack_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var rows = arg_int(args, lb.UP_ROWS)
+    var n = rows * arg_int(args, lb.UP_COLS)
+    _int(s, "fmt", lb.UP_FMT)
+    _int(s, "rows", lb.UP_ROWS)
+    _int(s, "cols", lb.UP_COLS)
+    s.slot("src", lb.UP_SRC, K_CODES, BUF_IN, n * _code_bytes(arg_int(args, lb.UP_FMT)))
+    s.slot("aux", lb.UP_AUX, K_I32, BUF_IN, rows * F4)
+    s.slot("dst", lb.UP_DST, K_F32, BUF_OUT, n * F4)
+
+
+def panels_extract_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    # the blob's size is not in the arguments: this op runs on the host
+    var rows = arg_int(args, wp.EX_ROWS)
+    var wf = blob_format(arg_f32(args, wp.EX_BLOB))
+    _int(s, "section", wp.EX_SECTION)
+    _int(s, "rows", wp.EX_ROWS)
+    _int(s, "cols", wp.EX_COLS)
+    s.slot("blob", wp.EX_BLOB, K_F32, BUF_IN, 0)
+    s.slot("dst", wp.EX_DST, K_CODES, BUF_OUT,
+           rows * arg_int(args, wp.EX_COLS) * _code_bytes(wf))
+    s.slot("exponents", wp.EX_EXP, K_I32, BUF_OUT, rows * F4)
+
+
+def pack_transposed_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var k1 = arg_int(args, lg.PT_K1)
+    var m1_ = arg_int(args, lg.PT_M1)
+    var k2 = arg_int(args, lg.PT_K2)
+    var m2_ = arg_int(args, lg.PT_M2)
+    _int(s, "k1", lg.PT_K1)
+    _int(s, "m1", lg.PT_M1)
+    s.slot("w1", lg.PT_W1, K_F32, BUF_IN, k1 * m1_ * F4)
+    _int(s, "k2", lg.PT_K2)
+    _int(s, "m2", lg.PT_M2)
+    s.slot("w2", lg.PT_W2, K_F32, BUF_IN, k2 * m2_ * F4)
+    s.slot("dst", lg.PT_DST, K_F32, BUF_OUT, TPanels(k1, m1_, k2, m2_).floats * F4)
 
 
 @always_inline
@@ -179,7 +158,7 @@ def _sizes[S: SlotSink](mut s: S):
 
 
 # ---- Mamba-1 ----------------------------------------------------------------
-def _m1_prepare[S: SlotSink](mut s: S):
+def m1_prepare_spec[S: SlotSink](mut s: S):
     _int(s, "d", m1.PREP_D)
     s.slot("norm.weight", m1.PREP_NORM, K_F32, BUF_IN, 0)
     s.slot("in_proj.weight", m1.PREP_IN, K_F32, BUF_IN, 0)
@@ -200,7 +179,7 @@ def _m1_prepare[S: SlotSink](mut s: S):
     _int(s, "bcdt_eps_bits", m1.PREP_BCDT_EPS)
 
 
-def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
+def m1_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m1.FWD_B)
     var dm = m1.M1Dims(arg_int(args, m1.FWD_D), blob_format(arg_f32(args, m1.FWD_BLOB)))
     var di = dm.di
@@ -223,7 +202,7 @@ def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
     _int(s, "flags", m1.FWD_FLAGS)
 
 
-def _m1_backward[S: SlotSink](args: I64Ptr, mut s: S):
+def m1_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m1.M1Dims(arg_int(args, m1b.BW_D), blob_format(arg_f32(args, m1b.BW_BLOB)))
     var d = dm.d
     var di = dm.di
@@ -262,7 +241,7 @@ def _m1_backward[S: SlotSink](args: I64Ptr, mut s: S):
 
 
 # ---- Mamba-2 ----------------------------------------------------------------
-def _m2_prepare[S: SlotSink](mut s: S):
+def m2_prepare_spec[S: SlotSink](mut s: S):
     _int(s, "d", m2.PREP_D)
     s.slot("block_norm.weight", m2.PREP_NORM, K_F32, BUF_IN, 0)
     s.slot("in_proj.weight", m2.PREP_IN, K_F32, BUF_IN, 0)
@@ -281,7 +260,7 @@ def _m2_prepare[S: SlotSink](mut s: S):
     s.slot("exp:out_proj.weight", m2.PREP_OUT_EXP, K_I32, BUF_IN, 0)
 
 
-def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
+def m2_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m2.FWD_B)
     var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_format(arg_f32(args, m2.FWD_BLOB)))
     var bx = _tokens(args)
@@ -305,7 +284,7 @@ def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("row_tokens", m2.FWD_ROW_S, K_I64, BUF_IN, b * I8)
 
 
-def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
+def m2_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_format(arg_f32(args, m2b.BW_BLOB)))
     var d = dm.d
     var bx = _tokens(args)
@@ -354,7 +333,7 @@ def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
 
 
 # ---- Mamba-3 ----------------------------------------------------------------
-def _m3_prepare[S: SlotSink](mut s: S):
+def m3_prepare_spec[S: SlotSink](mut s: S):
     _int(s, "d", m3.PREP_D)
     s.slot("block_norm.weight", m3.PREP_NORM, K_F32, BUF_IN, 0)
     s.slot("in_proj.weight", m3.PREP_IN, K_F32, BUF_IN, 0)
@@ -371,7 +350,7 @@ def _m3_prepare[S: SlotSink](mut s: S):
     s.slot("exp:out_proj.weight", m3.PREP_OUT_EXP, K_I32, BUF_IN, 0)
 
 
-def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
+def m3_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m3.FWD_B)
     var dm = m3.M3Dims(arg_int(args, m3.FWD_D), blob_format(arg_f32(args, m3.FWD_BLOB)))
     var bh = b * dm.nh
@@ -404,7 +383,7 @@ def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("row_tokens", m3.FWD_ROW_N0, K_I64, BUF_IN, b * I8)
 
 
-def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):
+def m3_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m3.M3Dims(arg_int(args, m3b.BW_D), blob_format(arg_f32(args, m3b.BW_BLOB)))
     var d = dm.d
     var bx = _tokens(args)
@@ -465,51 +444,56 @@ def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):
 
 
 # ---- language-model ends (lm.mojo) --------------------------------------------
-def _lm[S: SlotSink](op: Int, args: I64Ptr, mut s: S):
-    if op == OP_LM_PREPARE:
-        # a host op: sizes are not needed
-        _int(s, "d", lm.LMP_D)
-        _int(s, "vocab", lm.LMP_V)
-        s.slot("norm_f.weight", lm.LMP_NORM, K_F32, BUF_IN, 0)
-        s.slot("lm_head.weight", lm.LMP_HEAD, K_CODES, BUF_IN, 0)
-        s.slot("exp:lm_head.weight", lm.LMP_HEAD_EXP, K_I32, BUF_IN, 0)
-        s.slot("embeddings.weight", lm.LMP_EMB, K_CODES, BUF_IN, 0)
-        s.slot("exp:embeddings.weight", lm.LMP_EMB_EXP, K_I32, BUF_IN, 0)
-        _int(s, "wfmt", lm.LMP_WFMT)
-        s.slot("blob", lm.LMP_BLOB, K_F32, BUF_OUT, 0)
-        _int(s, "row0", lm.LMP_ROW0)
-        _int(s, "nrows", lm.LMP_NROWS)
-    elif op == OP_LM_EMBED:
-        var n = arg_int(args, lm.LME_N)
-        var d = arg_int(args, lm.LME_D)
-        var dm = lm.lm_blob_dims(arg_f32(args, lm.LME_BLOB), d, arg_int(args, lm.LME_V))
-        _int(s, "n", lm.LME_N)
-        _int(s, "d", lm.LME_D)
-        _int(s, "vocab", lm.LME_V)
-        s.slot("tokens", lm.LME_TOKENS, K_I64, BUF_IN, n * I8)
-        _f32(s, "blob", lm.LME_BLOB, BUF_IN, dm.blob)
-        _f32(s, "x", lm.LME_X, BUF_OUT, n * d)
-    elif op == OP_LM_LOGITS:
-        var r = arg_int(args, lm.LML_R)
-        var d = arg_int(args, lm.LML_D)
-        var v = arg_int(args, lm.LML_V)
-        var dm = lm.lm_blob_dims(arg_f32(args, lm.LML_BLOB), d, v)
-        _int(s, "rows", lm.LML_R)
-        _int(s, "d", lm.LML_D)
-        _int(s, "vocab", lm.LML_V)
-        _f32(s, "x", lm.LML_X, BUF_IN, r * d)
-        _f32(s, "blob", lm.LML_BLOB, BUF_IN, dm.blob)
-        s.slot("work", lm.LML_WORK, K_WORK, 0, 0)
-        _f32(s, "logits", lm.LML_OUT, BUF_OUT, r * v)
-    else:
-        var r = arg_int(args, lm.LMN_R)
-        var v = arg_int(args, lm.LMN_V)
-        _int(s, "rows", lm.LMN_R)
-        _int(s, "vocab", lm.LMN_V)
-        _f32(s, "logits", lm.LMN_LOGITS, BUF_IN, r * v)
-        _f32(s, "temperature", lm.LMN_TEMP, BUF_IN, r)
-        s.slot("top_k", lm.LMN_TOPK, K_I64, BUF_IN, r * I8)
-        _f32(s, "top_p", lm.LMN_TOPP, BUF_IN, r)
-        _f32(s, "u", lm.LMN_U, BUF_IN, r)
-        s.slot("work", lm.LMN_WORK, K_WORK, 0, 0)
-        s.slot("tokens", lm.LMN_OUT, K_I64, BUF_OUT, r * I8)
+def lm_prepare_spec[S: SlotSink](mut s: S):
+    # a host op: sizes are not needed
+    _int(s, "d", lm.LMP_D)
+    _int(s, "vocab", lm.LMP_V)
+    s.slot("norm_f.weight", lm.LMP_NORM, K_F32, BUF_IN, 0)
+    s.slot("lm_head.weight", lm.LMP_HEAD, K_CODES, BUF_IN, 0)
+    s.slot("exp:lm_head.weight", lm.LMP_HEAD_EXP, K_I32, BUF_IN, 0)
+    s.slot("embeddings.weight", lm.LMP_EMB, K_CODES, BUF_IN, 0)
+    s.slot("exp:embeddings.weight", lm.LMP_EMB_EXP, K_I32, BUF_IN, 0)
+    _int(s, "wfmt", lm.LMP_WFMT)
+    s.slot("blob", lm.LMP_BLOB, K_F32, BUF_OUT, 0)
+    _int(s, "row0", lm.LMP_ROW0)
+    _int(s, "nrows", lm.LMP_NROWS)
+
+
+def lm_embed_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var n = arg_int(args, lm.LME_N)
+    var d = arg_int(args, lm.LME_D)
+    var dm = lm.lm_blob_dims(arg_f32(args, lm.LME_BLOB), d, arg_int(args, lm.LME_V))
+    _int(s, "n", lm.LME_N)
+    _int(s, "d", lm.LME_D)
+    _int(s, "vocab", lm.LME_V)
+    s.slot("tokens", lm.LME_TOKENS, K_I64, BUF_IN, n * I8)
+    _f32(s, "blob", lm.LME_BLOB, BUF_IN, dm.blob)
+    _f32(s, "x", lm.LME_X, BUF_OUT, n * d)
+
+
+def lm_logits_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var r = arg_int(args, lm.LML_R)
+    var d = arg_int(args, lm.LML_D)
+    var v = arg_int(args, lm.LML_V)
+    var dm = lm.lm_blob_dims(arg_f32(args, lm.LML_BLOB), d, v)
+    _int(s, "rows", lm.LML_R)
+    _int(s, "d", lm.LML_D)
+    _int(s, "vocab", lm.LML_V)
+    _f32(s, "x", lm.LML_X, BUF_IN, r * d)
+    _f32(s, "blob", lm.LML_BLOB, BUF_IN, dm.blob)
+    s.slot("work", lm.LML_WORK, K_WORK, 0, 0)
+    _f32(s, "logits", lm.LML_OUT, BUF_OUT, r * v)
+
+
+def lm_next_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var r = arg_int(args, lm.LMN_R)
+    var v = arg_int(args, lm.LMN_V)
+    _int(s, "rows", lm.LMN_R)
+    _int(s, "vocab", lm.LMN_V)
+    _f32(s, "logits", lm.LMN_LOGITS, BUF_IN, r * v)
+    _f32(s, "temperature", lm.LMN_TEMP, BUF_IN, r)
+    s.slot("top_k", lm.LMN_TOPK, K_I64, BUF_IN, r * I8)
+    _f32(s, "top_p", lm.LMN_TOPP, BUF_IN, r)
+    _f32(s, "u", lm.LMN_U, BUF_IN, r)
+    s.slot("work", lm.LMN_WORK, K_WORK, 0, 0)
+    s.slot("tokens", lm.LMN_OUT, K_I64, BUF_OUT, r * I8)

@@ -36,7 +36,7 @@ STAGES = {
     _abi.OP_M2_FORWARD: ("norm", "in_proj", "conv", "cb", "ssd", "gated_norm", "out_proj"),
     _abi.OP_M3_FORWARD: ("norm", "in_proj", "bc_norm_gates", "scan", "out_proj"),
 }
-_OP_NAMES = {v: k[3:].lower() for k, v in vars(_abi).items() if k.startswith("OP_")}
+_OP_NAMES = {v: k for k, v in _abi.op_ids().items()}
 
 
 def set_phase_timing(on: bool) -> None:
