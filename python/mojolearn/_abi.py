@@ -140,12 +140,15 @@ class OpSpec:
 _SPECS: dict = {}
 
 
-def op_spec(lib, op: int) -> OpSpec:
-    """The OpSpec of op in the loaded binary `lib` (read once per binary)."""
+def op_spec(lib, op) -> OpSpec:
+    """The OpSpec of op (its id, or its name in the op table such as
+    'm1_forward') in the loaded binary `lib` (read once per binary)."""
     key = (lib.path, op)
     spec = _SPECS.get(key)
     if spec is None:
         import ctypes
+        if isinstance(op, str):
+            op = _tables(lib)[0][op]
         fn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p,
                               ctypes.c_int64)(lib.symbol("ml_op_spec"))
         buf = ctypes.create_string_buffer(1024)
@@ -166,7 +169,8 @@ def slot_bytes(lib, op: int, args: list, name: str) -> int:
     import ctypes
     fn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                           ctypes.c_int64)(lib.symbol("ml_buffers"))
-    slot = op_spec(lib, op).slot(name)
+    spec = op_spec(lib, op)
+    op, slot = spec.op, spec.slot(name)
     a = (ctypes.c_int64 * len(args))(*args)
     a[slot] = a[slot] or 1  # the table lists only non-null slots; never dereferenced
     cap, width = 64, _tables(lib)[2]["BUF_ROW"]

@@ -33,7 +33,7 @@ class DecodeSessionBase:
         check_not_held(state)
         self._block = block
         self._lib = block._lib
-        self._op = block._runner.spec.forward_op
+        self._op = _abi.op_spec(self._lib, block._runner.spec.forward_op).op
         self._blob = block._blob  # pinned: a later set_params is not seen
         self._state = state
         self._b = b
