@@ -134,6 +134,26 @@ def _f32[S: SlotSink](mut s: S, name: StaticString, slot: Int, dir: Int, floats:
     s.slot(name, slot, K_F32, dir, floats * F4)
 
 
+@always_inline
+def _named[S: SlotSink, //, N: StaticString](mut s: S, slot: Int, dir: Int, floats: Int):
+    """A float32 slot whose name N is built at compile time (a group's
+    prefix + the array's name, see _m3_state)."""
+    s.slot(N, slot, K_F32, dir, floats * F4)
+
+
+def _backward_head[S: SlotSink](
+    mut s: S, bx: Int, blob_floats: Int, x: Int, g: Int, blob: Int, work: Int, dx: Int
+):
+    """The slots every block backward starts with: the sizes, x,
+    grad_output, the blob, the workspace and dx."""
+    _sizes(s)
+    s.slot("x", x, K_F32, BUF_IN, bx)
+    s.slot("grad_output", g, K_F32, BUF_IN, bx)
+    _f32(s, "blob", blob, BUF_IN, blob_floats)
+    s.slot("work", work, K_WORK, 0, 0)
+    s.slot("dx", dx, K_F32, BUF_OUT, bx)
+
+
 def _code_bytes(fmt: Int) -> Int:
     """Bytes per element of packed codes (lowbit.FMT_*): bfloat16 2, int8 1,
     float32 (panels extract of a float32 blob) 4."""
@@ -194,8 +214,7 @@ def m1_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var state = 0 if (flags & m1.FLAG_NO_LOAD) != 0 else BUF_IN
     if (flags & m1.FLAG_NO_SAVE) == 0:
         state |= BUF_OUT
-    _f32(s, "conv_window", m1.FWD_CONV_WINDOW, state, b * di * m1.KCONV)
-    _f32(s, "h", m1.FWD_H, state, b * di * m1.NSTATE)
+    _m1_state[""](s, state, b * di, m1.FWD_CONV_WINDOW, m1.FWD_H)
     s.slot("lengths", m1.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
     # A decode session keeps its state in the workspace between calls.
     s.slot("work", m1.FWD_WORK, K_WORK, BUF_INOUT, 0)
@@ -206,13 +225,8 @@ def m1_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m1.M1Dims(arg_int(args, m1b.BW_D), blob_format(arg_f32(args, m1b.BW_BLOB)))
     var d = dm.d
     var di = dm.di
-    var bx = _tokens(args)
-    _sizes(s)
-    s.slot("x", m1b.BW_X, K_F32, BUF_IN, bx)
-    s.slot("grad_output", m1b.BW_G, K_F32, BUF_IN, bx)
-    _f32(s, "blob", m1b.BW_BLOB, BUF_IN, dm.blob)
-    s.slot("work", m1b.BW_WORK, K_WORK, 0, 0)
-    s.slot("dx", m1b.BW_DX, K_F32, BUF_OUT, bx)
+    _backward_head(s, _tokens(args), dm.blob, m1b.BW_X, m1b.BW_G, m1b.BW_BLOB, m1b.BW_WORK,
+                   m1b.BW_DX)
     _f32(s, "in_proj.weight", m1b.BW_W_IN, BUF_IN, 2 * di * d)
     _f32(s, "x_proj.weight", m1b.BW_W_X, BUF_IN, dm.nx * di)
     _f32(s, "dt_proj.weight", m1b.BW_W_DT, BUF_IN, di * dm.r)
@@ -230,14 +244,17 @@ def m1_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "grad:out_proj.weight", m1b.BW_G_OUT, BUF_INOUT, d * di)
     # Through the state (optional, null = absent): the start state, the final
     # state's cotangents, ragged lengths, and the start state's gradients.
-    var b = arg_int(args, m1b.BW_B)
-    _f32(s, "state:conv_window", m1b.BW_CONV_WINDOW, BUF_IN, b * di * m1.KCONV)
-    _f32(s, "state:h", m1b.BW_H, BUF_IN, b * di * m1.NSTATE)
-    _f32(s, "grad_state:conv_window", m1b.BW_GS_CONV, BUF_IN, b * di * m1.KCONV)
-    _f32(s, "grad_state:h", m1b.BW_GS_H, BUF_IN, b * di * m1.NSTATE)
-    s.slot("lengths", m1b.BW_LENGTHS, K_I64, BUF_IN, b * I8)
-    _f32(s, "grad:state.conv_window", m1b.BW_G_CONV0, BUF_OUT, b * di * m1.KCONV)
-    _f32(s, "grad:state.h", m1b.BW_G_H0, BUF_OUT, b * di * m1.NSTATE)
+    var bdi = arg_int(args, m1b.BW_B) * di
+    _m1_state["state:"](s, BUF_IN, bdi, m1b.BW_CONV_WINDOW, m1b.BW_H)
+    _m1_state["grad_state:"](s, BUF_IN, bdi, m1b.BW_GS_CONV, m1b.BW_GS_H)
+    s.slot("lengths", m1b.BW_LENGTHS, K_I64, BUF_IN, arg_int(args, m1b.BW_B) * I8)
+    _m1_state["grad:state."](s, BUF_OUT, bdi, m1b.BW_G_CONV0, m1b.BW_G_H0)
+
+
+def _m1_state[S: SlotSink, //, P: StaticString](mut s: S, dir: Int, bdi: Int, cw: Int, h: Int):
+    """The Mamba-1 state arrays (B * di rows) named P + their name."""
+    _named[P + "conv_window"](s, cw, dir, bdi * m1.KCONV)
+    _named[P + "h"](s, h, dir, bdi * m1.NSTATE)
 
 
 # ---- Mamba-2 ----------------------------------------------------------------
@@ -269,10 +286,7 @@ def m2_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("x", m2.FWD_X, K_F32, BUF_IN, bx)
     s.slot("y", m2.FWD_Y, K_F32, BUF_OUT, bx)
     _f32(s, "blob", m2.FWD_BLOB, BUF_IN, dm.blob)
-    _f32(s, "conv_window", m2.FWD_CONV_WINDOW, BUF_INOUT, b * dm.cd * m2.KCONV)
-    _f32(s, "h", m2.FWD_H, BUF_INOUT, heads)
-    _f32(s, "buffer_xbc", m2.FWD_BUF_XBC, BUF_INOUT, b * m2.Q * dm.cd)
-    _f32(s, "buffer_dtraw", m2.FWD_BUF_DT, BUF_INOUT, b * m2.Q * dm.nh)
+    _m2_state[""](s, BUF_INOUT, b, dm, m2.FWD_CONV_WINDOW, m2.FWD_H, m2.FWD_BUF_XBC, m2.FWD_BUF_DT)
     _int(s, "buffered_tokens", m2.FWD_S)
     s.slot("lengths", m2.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
     _f32(s, "h_last", m2.FWD_HLAST, BUF_OUT, heads)
@@ -287,13 +301,8 @@ def m2_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
 def m2_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_format(arg_f32(args, m2b.BW_BLOB)))
     var d = dm.d
-    var bx = _tokens(args)
-    _sizes(s)
-    s.slot("x", m2b.BW_X, K_F32, BUF_IN, bx)
-    s.slot("grad_output", m2b.BW_G, K_F32, BUF_IN, bx)
-    _f32(s, "blob", m2b.BW_BLOB, BUF_IN, dm.blob)
-    s.slot("work", m2b.BW_WORK, K_WORK, 0, 0)
-    s.slot("dx", m2b.BW_DX, K_F32, BUF_OUT, bx)
+    _backward_head(s, _tokens(args), dm.blob, m2b.BW_X, m2b.BW_G, m2b.BW_BLOB, m2b.BW_WORK,
+                   m2b.BW_DX)
     _f32(s, "in_proj.weight", m2b.BW_W_IN, BUF_IN, dm.npj * d)
     _f32(s, "out_proj.weight", m2b.BW_W_OUT, BUF_IN, d * dm.di)
     _f32(s, "grad:block_norm.weight", m2b.BW_G_NORM, BUF_INOUT, d)
@@ -311,25 +320,25 @@ def m2_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     # (buffered_tokens rows of its buffers), the final state's cotangents,
     # ragged lengths, and the start state's gradients (mamba2/backward_state.mojo).
     var b = arg_int(args, m2b.BW_B)
-    var cw = b * dm.cd * m2.KCONV
-    var hs = b * dm.nh * m2.P * m2.N
-    var bxc = b * m2.Q * dm.cd
-    var bd = b * m2.Q * dm.nh
     _int(s, "buffered_tokens", m2b.BW_N0)
     _int(s, "stated", m2b.BW_STATED)
     s.slot("lengths", m2b.BW_LENGTHS, K_I64, BUF_IN, b * I8)
-    _f32(s, "state:conv_window", m2b.BW_S_CONV, BUF_IN, cw)
-    _f32(s, "state:h", m2b.BW_S_H, BUF_IN, hs)
-    _f32(s, "state:buffer_xbc", m2b.BW_S_BX, BUF_IN, bxc)
-    _f32(s, "state:buffer_dtraw", m2b.BW_S_BD, BUF_IN, bd)
-    _f32(s, "grad_state:conv_window", m2b.BW_C_CONV, BUF_IN, cw)
-    _f32(s, "grad_state:h", m2b.BW_C_H, BUF_IN, hs)
-    _f32(s, "grad_state:buffer_xbc", m2b.BW_C_BX, BUF_IN, bxc)
-    _f32(s, "grad_state:buffer_dtraw", m2b.BW_C_BD, BUF_IN, bd)
-    _f32(s, "grad:state.conv_window", m2b.BW_GS_CONV, BUF_OUT, cw)
-    _f32(s, "grad:state.h", m2b.BW_GS_H, BUF_OUT, hs)
-    _f32(s, "grad:state.buffer_xbc", m2b.BW_GS_BX, BUF_OUT, bxc)
-    _f32(s, "grad:state.buffer_dtraw", m2b.BW_GS_BD, BUF_OUT, bd)
+    _m2_state["state:"](s, BUF_IN, b, dm, m2b.BW_S_CONV, m2b.BW_S_H, m2b.BW_S_BX, m2b.BW_S_BD)
+    _m2_state["grad_state:"](s, BUF_IN, b, dm, m2b.BW_C_CONV, m2b.BW_C_H, m2b.BW_C_BX,
+                             m2b.BW_C_BD)
+    _m2_state["grad:state."](s, BUF_OUT, b, dm, m2b.BW_GS_CONV, m2b.BW_GS_H, m2b.BW_GS_BX,
+                             m2b.BW_GS_BD)
+
+
+def _m2_state[S: SlotSink, //, P: StaticString](
+    mut s: S, dir: Int, b: Int, dm: m2.M2Dims, cw: Int, h: Int, bxc: Int, bd: Int
+):
+    """The Mamba-2 state arrays of b rows (Mamba2State,
+    python/mojolearn/mamba/mamba2.py) named P + their name."""
+    _named[P + "conv_window"](s, cw, dir, b * dm.cd * m2.KCONV)
+    _named[P + "h"](s, h, dir, b * dm.nh * m2.P * m2.N)
+    _named[P + "buffer_xbc"](s, bxc, dir, b * m2.Q * dm.cd)
+    _named[P + "buffer_dtraw"](s, bd, dir, b * m2.Q * dm.nh)
 
 
 # ---- Mamba-3 ----------------------------------------------------------------
@@ -365,16 +374,8 @@ def m3_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     _int(s, "pending", m3.FWD_PENDING)
     _int(s, "mode", m3.FWD_MODE)
     # The state (Mamba3State arrays, python/mojolearn/mamba/mamba3.py).
-    _f32(s, "theta", m3.FWD_THETA, BUF_INOUT, bh * m3.NANG)
-    _f32(s, "h", m3.FWD_H, BUF_INOUT, bh * m3.HP * m3.NST)
-    _f32(s, "buffer_qrot", m3.FWD_BQ, BUF_INOUT, bh * m3.QC * m3.NST)
-    _f32(s, "buffer_krot", m3.FWD_BK, BUF_INOUT, bh * m3.QC * m3.NST)
-    _f32(s, "buffer_v", m3.FWD_BV, BUF_INOUT, bh * m3.QC * m3.HP)
-    _f32(s, "buffer_dt", m3.FWD_BDT, BUF_INOUT, bh * m3.QC)
-    _f32(s, "buffer_sig", m3.FWD_BSG, BUF_INOUT, bh * m3.QC)
-    _f32(s, "buffer_adt", m3.FWD_BADT, BUF_INOUT, bh * m3.QC)
-    _f32(s, "pending_k", m3.FWD_PK, BUF_INOUT, bh * m3.NST)
-    _f32(s, "pending_v", m3.FWD_PV, BUF_INOUT, bh * m3.HP)
+    _m3_state[""](s, BUF_INOUT, bh, m3.FWD_THETA, m3.FWD_H, m3.FWD_BQ, m3.FWD_BK, m3.FWD_BV,
+                  m3.FWD_BDT, m3.FWD_BSG, m3.FWD_BADT, m3.FWD_PK, m3.FWD_PV)
     # Reports (mode 1).
     _f32(s, "report:h", m3.FWD_RH, BUF_OUT, bh * m3.HP * m3.NST)
     _f32(s, "report:k", m3.FWD_RK, BUF_OUT, bh * m3.NST)
@@ -386,13 +387,8 @@ def m3_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
 def m3_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m3.M3Dims(arg_int(args, m3b.BW_D), blob_format(arg_f32(args, m3b.BW_BLOB)))
     var d = dm.d
-    var bx = _tokens(args)
-    _sizes(s)
-    s.slot("x", m3b.BW_X, K_F32, BUF_IN, bx)
-    s.slot("grad_output", m3b.BW_G, K_F32, BUF_IN, bx)
-    _f32(s, "blob", m3b.BW_BLOB, BUF_IN, dm.blob)
-    s.slot("work", m3b.BW_WORK, K_WORK, 0, 0)
-    s.slot("dx", m3b.BW_DX, K_F32, BUF_OUT, bx)
+    _backward_head(s, _tokens(args), dm.blob, m3b.BW_X, m3b.BW_G, m3b.BW_BLOB, m3b.BW_WORK,
+                   m3b.BW_DX)
     _f32(s, "in_proj.weight", m3b.BW_W_IN, BUF_IN, dm.np * d)
     _f32(s, "out_proj.weight", m3b.BW_W_OUT, BUF_IN, d * dm.di)
     _f32(s, "grad:block_norm.weight", m3b.BW_G_NORM, BUF_INOUT, d)
@@ -407,40 +403,40 @@ def m3_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "panels", m3b.BW_PANELS, BUF_IN, TPanels(dm.np, d, d, dm.di).floats)
     # gradients through the state (0 / null for the zero-state backward)
     var bh = arg_int(args, m3b.BW_B) * dm.nh
-    var rows = bh * m3.QC  # buffer rows (B, 64, H)
     _int(s, "buffered_tokens", m3b.BW_N0)
     _int(s, "pending", m3b.BW_PENDING)
     _int(s, "stated", m3b.BW_STATED)
     s.slot("lengths", m3b.BW_LENGTHS, K_I64, BUF_IN, arg_int(args, m3b.BW_B) * I8)
-    _f32(s, "state:theta", m3b.BW_S_THETA, BUF_IN, bh * m3.NANG)
-    _f32(s, "state:h", m3b.BW_S_H, BUF_IN, bh * m3.HP * m3.NST)
-    _f32(s, "state:buffer_krot", m3b.BW_S_BK, BUF_IN, rows * m3.NST)
-    _f32(s, "state:buffer_v", m3b.BW_S_BV, BUF_IN, rows * m3.HP)
-    _f32(s, "state:buffer_dt", m3b.BW_S_BDT, BUF_IN, rows)
-    _f32(s, "state:buffer_sig", m3b.BW_S_BSG, BUF_IN, rows)
-    _f32(s, "state:buffer_adt", m3b.BW_S_BADT, BUF_IN, rows)
-    _f32(s, "state:pending_k", m3b.BW_S_PK, BUF_IN, bh * m3.NST)
-    _f32(s, "state:pending_v", m3b.BW_S_PV, BUF_IN, bh * m3.HP)
-    _f32(s, "cot:theta", m3b.BW_C_THETA, BUF_IN, bh * m3.NANG)
-    _f32(s, "cot:h", m3b.BW_C_H, BUF_IN, bh * m3.HP * m3.NST)
-    _f32(s, "cot:buffer_qrot", m3b.BW_C_BQ, BUF_IN, rows * m3.NST)
-    _f32(s, "cot:buffer_krot", m3b.BW_C_BK, BUF_IN, rows * m3.NST)
-    _f32(s, "cot:buffer_v", m3b.BW_C_BV, BUF_IN, rows * m3.HP)
-    _f32(s, "cot:buffer_dt", m3b.BW_C_BDT, BUF_IN, rows)
-    _f32(s, "cot:buffer_sig", m3b.BW_C_BSG, BUF_IN, rows)
-    _f32(s, "cot:buffer_adt", m3b.BW_C_BADT, BUF_IN, rows)
-    _f32(s, "cot:pending_k", m3b.BW_C_PK, BUF_IN, bh * m3.NST)
-    _f32(s, "cot:pending_v", m3b.BW_C_PV, BUF_IN, bh * m3.HP)
-    _f32(s, "grad:state.theta", m3b.BW_GS_THETA, BUF_OUT, bh * m3.NANG)
-    _f32(s, "grad:state.h", m3b.BW_GS_H, BUF_OUT, bh * m3.HP * m3.NST)
-    _f32(s, "grad:state.buffer_qrot", m3b.BW_GS_BQ, BUF_OUT, rows * m3.NST)
-    _f32(s, "grad:state.buffer_krot", m3b.BW_GS_BK, BUF_OUT, rows * m3.NST)
-    _f32(s, "grad:state.buffer_v", m3b.BW_GS_BV, BUF_OUT, rows * m3.HP)
-    _f32(s, "grad:state.buffer_dt", m3b.BW_GS_BDT, BUF_OUT, rows)
-    _f32(s, "grad:state.buffer_sig", m3b.BW_GS_BSG, BUF_OUT, rows)
-    _f32(s, "grad:state.buffer_adt", m3b.BW_GS_BADT, BUF_OUT, rows)
-    _f32(s, "grad:state.pending_k", m3b.BW_GS_PK, BUF_OUT, bh * m3.NST)
-    _f32(s, "grad:state.pending_v", m3b.BW_GS_PV, BUF_OUT, bh * m3.HP)
+    _m3_state["state:"](s, BUF_IN, bh, m3b.BW_S_THETA, m3b.BW_S_H, -1, m3b.BW_S_BK,
+                        m3b.BW_S_BV, m3b.BW_S_BDT, m3b.BW_S_BSG, m3b.BW_S_BADT, m3b.BW_S_PK,
+                        m3b.BW_S_PV)
+    _m3_state["cot:"](s, BUF_IN, bh, m3b.BW_C_THETA, m3b.BW_C_H, m3b.BW_C_BQ, m3b.BW_C_BK,
+                      m3b.BW_C_BV, m3b.BW_C_BDT, m3b.BW_C_BSG, m3b.BW_C_BADT, m3b.BW_C_PK,
+                      m3b.BW_C_PV)
+    _m3_state["grad:state."](s, BUF_OUT, bh, m3b.BW_GS_THETA, m3b.BW_GS_H, m3b.BW_GS_BQ,
+                             m3b.BW_GS_BK, m3b.BW_GS_BV, m3b.BW_GS_BDT, m3b.BW_GS_BSG,
+                             m3b.BW_GS_BADT, m3b.BW_GS_PK, m3b.BW_GS_PV)
+
+
+def _m3_state[S: SlotSink, //, P: StaticString](
+    mut s: S, dir: Int, bh: Int, theta: Int, h: Int, bq: Int, bk: Int, bv: Int, bdt: Int,
+    bsg: Int, badt: Int, pk: Int, pv: Int,
+):
+    """The Mamba-3 state arrays of bh (row, head) pairs (Mamba3State,
+    python/mojolearn/mamba/mamba3.py) named P + their name; bq < 0: a group
+    without buffer_qrot."""
+    var rows = bh * m3.QC  # buffer rows (B, 64, H)
+    _named[P + "theta"](s, theta, dir, bh * m3.NANG)
+    _named[P + "h"](s, h, dir, bh * m3.HP * m3.NST)
+    if bq >= 0:
+        _named[P + "buffer_qrot"](s, bq, dir, rows * m3.NST)
+    _named[P + "buffer_krot"](s, bk, dir, rows * m3.NST)
+    _named[P + "buffer_v"](s, bv, dir, rows * m3.HP)
+    _named[P + "buffer_dt"](s, bdt, dir, rows)
+    _named[P + "buffer_sig"](s, bsg, dir, rows)
+    _named[P + "buffer_adt"](s, badt, dir, rows)
+    _named[P + "pending_k"](s, pk, dir, bh * m3.NST)
+    _named[P + "pending_v"](s, pv, dir, bh * m3.HP)
 
 
 # ---- language-model ends (lm.mojo) --------------------------------------------
