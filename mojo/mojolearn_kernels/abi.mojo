@@ -22,7 +22,8 @@ comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 # 3: OP_PACK_TRANSPOSED; the Mamba-2/3 backwards' BW_PANELS slot.
 # 4: ml_op_spec (every op's slots by name, opspec.mojo); the OP_LM_* ops.
 # 5: OP_M1_PREPARE bcdt_eps_bits (the blob header's option word, O_OPTION).
-comptime ABI_VERSION = 5
+# 6: ml_op_table and ml_constants (op ids and shared numbers are read, not copied).
+comptime ABI_VERSION = 6
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
 comptime PLAN_WORKSPACE = -1

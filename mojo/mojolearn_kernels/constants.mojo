@@ -9,53 +9,41 @@ without heap use, so the CPU binary needs no Mojo runtime.
 """
 from .abi import PHASE_END, PLAN_WORKSPACE
 from .buffers import BUF_ROW
-from .describe import U8Ptr, put_str, put_int
+from .describe import U8Ptr, TextBuf
 from .ops import Op, OpVisitor, visit_ops
 from .opspec import BUF_IN, BUF_OUT, BUF_INOUT
 from .mamba1.forward import FLAG_NO_LOAD, FLAG_NO_SAVE, FLAG_NO_TOKENS
 
 
 struct _TableText(OpVisitor):
-    var buf: U8Ptr
-    var cap: Int
-    var n: Int
+    var t: TextBuf
 
     def __init__(out self, buf: U8Ptr, cap: Int):
-        self.buf = buf
-        self.cap = cap
-        self.n = 0
+        self.t = TextBuf(buf, cap)
 
     def visit[O: Op](mut self) -> Bool:
-        self.n = put_str(self.buf, self.cap, self.n, O.NAME)
-        self.n = put_str(self.buf, self.cap, self.n, "=")
-        self.n = put_int(self.buf, self.cap, self.n, O.ID)
-        self.n = put_str(self.buf, self.cap, self.n, ",host;" if O.HOST else ",device;")
+        self.t.entry(O.NAME, O.ID, ",host;" if O.HOST else ",device;")
         return False  # on to the next op
 
 
 def op_table_text(buf: U8Ptr, cap: Int) -> Int:
     """Writes the op table into buf (as far as cap allows); returns its full
     length."""
-    var t = _TableText(buf, cap)
-    _ = visit_ops(t)
-    return t.n
-
-
-def _put(buf: U8Ptr, cap: Int, n: Int, name: StaticString, v: Int) -> Int:
-    var m = put_str(buf, cap, n, name)
-    m = put_str(buf, cap, m, "=")
-    m = put_int(buf, cap, m, v)
-    return put_str(buf, cap, m, ";")
+    var v = _TableText(buf, cap)
+    _ = visit_ops(v)
+    return v.t.n
 
 
 def constants_text(buf: U8Ptr, cap: Int) -> Int:
     """Writes every shared constant into buf; returns the full length."""
-    var n = _put(buf, cap, 0, "PLAN_WORKSPACE", PLAN_WORKSPACE)
-    n = _put(buf, cap, n, "PHASE_END", PHASE_END)
-    n = _put(buf, cap, n, "BUF_ROW", BUF_ROW)
-    n = _put(buf, cap, n, "BUF_IN", BUF_IN)
-    n = _put(buf, cap, n, "BUF_OUT", BUF_OUT)
-    n = _put(buf, cap, n, "BUF_INOUT", BUF_INOUT)
-    n = _put(buf, cap, n, "M1_FLAG_NO_LOAD", FLAG_NO_LOAD)
-    n = _put(buf, cap, n, "M1_FLAG_NO_SAVE", FLAG_NO_SAVE)
-    return _put(buf, cap, n, "M1_FLAG_NO_TOKENS", FLAG_NO_TOKENS)
+    var t = TextBuf(buf, cap)
+    t.entry("PLAN_WORKSPACE", PLAN_WORKSPACE, ";")
+    t.entry("PHASE_END", PHASE_END, ";")
+    t.entry("BUF_ROW", BUF_ROW, ";")
+    t.entry("BUF_IN", BUF_IN, ";")
+    t.entry("BUF_OUT", BUF_OUT, ";")
+    t.entry("BUF_INOUT", BUF_INOUT, ";")
+    t.entry("M1_FLAG_NO_LOAD", FLAG_NO_LOAD, ";")
+    t.entry("M1_FLAG_NO_SAVE", FLAG_NO_SAVE, ";")
+    t.entry("M1_FLAG_NO_TOKENS", FLAG_NO_TOKENS, ";")
+    return t.n

@@ -8,7 +8,7 @@ from ``ml_constants`` (``constant``), and argument slots from ``ml_op_spec``
 """
 from __future__ import annotations
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 VENDORS = {0: "cpu", 1: "cuda", 2: "hip", 3: "metal"}
 NUMERIC_MODES = {0: "identical", 1: "fast"}
