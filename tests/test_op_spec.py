@@ -116,16 +116,23 @@ def test_staged_buffer_table_matches_the_declaration():
 SLOT_NUMBER = (r"args\[\d", r"\.run\([^)\n]*,\s*\[", r"_SLOTS?\w* = \d")
 
 
+def _hits(patterns, text):
+    return [m.group(0) for pat in patterns for m in re.finditer(pat, text)]
+
+
+def _package_hits(patterns):
+    return [f"{p.name}: {hit}" for p in PACKAGE.rglob("*.py")
+            for hit in _hits(patterns, p.read_text())]
+
+
 def _slot_numbers(text):
-    return [m.group(0) for pat in SLOT_NUMBER for m in re.finditer(pat, text)]
+    return _hits(SLOT_NUMBER, text)
 
 
 def test_no_slot_number_is_written_in_the_package():
     """Argument lists are packed by name (OpSpec.pack): no literal index
     into an op's arguments and no positional argument list in the package."""
-    bad = [f"{p.name}: {hit}" for p in PACKAGE.rglob("*.py")
-           for hit in _slot_numbers(p.read_text())]
-    assert bad == []
+    assert _package_hits(SLOT_NUMBER) == []
     # control: the forms this replaced are found
     old = ("args[6], args[7] = cw, h\nlib.run(OP_X, [b, l, d])\n"
            "_FWD_SLOTS = 16\n")
@@ -144,20 +151,14 @@ SHARED_NUMBER = (
 )
 
 
-def _shared_numbers(text):
-    return [m.group(0) for pat in SHARED_NUMBER for m in re.finditer(pat, text)]
-
-
 def test_no_shared_number_is_copied_into_the_package():
     """Op ids, flag bits, directions and the buffer row width come from the
     binary's own export (_abi.op_ids / _abi.constant), never a literal."""
-    bad = [f"{p.name}: {hit}" for p in PACKAGE.rglob("*.py")
-           for hit in _shared_numbers(p.read_text())]
-    assert bad == []
+    assert _package_hits(SHARED_NUMBER) == []
     # control: each form a copied number took before is found
     planted = ("OP_M1_FORWARD = 11\n_NO_LOAD, _NO_SAVE, _NO_TOKENS = 1, 2, 4\n"
                "BUF_INOUT = 3\nrows = (ctypes.c_int64 * (3 * cap))()\nif rows[3 * i] == slot:\n")
-    assert len(_shared_numbers(planted)) == 5
+    assert len(_hits(SHARED_NUMBER, planted)) == 5
 
 
 def test_exported_numbers_are_the_ones_the_kernels_use():
