@@ -13,18 +13,12 @@ from .ops import Op, OpVisitor, visit_ops
 from .opspec import SlotSink
 
 
+@fieldwise_init
 struct _Plan(OpVisitor):
     var op: Int
     var args: I64Ptr
     var p: Int
     var out: Int
-
-    @always_inline
-    def __init__(out self, op: Int, args: I64Ptr, p: Int):
-        self.op = op
-        self.args = args
-        self.p = p
-        self.out = -2
 
     @always_inline
     def visit[O: Op](mut self) -> Bool:
@@ -37,11 +31,12 @@ struct _Plan(OpVisitor):
 def op_plan(op: Int, args: I64Ptr, p: Int) -> Int:
     """Tasks in phase p of op (PHASE_END past the last; workspace bytes for
     PLAN_WORKSPACE; -2 for an unknown op)."""
-    var v = _Plan(op, args, p)
+    var v = _Plan(op, args, p, -2)
     _ = visit_ops(v)
     return v.out
 
 
+@fieldwise_init
 struct _Task[DEVICE: Bool](OpVisitor):
     """Runs the task of the op with id `op`; with DEVICE, only the ops a GPU
     runs are compiled in (a host op's code never reaches a GPU kernel)."""
@@ -49,13 +44,6 @@ struct _Task[DEVICE: Bool](OpVisitor):
     var args: I64Ptr
     var p: Int
     var t: Int
-
-    @always_inline
-    def __init__(out self, op: Int, args: I64Ptr, p: Int, t: Int):
-        self.op = op
-        self.args = args
-        self.p = p
-        self.t = t
 
     @always_inline
     def visit[O: Op](mut self) -> Bool:
@@ -80,14 +68,10 @@ def device_op_task(op: Int, args: I64Ptr, p: Int, t: Int) -> Int:
     return 0 if visit_ops(v) else -2
 
 
+@fieldwise_init
 struct _Host(OpVisitor):
     var op: Int
     var host: Bool
-
-    @always_inline
-    def __init__(out self, op: Int):
-        self.op = op
-        self.host = False
 
     @always_inline
     def visit[O: Op](mut self) -> Bool:
@@ -100,21 +84,16 @@ struct _Host(OpVisitor):
 def is_host_op(op: Int) -> Bool:
     """Ops a GPU binary runs on the host (Op.HOST in ops.mojo); False for
     an unknown op."""
-    var v = _Host(op)
+    var v = _Host(op, False)
     _ = visit_ops(v)
     return v.host
 
 
+@fieldwise_init
 struct _Spec[S: SlotSink, origin: MutOrigin](OpVisitor):
     var op: Int
     var args: I64Ptr
     var sink: Pointer[Self.S, Self.origin]
-
-    @always_inline
-    def __init__(out self, op: Int, args: I64Ptr, sink: Pointer[Self.S, Self.origin]):
-        self.op = op
-        self.args = args
-        self.sink = sink
 
     @always_inline
     def visit[O: Op](mut self) -> Bool:
