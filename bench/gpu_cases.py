@@ -460,7 +460,7 @@ def digests(mojolearn, record_ops=False):
     """({case: sha256 hex}, {case: op names run while making it}) on the
     binary this process uses (ops only with record_ops)."""
     from mojolearn import _abi
-    names = {v: k for k, v in vars(_abi).items() if k.startswith("OP_")}
+    names = {v: k for k, v in _abi.op_names().items()}
     out, ops = {}, {}
     with (_recording() if record_ops else contextlib.nullcontext()) as rec:
         it = iter_cases(mojolearn)

@@ -19,6 +19,7 @@ from mojolearn_kernels.dispatch import op_plan, op_task, device_op_task, is_host
 from mojolearn_kernels.buffers import op_buffers
 from mojolearn_kernels.opspec import BUF_IN, BUF_OUT
 from mojolearn_kernels.slot_text import op_spec_text
+from mojolearn_kernels.constants import op_table_text, constants_text
 from mojolearn_kernels.checks import first_nonfinite
 from mojolearn_kernels.describe import U8Ptr, put_str
 
@@ -102,6 +103,20 @@ def ml_op_spec(op: Int64, buf: U8Ptr, cap: Int64) abi("C") -> Int64:
     direction. Returns the full length (write again with a larger buf if it
     exceeds cap), or -2 for an unknown op."""
     return Int64(op_spec_text(Int(op), buf, Int(cap)))
+
+
+@export("ml_op_table")
+def ml_op_table(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
+    """The op table as text (constants.mojo): `name=id,host|device;` per op.
+    Returns the full length (write again with a larger buf if it exceeds cap)."""
+    return Int64(op_table_text(buf, Int(cap)))
+
+
+@export("ml_constants")
+def ml_constants(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
+    """Every number shared with the Python layer as `NAME=value;` text
+    (constants.mojo); the full length, as ml_op_table."""
+    return Int64(constants_text(buf, Int(cap)))
 
 
 @export("ml_buffers")

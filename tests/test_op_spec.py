@@ -13,7 +13,7 @@ import pytest
 
 from mojolearn import _abi, _loader
 
-OPS = {k: v for k, v in vars(_abi).items() if k.startswith("OP_")}
+OPS = _abi.op_names()
 PACKAGE = Path(_abi.__file__).parent
 
 
@@ -116,20 +116,68 @@ def test_staged_buffer_table_matches_the_declaration():
 SLOT_NUMBER = (r"args\[\d", r"\.run\([^)\n]*,\s*\[", r"_SLOTS?\w* = \d")
 
 
+def _hits(patterns, text):
+    return [m.group(0) for pat in patterns for m in re.finditer(pat, text)]
+
+
+def _package_hits(patterns):
+    return [f"{p.name}: {hit}" for p in PACKAGE.rglob("*.py")
+            for hit in _hits(patterns, p.read_text())]
+
+
 def _slot_numbers(text):
-    return [m.group(0) for pat in SLOT_NUMBER for m in re.finditer(pat, text)]
+    return _hits(SLOT_NUMBER, text)
 
 
 def test_no_slot_number_is_written_in_the_package():
     """Argument lists are packed by name (OpSpec.pack): no literal index
     into an op's arguments and no positional argument list in the package."""
-    bad = [f"{p.name}: {hit}" for p in PACKAGE.rglob("*.py")
-           for hit in _slot_numbers(p.read_text())]
-    assert bad == []
+    assert _package_hits(SLOT_NUMBER) == []
     # control: the forms this replaced are found
     old = ("args[6], args[7] = cw, h\nlib.run(OP_X, [b, l, d])\n"
            "_FWD_SLOTS = 16\n")
     assert len(_slot_numbers(old)) == 4
+
+
+# The numbers the binary exports (ml_op_table, ml_constants) written as
+# literals: an op id, a call flag bit, a buffer direction or phase code, and
+# the buffer table's row width used to index or size rows.
+SHARED_NUMBER = (
+    r"\bOP_\w+\s*=\s*-?\d",
+    r"\w*(?:FLAG|NO_LOAD|NO_SAVE|NO_TOKENS)\w*(?:\s*,\s*\w+)*\s*=\s*-?\d",
+    r"\b(?:BUF_\w+|PHASE_END|PLAN_WORKSPACE)\s*=\s*-?\d",
+    r"rows\[\s*\d+\s*\*",
+    r"\(\s*\d+\s*\*\s*cap\s*\)",
+)
+
+
+def test_no_shared_number_is_copied_into_the_package():
+    """Op ids, flag bits, directions and the buffer row width come from the
+    binary's own export (_abi.op_ids / _abi.constant), never a literal."""
+    assert _package_hits(SHARED_NUMBER) == []
+    # control: each form a copied number took before is found
+    planted = ("OP_M1_FORWARD = 11\n_NO_LOAD, _NO_SAVE, _NO_TOKENS = 1, 2, 4\n"
+               "BUF_INOUT = 3\nrows = (ctypes.c_int64 * (3 * cap))()\nif rows[3 * i] == slot:\n")
+    assert len(_hits(SHARED_NUMBER, planted)) == 5
+
+
+def test_exported_numbers_are_the_ones_the_kernels_use():
+    """The exported table says what the binary does: each op id answers a
+    plan (an unknown id does not), host ops are those ml_host_op names,
+    and the buffer rows have the exported width."""
+    lib = _loader.library()
+    ops, host, consts = _abi._tables(lib)
+    assert len(set(ops.values())) == len(ops) >= 19
+    import ctypes
+    host_op = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(lib.symbol("ml_host_op"))
+    assert host == {n for n, op in ops.items() if host_op(op)} and "m1_forward" not in host
+    spec = _abi.op_spec(lib, "m1_forward")
+    assert spec.op == ops["m1_forward"] and lib.workspace_bytes(spec.op, spec.pack(b=1, l=1, d=32)) > 0
+    assert {"m1_prepare", "first_nonfinite", "lm_prepare"} <= host
+    assert consts["BUF_ROW"] == 3 and consts["PHASE_END"] == -1
+    assert {consts[k] for k in ("BUF_IN", "BUF_OUT", "BUF_INOUT")} == {1, 2, 3}
+    flags = [consts[f"M1_FLAG_{k}"] for k in ("NO_LOAD", "NO_SAVE", "NO_TOKENS")]
+    assert sorted(flags) == [1, 2, 4]
 
 
 def test_workspace_query_tells_a_refusal_from_an_unknown_op():

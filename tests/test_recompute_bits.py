@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import mojolearn
+from mojolearn import _abi
 from mojolearn.mamba import _base
 from mojolearn.reference.weights import (
     mamba1_weights, mamba2_weights, mamba3_weights, random_input,
@@ -47,6 +48,7 @@ class Ran:
     the offsets of its activations (probe.mojo)."""
 
     def __init__(self, blk, op, call, probe):
+        op = _abi.op_spec(blk._lib, op).op  # the spec names the op
         calls = []
         with watching_runs(blk, lambda o, args: calls.append((o, list(args)))):
             call()

@@ -7,9 +7,10 @@ that a host thread pool may run in any order, on any thread. Tasks of one
 phase never write what another task of that phase reads or writes, so the
 bits never depend on how tasks are scheduled.
 
-The op ids and version here are mirrored in python/mojolearn/_abi.py (a test
-checks them against the binary's ml_op_spec); the argument slots are not:
-Python packs arguments by the names opspec.mojo gives them.
+The op ids live in the op table (ops.mojo) and reach Python through
+`ml_op_table`; the other numbers Python needs through `ml_constants`
+(constants.mojo). Only ABI_VERSION is mirrored in python/mojolearn/_abi.py,
+which checks it. Python packs arguments by the names opspec.mojo gives them.
 """
 from std.memory import Pointer
 
@@ -25,33 +26,13 @@ comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 # 7: the prepare ops' wfmt slot and blob header word 0 hold one 4-bit format per
 #    projection (weight_panels.mojo's formats word): blocks that mix formats.
 # 8: OP_M2_PREPARE n_groups (recorded in the blob header's option word).
-comptime ABI_VERSION = 8
+# 9: ml_op_table and ml_constants (op ids and shared numbers are read, not copied).
+comptime ABI_VERSION = 9
 
 # ml_plan(op, args, PLAN_WORKSPACE) returns the workspace bytes an op needs.
 comptime PLAN_WORKSPACE = -1
 # ml_plan returns PHASE_END once the phase index is past the last phase.
 comptime PHASE_END = -1
-
-# Operation ids.
-comptime OP_FIRST_NONFINITE = 1
-comptime OP_MATH_EVAL = 2
-comptime OP_M1_PREPARE = 10
-comptime OP_M1_FORWARD = 11
-comptime OP_M1_BACKWARD = 12
-comptime OP_M2_PREPARE = 20
-comptime OP_M2_FORWARD = 21
-comptime OP_M2_BACKWARD = 22
-comptime OP_M3_PREPARE = 30
-comptime OP_M3_FORWARD = 31
-comptime OP_M3_BACKWARD = 32
-comptime OP_PACK_TRANSPOSED = 33  # weight transposes for backward (linear_grad)
-comptime OP_LOWBIT_PACK = 40
-comptime OP_LOWBIT_UNPACK = 41
-comptime OP_PANELS_EXTRACT = 42  # packed codes back out of a prepared blob
-comptime OP_LM_PREPARE = 50  # a language model's vocabulary ends (lm.mojo)
-comptime OP_LM_EMBED = 51
-comptime OP_LM_LOGITS = 52
-comptime OP_LM_NEXT = 53
 
 # Alignment of every sub-array inside a workspace or weight blob, in floats.
 comptime ALIGN_FLOATS = 16

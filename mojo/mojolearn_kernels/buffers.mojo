@@ -12,26 +12,20 @@ op_buffers(op, args, table, cap) writes rows (slot, bytes, flags) for the
 non-null buffer slots of `op` (at most `cap` rows) and returns the count.
 """
 from .abi import I64Ptr, arg_int, PLAN_WORKSPACE
-from .dispatch import op_plan, is_host_op
-from .opspec import SlotSink, op_spec, K_INT, K_WORK, BUF_IN, BUF_OUT, BUF_INOUT
+from .dispatch import op_plan, is_host_op, op_spec
+from .opspec import SlotSink, K_INT, K_WORK, BUF_IN, BUF_OUT, BUF_INOUT
 
 comptime BUF_ROW = 3  # Int64s per table row
 
 
+@fieldwise_init
 struct BufTable(SlotSink):
-    """Collects the buffer rows of one call (a SlotSink)."""
+    """Collects the buffer rows of one call (a SlotSink); n counts them."""
     var rows: I64Ptr
     var cap: Int
-    var n: Int
     var op: Int
     var args: I64Ptr
-
-    def __init__(out self, rows: I64Ptr, cap: Int, op: Int, args: I64Ptr):
-        self.rows = rows
-        self.cap = cap
-        self.n = 0
-        self.op = op
-        self.args = args
+    var n: Int
 
     def slot(mut self, name: StaticString, slot: Int, kind: Int, dir: Int, bytes: Int):
         """A row for a buffer slot unless it holds a null pointer or no bytes."""
@@ -55,7 +49,7 @@ def op_buffers(op: Int, args: I64Ptr, rows: I64Ptr, cap: Int) -> Int:
     one that runs on the host (dispatch.is_host_op)."""
     if is_host_op(op):
         return -2
-    var t = BufTable(rows, cap, op, args)
+    var t = BufTable(rows, cap, op, args, 0)
     if not op_spec(op, args, t):
         return -2
     return t.n

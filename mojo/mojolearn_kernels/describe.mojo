@@ -11,3 +11,47 @@ def put_str(buf: U8Ptr, cap: Int, pos: Int, s: StringSlice) -> Int:
         if pos + i < cap:
             buf[unsafe_offset=pos + i] = bytes[i]
     return pos + len(bytes)
+
+
+def put_int(buf: U8Ptr, cap: Int, pos: Int, v: Int) -> Int:
+    """Writes v in decimal (a '-' first if negative); returns the new pos."""
+    var n = pos
+    if v < 0:
+        n = put_str(buf, cap, n, "-")
+    var a = -v if v < 0 else v
+    var p = 1
+    while p * 10 <= a:
+        p *= 10
+    while p > 0:
+        if n < cap:
+            buf[unsafe_offset=n] = UInt8(48 + (a // p) % 10)
+        n += 1
+        p //= 10
+    return n
+
+
+struct TextBuf:
+    """Text written into a caller's buffer as far as cap allows; n counts
+    the full length, so a caller can ask again with a larger buffer."""
+
+    var buf: U8Ptr
+    var cap: Int
+    var n: Int
+
+    def __init__(out self, buf: U8Ptr, cap: Int):
+        self.buf = buf
+        self.cap = cap
+        self.n = 0
+
+    def put(mut self, s: StringSlice):
+        self.n = put_str(self.buf, self.cap, self.n, s)
+
+    def put_int(mut self, v: Int):
+        self.n = put_int(self.buf, self.cap, self.n, v)
+
+    def entry(mut self, name: StringSlice, v: Int, tail: StringSlice):
+        """`name=v` then tail (';' or ',...')."""
+        self.put(name)
+        self.put("=")
+        self.put_int(v)
+        self.put(tail)

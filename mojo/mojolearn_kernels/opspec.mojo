@@ -1,6 +1,6 @@
 """The one declaration of every op's argument slots.
 
-For each op, `op_spec` lists every slot once: its name, kind (a scalar or
+For each op (ops.mojo), its `*_spec` function lists every slot once: its name, kind (a scalar or
 the element type of a buffer), direction and, for a buffer, its size in
 bytes for the call in `args`. The slot numbers themselves are the comptime
 constants next to each kernel (FWD_X, BW_G_IN, ...); nothing else spells
@@ -14,13 +14,7 @@ A sink receives the rows; `args` may be all zeros (the text form), so a
 size formula must not read through a pointer slot (blob_formats of a null
 blob is all float32).
 """
-from .abi import (
-    I64Ptr, arg_int, arg_f32,
-    OP_FIRST_NONFINITE, OP_MATH_EVAL, OP_M1_PREPARE, OP_M1_FORWARD, OP_M1_BACKWARD,
-    OP_M2_PREPARE, OP_M2_FORWARD, OP_M2_BACKWARD, OP_M3_PREPARE, OP_M3_FORWARD,
-    OP_M3_BACKWARD, OP_PACK_TRANSPOSED, OP_LOWBIT_PACK, OP_LOWBIT_UNPACK, OP_PANELS_EXTRACT,
-    OP_LM_PREPARE, OP_LM_EMBED, OP_LM_LOGITS, OP_LM_NEXT,
-)
+from .abi import I64Ptr, arg_int, arg_f32
 from .mamba1 import forward as m1
 from .mamba1 import backward_layout as m1b
 from .mamba2 import layout as m2
@@ -63,88 +57,73 @@ trait SlotSink:
         ...
 
 
-def op_spec[S: SlotSink](op: Int, args: I64Ptr, mut s: S) -> Bool:
-    """Every slot of `op` into s; False for an unknown op."""
-    if op == OP_M1_FORWARD:
-        _m1_forward(args, s)
-    elif op == OP_M1_BACKWARD:
-        _m1_backward(args, s)
-    elif op == OP_M1_PREPARE:
-        _m1_prepare(s)
-    elif op == OP_M2_FORWARD:
-        _m2_forward(args, s)
-    elif op == OP_M2_BACKWARD:
-        _m2_backward(args, s)
-    elif op == OP_M2_PREPARE:
-        _m2_prepare(s)
-    elif op == OP_M3_FORWARD:
-        _m3_forward(args, s)
-    elif op == OP_M3_BACKWARD:
-        _m3_backward(args, s)
-    elif op == OP_M3_PREPARE:
-        _m3_prepare(s)
-    elif op == OP_MATH_EVAL:
-        var n = arg_int(args, me.ME_N)
-        _int(s, "fn", me.ME_FN)
-        s.slot("src", me.ME_SRC, K_F32, BUF_IN, n * F4)
-        s.slot("dst", me.ME_DST, K_F32, BUF_OUT, n * F4)
-        _int(s, "n", me.ME_N)
-        _int(s, "width", me.ME_WIDTH)
-    elif op == OP_FIRST_NONFINITE:
-        _int(s, "b", ck.NF_B)
-        _int(s, "l", ck.NF_L)
-        _int(s, "inner", ck.NF_INNER)
-        var bl = arg_int(args, ck.NF_B) * arg_int(args, ck.NF_L)
-        s.slot("src", ck.NF_PTR, K_F32, BUF_IN, bl * arg_int(args, ck.NF_INNER) * F4)
-        s.slot("lengths", ck.NF_LENGTHS, K_I64, BUF_IN, arg_int(args, ck.NF_B) * I8)
-        s.slot("out", ck.NF_OUT, K_I64, BUF_OUT, I8)
-    elif op == OP_LOWBIT_PACK:
-        var rows = arg_int(args, lb.PK_ROWS)
-        var n = rows * arg_int(args, lb.PK_COLS)
-        _int(s, "fmt", lb.PK_FMT)
-        _int(s, "rows", lb.PK_ROWS)
-        _int(s, "cols", lb.PK_COLS)
-        s.slot("src", lb.PK_SRC, K_F32, BUF_IN, n * F4)
-        s.slot("dst", lb.PK_DST, K_CODES, BUF_OUT,
-               lb.code_bytes(arg_int(args, lb.PK_FMT), rows, arg_int(args, lb.PK_COLS)))
-        s.slot("aux", lb.PK_AUX, K_I32, BUF_OUT, rows * F4)
-    elif op == OP_LOWBIT_UNPACK:
-        var rows = arg_int(args, lb.UP_ROWS)
-        var n = rows * arg_int(args, lb.UP_COLS)
-        _int(s, "fmt", lb.UP_FMT)
-        _int(s, "rows", lb.UP_ROWS)
-        _int(s, "cols", lb.UP_COLS)
-        s.slot("src", lb.UP_SRC, K_CODES, BUF_IN,
-               lb.code_bytes(arg_int(args, lb.UP_FMT), rows, arg_int(args, lb.UP_COLS)))
-        s.slot("aux", lb.UP_AUX, K_I32, BUF_IN, rows * F4)
-        s.slot("dst", lb.UP_DST, K_F32, BUF_OUT, n * F4)
-    elif op == OP_PANELS_EXTRACT:
-        # the blob's size is not in the arguments: this op runs on the host
-        var rows = arg_int(args, wp.EX_ROWS)
-        var wf = wp.extract_format(args)
-        _int(s, "section", wp.EX_SECTION)
-        _int(s, "rows", wp.EX_ROWS)
-        _int(s, "cols", wp.EX_COLS)
-        s.slot("blob", wp.EX_BLOB, K_F32, BUF_IN, 0)
-        s.slot("dst", wp.EX_DST, K_CODES, BUF_OUT, lb.code_bytes(wf, rows, arg_int(args, wp.EX_COLS)))
-        s.slot("exponents", wp.EX_EXP, K_I32, BUF_OUT, rows * F4)
-    elif op == OP_PACK_TRANSPOSED:
-        var k1 = arg_int(args, lg.PT_K1)
-        var m1_ = arg_int(args, lg.PT_M1)
-        var k2 = arg_int(args, lg.PT_K2)
-        var m2_ = arg_int(args, lg.PT_M2)
-        _int(s, "k1", lg.PT_K1)
-        _int(s, "m1", lg.PT_M1)
-        s.slot("w1", lg.PT_W1, K_F32, BUF_IN, k1 * m1_ * F4)
-        _int(s, "k2", lg.PT_K2)
-        _int(s, "m2", lg.PT_M2)
-        s.slot("w2", lg.PT_W2, K_F32, BUF_IN, k2 * m2_ * F4)
-        s.slot("dst", lg.PT_DST, K_F32, BUF_OUT, TPanels(k1, m1_, k2, m2_).floats * F4)
-    elif op == OP_LM_PREPARE or op == OP_LM_EMBED or op == OP_LM_LOGITS or op == OP_LM_NEXT:
-        _lm(op, args, s)
-    else:
-        return False
-    return True
+def math_eval_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var n = arg_int(args, me.ME_N)
+    _int(s, "fn", me.ME_FN)
+    s.slot("src", me.ME_SRC, K_F32, BUF_IN, n * F4)
+    s.slot("dst", me.ME_DST, K_F32, BUF_OUT, n * F4)
+    _int(s, "n", me.ME_N)
+    _int(s, "width", me.ME_WIDTH)
+
+
+def first_nonfinite_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    _int(s, "b", ck.NF_B)
+    _int(s, "l", ck.NF_L)
+    _int(s, "inner", ck.NF_INNER)
+    var bl = arg_int(args, ck.NF_B) * arg_int(args, ck.NF_L)
+    s.slot("src", ck.NF_PTR, K_F32, BUF_IN, bl * arg_int(args, ck.NF_INNER) * F4)
+    s.slot("lengths", ck.NF_LENGTHS, K_I64, BUF_IN, arg_int(args, ck.NF_B) * I8)
+    s.slot("out", ck.NF_OUT, K_I64, BUF_OUT, I8)
+
+
+def lowbit_pack_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var rows = arg_int(args, lb.PK_ROWS)
+    var n = rows * arg_int(args, lb.PK_COLS)
+    _int(s, "fmt", lb.PK_FMT)
+    _int(s, "rows", lb.PK_ROWS)
+    _int(s, "cols", lb.PK_COLS)
+    s.slot("src", lb.PK_SRC, K_F32, BUF_IN, n * F4)
+    s.slot("dst", lb.PK_DST, K_CODES, BUF_OUT,
+           lb.code_bytes(arg_int(args, lb.PK_FMT), rows, arg_int(args, lb.PK_COLS)))
+    s.slot("aux", lb.PK_AUX, K_I32, BUF_OUT, rows * F4)
+
+
+def lowbit_unpack_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var rows = arg_int(args, lb.UP_ROWS)
+    var n = rows * arg_int(args, lb.UP_COLS)
+    _int(s, "fmt", lb.UP_FMT)
+    _int(s, "rows", lb.UP_ROWS)
+    _int(s, "cols", lb.UP_COLS)
+    s.slot("src", lb.UP_SRC, K_CODES, BUF_IN,
+           lb.code_bytes(arg_int(args, lb.UP_FMT), rows, arg_int(args, lb.UP_COLS)))
+    s.slot("aux", lb.UP_AUX, K_I32, BUF_IN, rows * F4)
+    s.slot("dst", lb.UP_DST, K_F32, BUF_OUT, n * F4)
+
+
+def panels_extract_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    # the blob's size is not in the arguments: this op runs on the host
+    var rows = arg_int(args, wp.EX_ROWS)
+    var wf = wp.extract_format(args)
+    _int(s, "section", wp.EX_SECTION)
+    _int(s, "rows", wp.EX_ROWS)
+    _int(s, "cols", wp.EX_COLS)
+    s.slot("blob", wp.EX_BLOB, K_F32, BUF_IN, 0)
+    s.slot("dst", wp.EX_DST, K_CODES, BUF_OUT, lb.code_bytes(wf, rows, arg_int(args, wp.EX_COLS)))
+    s.slot("exponents", wp.EX_EXP, K_I32, BUF_OUT, rows * F4)
+
+
+def pack_transposed_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var k1 = arg_int(args, lg.PT_K1)
+    var m1_ = arg_int(args, lg.PT_M1)
+    var k2 = arg_int(args, lg.PT_K2)
+    var m2_ = arg_int(args, lg.PT_M2)
+    _int(s, "k1", lg.PT_K1)
+    _int(s, "m1", lg.PT_M1)
+    s.slot("w1", lg.PT_W1, K_F32, BUF_IN, k1 * m1_ * F4)
+    _int(s, "k2", lg.PT_K2)
+    _int(s, "m2", lg.PT_M2)
+    s.slot("w2", lg.PT_W2, K_F32, BUF_IN, k2 * m2_ * F4)
+    s.slot("dst", lg.PT_DST, K_F32, BUF_OUT, TPanels(k1, m1_, k2, m2_).floats * F4)
 
 
 @always_inline
@@ -155,6 +134,26 @@ def _int[S: SlotSink](mut s: S, name: StaticString, slot: Int):
 @always_inline
 def _f32[S: SlotSink](mut s: S, name: StaticString, slot: Int, dir: Int, floats: Int):
     s.slot(name, slot, K_F32, dir, floats * F4)
+
+
+@always_inline
+def _named[S: SlotSink, //, N: StaticString](mut s: S, slot: Int, dir: Int, floats: Int):
+    """A float32 slot whose name N is built at compile time (a group's
+    prefix + the array's name, see _m3_state)."""
+    s.slot(N, slot, K_F32, dir, floats * F4)
+
+
+def _backward_head[S: SlotSink](
+    mut s: S, bx: Int, blob_floats: Int, x: Int, g: Int, blob: Int, work: Int, dx: Int
+):
+    """The slots every block backward starts with: the sizes, x,
+    grad_output, the blob, the workspace and dx."""
+    _sizes(s)
+    s.slot("x", x, K_F32, BUF_IN, bx)
+    s.slot("grad_output", g, K_F32, BUF_IN, bx)
+    _f32(s, "blob", blob, BUF_IN, blob_floats)
+    s.slot("work", work, K_WORK, 0, 0)
+    s.slot("dx", dx, K_F32, BUF_OUT, bx)
 
 
 def _tokens(args: I64Ptr) -> Int:
@@ -171,7 +170,7 @@ def _sizes[S: SlotSink](mut s: S):
 
 
 # ---- Mamba-1 ----------------------------------------------------------------
-def _m1_prepare[S: SlotSink](mut s: S):
+def m1_prepare_spec[S: SlotSink](mut s: S):
     _int(s, "d", m1.PREP_D)
     s.slot("norm.weight", m1.PREP_NORM, K_F32, BUF_IN, 0)
     s.slot("in_proj.weight", m1.PREP_IN, K_F32, BUF_IN, 0)
@@ -193,7 +192,7 @@ def _m1_prepare[S: SlotSink](mut s: S):
     _int(s, "a_given", m1.PREP_A_GIVEN)
 
 
-def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
+def m1_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m1.FWD_B)
     var dm = m1.M1Dims(arg_int(args, m1.FWD_D), blob_formats(arg_f32(args, m1.FWD_BLOB)))
     var di = dm.di
@@ -208,25 +207,19 @@ def _m1_forward[S: SlotSink](args: I64Ptr, mut s: S):
     var state = 0 if (flags & m1.FLAG_NO_LOAD) != 0 else BUF_IN
     if (flags & m1.FLAG_NO_SAVE) == 0:
         state |= BUF_OUT
-    _f32(s, "conv_window", m1.FWD_CONV_WINDOW, state, b * di * m1.KCONV)
-    _f32(s, "h", m1.FWD_H, state, b * di * m1.NSTATE)
+    _m1_state[""](s, state, b * di, m1.FWD_CONV_WINDOW, m1.FWD_H)
     s.slot("lengths", m1.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
     # A decode session keeps its state in the workspace between calls.
     s.slot("work", m1.FWD_WORK, K_WORK, BUF_INOUT, 0)
     _int(s, "flags", m1.FWD_FLAGS)
 
 
-def _m1_backward[S: SlotSink](args: I64Ptr, mut s: S):
+def m1_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m1.M1Dims(arg_int(args, m1b.BW_D), blob_formats(arg_f32(args, m1b.BW_BLOB)))
     var d = dm.d
     var di = dm.di
-    var bx = _tokens(args)
-    _sizes(s)
-    s.slot("x", m1b.BW_X, K_F32, BUF_IN, bx)
-    s.slot("grad_output", m1b.BW_G, K_F32, BUF_IN, bx)
-    _f32(s, "blob", m1b.BW_BLOB, BUF_IN, dm.blob)
-    s.slot("work", m1b.BW_WORK, K_WORK, 0, 0)
-    s.slot("dx", m1b.BW_DX, K_F32, BUF_OUT, bx)
+    _backward_head(s, _tokens(args), dm.blob, m1b.BW_X, m1b.BW_G, m1b.BW_BLOB, m1b.BW_WORK,
+                   m1b.BW_DX)
     _f32(s, "in_proj.weight", m1b.BW_W_IN, BUF_IN, 2 * di * d)
     _f32(s, "x_proj.weight", m1b.BW_W_X, BUF_IN, dm.nx * di)
     _f32(s, "dt_proj.weight", m1b.BW_W_DT, BUF_IN, di * dm.r)
@@ -244,18 +237,21 @@ def _m1_backward[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "grad:out_proj.weight", m1b.BW_G_OUT, BUF_INOUT, d * di)
     # Through the state (optional, null = absent): the start state, the final
     # state's cotangents, ragged lengths, and the start state's gradients.
-    var b = arg_int(args, m1b.BW_B)
-    _f32(s, "state:conv_window", m1b.BW_CONV_WINDOW, BUF_IN, b * di * m1.KCONV)
-    _f32(s, "state:h", m1b.BW_H, BUF_IN, b * di * m1.NSTATE)
-    _f32(s, "grad_state:conv_window", m1b.BW_GS_CONV, BUF_IN, b * di * m1.KCONV)
-    _f32(s, "grad_state:h", m1b.BW_GS_H, BUF_IN, b * di * m1.NSTATE)
-    s.slot("lengths", m1b.BW_LENGTHS, K_I64, BUF_IN, b * I8)
-    _f32(s, "grad:state.conv_window", m1b.BW_G_CONV0, BUF_OUT, b * di * m1.KCONV)
-    _f32(s, "grad:state.h", m1b.BW_G_H0, BUF_OUT, b * di * m1.NSTATE)
+    var bdi = arg_int(args, m1b.BW_B) * di
+    _m1_state["state:"](s, BUF_IN, bdi, m1b.BW_CONV_WINDOW, m1b.BW_H)
+    _m1_state["grad_state:"](s, BUF_IN, bdi, m1b.BW_GS_CONV, m1b.BW_GS_H)
+    s.slot("lengths", m1b.BW_LENGTHS, K_I64, BUF_IN, arg_int(args, m1b.BW_B) * I8)
+    _m1_state["grad:state."](s, BUF_OUT, bdi, m1b.BW_G_CONV0, m1b.BW_G_H0)
+
+
+def _m1_state[S: SlotSink, //, P: StaticString](mut s: S, dir: Int, bdi: Int, cw: Int, h: Int):
+    """The Mamba-1 state arrays (B * di rows) named P + their name."""
+    _named[P + "conv_window"](s, cw, dir, bdi * m1.KCONV)
+    _named[P + "h"](s, h, dir, bdi * m1.NSTATE)
 
 
 # ---- Mamba-2 ----------------------------------------------------------------
-def _m2_prepare[S: SlotSink](mut s: S):
+def m2_prepare_spec[S: SlotSink](mut s: S):
     _int(s, "d", m2.PREP_D)
     s.slot("block_norm.weight", m2.PREP_NORM, K_F32, BUF_IN, 0)
     s.slot("in_proj.weight", m2.PREP_IN, K_F32, BUF_IN, 0)
@@ -276,7 +272,7 @@ def _m2_prepare[S: SlotSink](mut s: S):
     _int(s, "n_groups", m2.PREP_NGROUPS)
 
 
-def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
+def m2_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m2.FWD_B)
     var blob = arg_f32(args, m2.FWD_BLOB)
     var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_formats(blob), m2.blob_ngroups(blob))
@@ -286,10 +282,7 @@ def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("x", m2.FWD_X, K_F32, BUF_IN, bx)
     s.slot("y", m2.FWD_Y, K_F32, BUF_OUT, bx)
     _f32(s, "blob", m2.FWD_BLOB, BUF_IN, dm.blob)
-    _f32(s, "conv_window", m2.FWD_CONV_WINDOW, BUF_INOUT, b * dm.cd * m2.KCONV)
-    _f32(s, "h", m2.FWD_H, BUF_INOUT, heads)
-    _f32(s, "buffer_xbc", m2.FWD_BUF_XBC, BUF_INOUT, b * m2.Q * dm.cd)
-    _f32(s, "buffer_dtraw", m2.FWD_BUF_DT, BUF_INOUT, b * m2.Q * dm.nh)
+    _m2_state[""](s, BUF_INOUT, b, dm, m2.FWD_CONV_WINDOW, m2.FWD_H, m2.FWD_BUF_XBC, m2.FWD_BUF_DT)
     _int(s, "buffered_tokens", m2.FWD_S)
     s.slot("lengths", m2.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
     _f32(s, "h_last", m2.FWD_HLAST, BUF_OUT, heads)
@@ -301,17 +294,12 @@ def _m2_forward[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("row_tokens", m2.FWD_ROW_S, K_I64, BUF_IN, b * I8)
 
 
-def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
+def m2_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var blob = arg_f32(args, m2b.BW_BLOB)
     var dm = m2.M2Dims(arg_int(args, m2b.BW_D), blob_formats(blob), m2.blob_ngroups(blob))
     var d = dm.d
-    var bx = _tokens(args)
-    _sizes(s)
-    s.slot("x", m2b.BW_X, K_F32, BUF_IN, bx)
-    s.slot("grad_output", m2b.BW_G, K_F32, BUF_IN, bx)
-    _f32(s, "blob", m2b.BW_BLOB, BUF_IN, dm.blob)
-    s.slot("work", m2b.BW_WORK, K_WORK, 0, 0)
-    s.slot("dx", m2b.BW_DX, K_F32, BUF_OUT, bx)
+    _backward_head(s, _tokens(args), dm.blob, m2b.BW_X, m2b.BW_G, m2b.BW_BLOB, m2b.BW_WORK,
+                   m2b.BW_DX)
     _f32(s, "in_proj.weight", m2b.BW_W_IN, BUF_IN, dm.npj * d)
     _f32(s, "out_proj.weight", m2b.BW_W_OUT, BUF_IN, d * dm.di)
     _f32(s, "grad:block_norm.weight", m2b.BW_G_NORM, BUF_INOUT, d)
@@ -329,29 +317,29 @@ def _m2_backward[S: SlotSink](args: I64Ptr, mut s: S):
     # (buffered_tokens rows of its buffers), the final state's cotangents,
     # ragged lengths, and the start state's gradients (mamba2/backward_state.mojo).
     var b = arg_int(args, m2b.BW_B)
-    var cw = b * dm.cd * m2.KCONV
-    var hs = b * dm.nh * m2.P * m2.N
-    var bxc = b * m2.Q * dm.cd
-    var bd = b * m2.Q * dm.nh
     _int(s, "buffered_tokens", m2b.BW_N0)
     _int(s, "stated", m2b.BW_STATED)
     s.slot("lengths", m2b.BW_LENGTHS, K_I64, BUF_IN, b * I8)
-    _f32(s, "state:conv_window", m2b.BW_S_CONV, BUF_IN, cw)
-    _f32(s, "state:h", m2b.BW_S_H, BUF_IN, hs)
-    _f32(s, "state:buffer_xbc", m2b.BW_S_BX, BUF_IN, bxc)
-    _f32(s, "state:buffer_dtraw", m2b.BW_S_BD, BUF_IN, bd)
-    _f32(s, "grad_state:conv_window", m2b.BW_C_CONV, BUF_IN, cw)
-    _f32(s, "grad_state:h", m2b.BW_C_H, BUF_IN, hs)
-    _f32(s, "grad_state:buffer_xbc", m2b.BW_C_BX, BUF_IN, bxc)
-    _f32(s, "grad_state:buffer_dtraw", m2b.BW_C_BD, BUF_IN, bd)
-    _f32(s, "grad:state.conv_window", m2b.BW_GS_CONV, BUF_OUT, cw)
-    _f32(s, "grad:state.h", m2b.BW_GS_H, BUF_OUT, hs)
-    _f32(s, "grad:state.buffer_xbc", m2b.BW_GS_BX, BUF_OUT, bxc)
-    _f32(s, "grad:state.buffer_dtraw", m2b.BW_GS_BD, BUF_OUT, bd)
+    _m2_state["state:"](s, BUF_IN, b, dm, m2b.BW_S_CONV, m2b.BW_S_H, m2b.BW_S_BX, m2b.BW_S_BD)
+    _m2_state["grad_state:"](s, BUF_IN, b, dm, m2b.BW_C_CONV, m2b.BW_C_H, m2b.BW_C_BX,
+                             m2b.BW_C_BD)
+    _m2_state["grad:state."](s, BUF_OUT, b, dm, m2b.BW_GS_CONV, m2b.BW_GS_H, m2b.BW_GS_BX,
+                             m2b.BW_GS_BD)
+
+
+def _m2_state[S: SlotSink, //, P: StaticString](
+    mut s: S, dir: Int, b: Int, dm: m2.M2Dims, cw: Int, h: Int, bxc: Int, bd: Int
+):
+    """The Mamba-2 state arrays of b rows (Mamba2State,
+    python/mojolearn/mamba/mamba2.py) named P + their name."""
+    _named[P + "conv_window"](s, cw, dir, b * dm.cd * m2.KCONV)
+    _named[P + "h"](s, h, dir, b * dm.nh * m2.P * m2.N)
+    _named[P + "buffer_xbc"](s, bxc, dir, b * m2.Q * dm.cd)
+    _named[P + "buffer_dtraw"](s, bd, dir, b * m2.Q * dm.nh)
 
 
 # ---- Mamba-3 ----------------------------------------------------------------
-def _m3_prepare[S: SlotSink](mut s: S):
+def m3_prepare_spec[S: SlotSink](mut s: S):
     _int(s, "d", m3.PREP_D)
     s.slot("block_norm.weight", m3.PREP_NORM, K_F32, BUF_IN, 0)
     s.slot("in_proj.weight", m3.PREP_IN, K_F32, BUF_IN, 0)
@@ -368,7 +356,7 @@ def _m3_prepare[S: SlotSink](mut s: S):
     s.slot("exp:out_proj.weight", m3.PREP_OUT_EXP, K_I32, BUF_IN, 0)
 
 
-def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
+def m3_forward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var b = arg_int(args, m3.FWD_B)
     var dm = m3.M3Dims(arg_int(args, m3.FWD_D), blob_formats(arg_f32(args, m3.FWD_BLOB)))
     var bh = b * dm.nh
@@ -383,16 +371,8 @@ def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
     _int(s, "pending", m3.FWD_PENDING)
     _int(s, "mode", m3.FWD_MODE)
     # The state (Mamba3State arrays, python/mojolearn/mamba/mamba3.py).
-    _f32(s, "theta", m3.FWD_THETA, BUF_INOUT, bh * m3.NANG)
-    _f32(s, "h", m3.FWD_H, BUF_INOUT, bh * m3.HP * m3.NST)
-    _f32(s, "buffer_qrot", m3.FWD_BQ, BUF_INOUT, bh * m3.QC * m3.NST)
-    _f32(s, "buffer_krot", m3.FWD_BK, BUF_INOUT, bh * m3.QC * m3.NST)
-    _f32(s, "buffer_v", m3.FWD_BV, BUF_INOUT, bh * m3.QC * m3.HP)
-    _f32(s, "buffer_dt", m3.FWD_BDT, BUF_INOUT, bh * m3.QC)
-    _f32(s, "buffer_sig", m3.FWD_BSG, BUF_INOUT, bh * m3.QC)
-    _f32(s, "buffer_adt", m3.FWD_BADT, BUF_INOUT, bh * m3.QC)
-    _f32(s, "pending_k", m3.FWD_PK, BUF_INOUT, bh * m3.NST)
-    _f32(s, "pending_v", m3.FWD_PV, BUF_INOUT, bh * m3.HP)
+    _m3_state[""](s, BUF_INOUT, bh, m3.FWD_THETA, m3.FWD_H, m3.FWD_BQ, m3.FWD_BK, m3.FWD_BV,
+                  m3.FWD_BDT, m3.FWD_BSG, m3.FWD_BADT, m3.FWD_PK, m3.FWD_PV)
     # Reports (mode 1).
     _f32(s, "report:h", m3.FWD_RH, BUF_OUT, bh * m3.HP * m3.NST)
     _f32(s, "report:k", m3.FWD_RK, BUF_OUT, bh * m3.NST)
@@ -401,16 +381,11 @@ def _m3_forward[S: SlotSink](args: I64Ptr, mut s: S):
     s.slot("row_tokens", m3.FWD_ROW_N0, K_I64, BUF_IN, b * I8)
 
 
-def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):
+def m3_backward_spec[S: SlotSink](args: I64Ptr, mut s: S):
     var dm = m3.M3Dims(arg_int(args, m3b.BW_D), blob_formats(arg_f32(args, m3b.BW_BLOB)))
     var d = dm.d
-    var bx = _tokens(args)
-    _sizes(s)
-    s.slot("x", m3b.BW_X, K_F32, BUF_IN, bx)
-    s.slot("grad_output", m3b.BW_G, K_F32, BUF_IN, bx)
-    _f32(s, "blob", m3b.BW_BLOB, BUF_IN, dm.blob)
-    s.slot("work", m3b.BW_WORK, K_WORK, 0, 0)
-    s.slot("dx", m3b.BW_DX, K_F32, BUF_OUT, bx)
+    _backward_head(s, _tokens(args), dm.blob, m3b.BW_X, m3b.BW_G, m3b.BW_BLOB, m3b.BW_WORK,
+                   m3b.BW_DX)
     _f32(s, "in_proj.weight", m3b.BW_W_IN, BUF_IN, dm.np * d)
     _f32(s, "out_proj.weight", m3b.BW_W_OUT, BUF_IN, d * dm.di)
     _f32(s, "grad:block_norm.weight", m3b.BW_G_NORM, BUF_INOUT, d)
@@ -425,88 +400,93 @@ def _m3_backward[S: SlotSink](args: I64Ptr, mut s: S):
     _f32(s, "panels", m3b.BW_PANELS, BUF_IN, TPanels(dm.np, d, d, dm.di).floats)
     # gradients through the state (0 / null for the zero-state backward)
     var bh = arg_int(args, m3b.BW_B) * dm.nh
-    var rows = bh * m3.QC  # buffer rows (B, 64, H)
     _int(s, "buffered_tokens", m3b.BW_N0)
     _int(s, "pending", m3b.BW_PENDING)
     _int(s, "stated", m3b.BW_STATED)
     s.slot("lengths", m3b.BW_LENGTHS, K_I64, BUF_IN, arg_int(args, m3b.BW_B) * I8)
-    _f32(s, "state:theta", m3b.BW_S_THETA, BUF_IN, bh * m3.NANG)
-    _f32(s, "state:h", m3b.BW_S_H, BUF_IN, bh * m3.HP * m3.NST)
-    _f32(s, "state:buffer_krot", m3b.BW_S_BK, BUF_IN, rows * m3.NST)
-    _f32(s, "state:buffer_v", m3b.BW_S_BV, BUF_IN, rows * m3.HP)
-    _f32(s, "state:buffer_dt", m3b.BW_S_BDT, BUF_IN, rows)
-    _f32(s, "state:buffer_sig", m3b.BW_S_BSG, BUF_IN, rows)
-    _f32(s, "state:buffer_adt", m3b.BW_S_BADT, BUF_IN, rows)
-    _f32(s, "state:pending_k", m3b.BW_S_PK, BUF_IN, bh * m3.NST)
-    _f32(s, "state:pending_v", m3b.BW_S_PV, BUF_IN, bh * m3.HP)
-    _f32(s, "cot:theta", m3b.BW_C_THETA, BUF_IN, bh * m3.NANG)
-    _f32(s, "cot:h", m3b.BW_C_H, BUF_IN, bh * m3.HP * m3.NST)
-    _f32(s, "cot:buffer_qrot", m3b.BW_C_BQ, BUF_IN, rows * m3.NST)
-    _f32(s, "cot:buffer_krot", m3b.BW_C_BK, BUF_IN, rows * m3.NST)
-    _f32(s, "cot:buffer_v", m3b.BW_C_BV, BUF_IN, rows * m3.HP)
-    _f32(s, "cot:buffer_dt", m3b.BW_C_BDT, BUF_IN, rows)
-    _f32(s, "cot:buffer_sig", m3b.BW_C_BSG, BUF_IN, rows)
-    _f32(s, "cot:buffer_adt", m3b.BW_C_BADT, BUF_IN, rows)
-    _f32(s, "cot:pending_k", m3b.BW_C_PK, BUF_IN, bh * m3.NST)
-    _f32(s, "cot:pending_v", m3b.BW_C_PV, BUF_IN, bh * m3.HP)
-    _f32(s, "grad:state.theta", m3b.BW_GS_THETA, BUF_OUT, bh * m3.NANG)
-    _f32(s, "grad:state.h", m3b.BW_GS_H, BUF_OUT, bh * m3.HP * m3.NST)
-    _f32(s, "grad:state.buffer_qrot", m3b.BW_GS_BQ, BUF_OUT, rows * m3.NST)
-    _f32(s, "grad:state.buffer_krot", m3b.BW_GS_BK, BUF_OUT, rows * m3.NST)
-    _f32(s, "grad:state.buffer_v", m3b.BW_GS_BV, BUF_OUT, rows * m3.HP)
-    _f32(s, "grad:state.buffer_dt", m3b.BW_GS_BDT, BUF_OUT, rows)
-    _f32(s, "grad:state.buffer_sig", m3b.BW_GS_BSG, BUF_OUT, rows)
-    _f32(s, "grad:state.buffer_adt", m3b.BW_GS_BADT, BUF_OUT, rows)
-    _f32(s, "grad:state.pending_k", m3b.BW_GS_PK, BUF_OUT, bh * m3.NST)
-    _f32(s, "grad:state.pending_v", m3b.BW_GS_PV, BUF_OUT, bh * m3.HP)
+    _m3_state["state:"](s, BUF_IN, bh, m3b.BW_S_THETA, m3b.BW_S_H, -1, m3b.BW_S_BK,
+                        m3b.BW_S_BV, m3b.BW_S_BDT, m3b.BW_S_BSG, m3b.BW_S_BADT, m3b.BW_S_PK,
+                        m3b.BW_S_PV)
+    _m3_state["cot:"](s, BUF_IN, bh, m3b.BW_C_THETA, m3b.BW_C_H, m3b.BW_C_BQ, m3b.BW_C_BK,
+                      m3b.BW_C_BV, m3b.BW_C_BDT, m3b.BW_C_BSG, m3b.BW_C_BADT, m3b.BW_C_PK,
+                      m3b.BW_C_PV)
+    _m3_state["grad:state."](s, BUF_OUT, bh, m3b.BW_GS_THETA, m3b.BW_GS_H, m3b.BW_GS_BQ,
+                             m3b.BW_GS_BK, m3b.BW_GS_BV, m3b.BW_GS_BDT, m3b.BW_GS_BSG,
+                             m3b.BW_GS_BADT, m3b.BW_GS_PK, m3b.BW_GS_PV)
+
+
+def _m3_state[S: SlotSink, //, P: StaticString](
+    mut s: S, dir: Int, bh: Int, theta: Int, h: Int, bq: Int, bk: Int, bv: Int, bdt: Int,
+    bsg: Int, badt: Int, pk: Int, pv: Int,
+):
+    """The Mamba-3 state arrays of bh (row, head) pairs (Mamba3State,
+    python/mojolearn/mamba/mamba3.py) named P + their name; bq < 0: a group
+    without buffer_qrot."""
+    var rows = bh * m3.QC  # buffer rows (B, 64, H)
+    _named[P + "theta"](s, theta, dir, bh * m3.NANG)
+    _named[P + "h"](s, h, dir, bh * m3.HP * m3.NST)
+    if bq >= 0:
+        _named[P + "buffer_qrot"](s, bq, dir, rows * m3.NST)
+    _named[P + "buffer_krot"](s, bk, dir, rows * m3.NST)
+    _named[P + "buffer_v"](s, bv, dir, rows * m3.HP)
+    _named[P + "buffer_dt"](s, bdt, dir, rows)
+    _named[P + "buffer_sig"](s, bsg, dir, rows)
+    _named[P + "buffer_adt"](s, badt, dir, rows)
+    _named[P + "pending_k"](s, pk, dir, bh * m3.NST)
+    _named[P + "pending_v"](s, pv, dir, bh * m3.HP)
 
 
 # ---- language-model ends (lm.mojo) --------------------------------------------
-def _lm[S: SlotSink](op: Int, args: I64Ptr, mut s: S):
-    if op == OP_LM_PREPARE:
-        # a host op: sizes are not needed
-        _int(s, "d", lm.LMP_D)
-        _int(s, "vocab", lm.LMP_V)
-        s.slot("norm_f.weight", lm.LMP_NORM, K_F32, BUF_IN, 0)
-        s.slot("lm_head.weight", lm.LMP_HEAD, K_CODES, BUF_IN, 0)
-        s.slot("exp:lm_head.weight", lm.LMP_HEAD_EXP, K_I32, BUF_IN, 0)
-        s.slot("embeddings.weight", lm.LMP_EMB, K_CODES, BUF_IN, 0)
-        s.slot("exp:embeddings.weight", lm.LMP_EMB_EXP, K_I32, BUF_IN, 0)
-        _int(s, "wfmt", lm.LMP_WFMT)
-        s.slot("blob", lm.LMP_BLOB, K_F32, BUF_OUT, 0)
-        _int(s, "row0", lm.LMP_ROW0)
-        _int(s, "nrows", lm.LMP_NROWS)
-    elif op == OP_LM_EMBED:
-        var n = arg_int(args, lm.LME_N)
-        var d = arg_int(args, lm.LME_D)
-        var dm = lm.lm_blob_dims(arg_f32(args, lm.LME_BLOB), d, arg_int(args, lm.LME_V))
-        _int(s, "n", lm.LME_N)
-        _int(s, "d", lm.LME_D)
-        _int(s, "vocab", lm.LME_V)
-        s.slot("tokens", lm.LME_TOKENS, K_I64, BUF_IN, n * I8)
-        _f32(s, "blob", lm.LME_BLOB, BUF_IN, dm.blob)
-        _f32(s, "x", lm.LME_X, BUF_OUT, n * d)
-    elif op == OP_LM_LOGITS:
-        var r = arg_int(args, lm.LML_R)
-        var d = arg_int(args, lm.LML_D)
-        var v = arg_int(args, lm.LML_V)
-        var dm = lm.lm_blob_dims(arg_f32(args, lm.LML_BLOB), d, v)
-        _int(s, "rows", lm.LML_R)
-        _int(s, "d", lm.LML_D)
-        _int(s, "vocab", lm.LML_V)
-        _f32(s, "x", lm.LML_X, BUF_IN, r * d)
-        _f32(s, "blob", lm.LML_BLOB, BUF_IN, dm.blob)
-        s.slot("work", lm.LML_WORK, K_WORK, 0, 0)
-        _f32(s, "logits", lm.LML_OUT, BUF_OUT, r * v)
-    else:
-        var r = arg_int(args, lm.LMN_R)
-        var v = arg_int(args, lm.LMN_V)
-        _int(s, "rows", lm.LMN_R)
-        _int(s, "vocab", lm.LMN_V)
-        _f32(s, "logits", lm.LMN_LOGITS, BUF_IN, r * v)
-        _f32(s, "temperature", lm.LMN_TEMP, BUF_IN, r)
-        s.slot("top_k", lm.LMN_TOPK, K_I64, BUF_IN, r * I8)
-        _f32(s, "top_p", lm.LMN_TOPP, BUF_IN, r)
-        _f32(s, "u", lm.LMN_U, BUF_IN, r)
-        s.slot("work", lm.LMN_WORK, K_WORK, 0, 0)
-        s.slot("tokens", lm.LMN_OUT, K_I64, BUF_OUT, r * I8)
+def lm_prepare_spec[S: SlotSink](mut s: S):
+    # a host op: sizes are not needed
+    _int(s, "d", lm.LMP_D)
+    _int(s, "vocab", lm.LMP_V)
+    s.slot("norm_f.weight", lm.LMP_NORM, K_F32, BUF_IN, 0)
+    s.slot("lm_head.weight", lm.LMP_HEAD, K_CODES, BUF_IN, 0)
+    s.slot("exp:lm_head.weight", lm.LMP_HEAD_EXP, K_I32, BUF_IN, 0)
+    s.slot("embeddings.weight", lm.LMP_EMB, K_CODES, BUF_IN, 0)
+    s.slot("exp:embeddings.weight", lm.LMP_EMB_EXP, K_I32, BUF_IN, 0)
+    _int(s, "wfmt", lm.LMP_WFMT)
+    s.slot("blob", lm.LMP_BLOB, K_F32, BUF_OUT, 0)
+    _int(s, "row0", lm.LMP_ROW0)
+    _int(s, "nrows", lm.LMP_NROWS)
+
+
+def lm_embed_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var n = arg_int(args, lm.LME_N)
+    var d = arg_int(args, lm.LME_D)
+    var dm = lm.lm_blob_dims(arg_f32(args, lm.LME_BLOB), d, arg_int(args, lm.LME_V))
+    _int(s, "n", lm.LME_N)
+    _int(s, "d", lm.LME_D)
+    _int(s, "vocab", lm.LME_V)
+    s.slot("tokens", lm.LME_TOKENS, K_I64, BUF_IN, n * I8)
+    _f32(s, "blob", lm.LME_BLOB, BUF_IN, dm.blob)
+    _f32(s, "x", lm.LME_X, BUF_OUT, n * d)
+
+
+def lm_logits_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var r = arg_int(args, lm.LML_R)
+    var d = arg_int(args, lm.LML_D)
+    var v = arg_int(args, lm.LML_V)
+    var dm = lm.lm_blob_dims(arg_f32(args, lm.LML_BLOB), d, v)
+    _int(s, "rows", lm.LML_R)
+    _int(s, "d", lm.LML_D)
+    _int(s, "vocab", lm.LML_V)
+    _f32(s, "x", lm.LML_X, BUF_IN, r * d)
+    _f32(s, "blob", lm.LML_BLOB, BUF_IN, dm.blob)
+    s.slot("work", lm.LML_WORK, K_WORK, 0, 0)
+    _f32(s, "logits", lm.LML_OUT, BUF_OUT, r * v)
+
+
+def lm_next_spec[S: SlotSink](args: I64Ptr, mut s: S):
+    var r = arg_int(args, lm.LMN_R)
+    var v = arg_int(args, lm.LMN_V)
+    _int(s, "rows", lm.LMN_R)
+    _int(s, "vocab", lm.LMN_V)
+    _f32(s, "logits", lm.LMN_LOGITS, BUF_IN, r * v)
+    _f32(s, "temperature", lm.LMN_TEMP, BUF_IN, r)
+    s.slot("top_k", lm.LMN_TOPK, K_I64, BUF_IN, r * I8)
+    _f32(s, "top_p", lm.LMN_TOPP, BUF_IN, r)
+    _f32(s, "u", lm.LMN_U, BUF_IN, r)
+    s.slot("work", lm.LMN_WORK, K_WORK, 0, 0)
+    s.slot("tokens", lm.LMN_OUT, K_I64, BUF_OUT, r * I8)

@@ -7,10 +7,8 @@ bytes. The offsets come from the ops' own layout structs, built from the
 op's own argument record, so no test restates a layout or a slot number.
 No op calls this.
 """
-from .abi import (
-    I64Ptr, OP_M1_FORWARD, OP_M1_BACKWARD, OP_M2_FORWARD, OP_M2_BACKWARD,
-    OP_M3_FORWARD, OP_M3_BACKWARD, arg_int, arg_f32,
-)
+from .abi import I64Ptr, arg_int, arg_f32
+from .ops import M1Forward, M1Backward, M2Forward, M2Backward, M3Forward, M3Backward
 from .mamba1.forward import M1Work, forward_dims as m1_forward_dims, dims_of_blob as m1_dims_of_blob
 from .mamba1.forward import FWD_B as M1_FWD_B, FWD_L as M1_FWD_L
 from .mamba1.backward_layout import (
@@ -47,12 +45,12 @@ comptime PR_ROWS = 16  # Mamba-3 rows per head of the qkr array
 
 def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
     """Float offset of activation `which` in op's workspace; -1 if none."""
-    if op == OP_M1_FORWARD:
+    if op == M1Forward.ID:
         var wk = M1Work(m1_forward_dims(args), arg_int(args, M1_FWD_B), arg_int(args, M1_FWD_L))
         if which == PR_TOKENS:
             return wk.tc
         return _pick(which, -1, wk.o_hg, wk.o_u, wk.o_dbc, wk.o_dl, wk.o_yg, wk.o_win, wk.o_ht)
-    if op == OP_M1_BACKWARD:
+    if op == M1Backward.ID:
         var bw = BWork(m1_dims_of_blob(arg_int(args, M1_BW_D), arg_f32(args, M1_BW_BLOB)),
                        arg_int(args, M1_BW_B),
                        arg_int(args, M1_BW_L))
@@ -60,7 +58,7 @@ def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
             return bw.tc
         return _pick(which, bw.o_xn, bw.o_hg, bw.o_u, bw.o_dbc, bw.o_dl, bw.o_yg, bw.o_ckw,
                      bw.o_ckh)
-    if op == OP_M2_FORWARD:
+    if op == M2Forward.ID:
         var cl = M2Call(args)
         var wk = cl.wk
         if which == PR_TOKENS:
@@ -71,7 +69,7 @@ def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
             return wk.o_cb
         return _pick(which, -1, wk.o_zx, wk.o_cx, -1, wk.o_dt, wk.o_yg, -1,
                      wk.o_h if not cl.has_state else -1)
-    if op == OP_M2_BACKWARD:
+    if op == M2Backward.ID:
         var bw = BW2(args)
         if which == PR_TOKENS:
             return bw.nc(0)
@@ -80,12 +78,12 @@ def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
         if which == PR_CB:
             return bw.o_cb
         return _pick(which, bw.o_xn, bw.o_zx, bw.o_cx, -1, bw.o_dt, bw.o_g, -1, bw.o_ckh)
-    if op == OP_M3_FORWARD:
+    if op == M3Forward.ID:
         var wk = M3Work(m3_forward_dims(args), arg_int(args, M3_FWD_B), arg_int(args, M3_FWD_L))
         if which == PR_TOKENS:
             return wk.tc
         return _pick(which, -1, wk.o_proj, -1, -1, -1, wk.o_proj, -1, -1)
-    if op == OP_M3_BACKWARD:
+    if op == M3Backward.ID:
         var dims = M3Dims(arg_int(args, M3_BW_D))
         var bw = BW3(dims, arg_int(args, M3_BW_B), arg_int(args, M3_BW_L))
         if bw.defer:  # where pass B of chunk 0 (the last it runs) left its rows

@@ -6,9 +6,10 @@ use, so the CPU binary needs no Mojo runtime.
 """
 from std.memory import stack_allocation
 from .abi import I64Ptr
-from .describe import U8Ptr, put_str
+from .describe import U8Ptr, TextBuf
+from .dispatch import op_spec
 from .opspec import (
-    SlotSink, op_spec, K_INT, K_F32, K_I64, K_I32, K_CODES, K_WORK,
+    SlotSink, K_INT, K_F32, K_I64, K_I32, K_CODES, K_WORK,
     BUF_IN, BUF_OUT, BUF_INOUT,
 )
 
@@ -17,36 +18,17 @@ comptime MAX_SLOTS = 64
 
 
 struct SlotText(SlotSink):
-    var buf: U8Ptr
-    var cap: Int
-    var n: Int
+    var t: TextBuf
 
     def __init__(out self, buf: U8Ptr, cap: Int):
-        self.buf = buf
-        self.cap = cap
-        self.n = 0
+        self.t = TextBuf(buf, cap)
 
     def slot(mut self, name: StaticString, slot: Int, kind: Int, dir: Int, bytes: Int):
-        self.n = put_str(self.buf, self.cap, self.n, name)
-        self.n = put_str(self.buf, self.cap, self.n, "=")
-        self._int(slot)
-        self.n = put_str(self.buf, self.cap, self.n, ",")
-        self.n = put_str(self.buf, self.cap, self.n, _kind_name(kind))
-        self.n = put_str(self.buf, self.cap, self.n, ",")
-        self.n = put_str(self.buf, self.cap, self.n, _dir_name(kind, dir))
-        self.n = put_str(self.buf, self.cap, self.n, ";")
-
-    def _int(mut self, v: Int):
-        """Decimal digits of v >= 0."""
-        var p = 1
-        while p * 10 <= v:
-            p *= 10
-        while p > 0:
-            var digit = (v // p) % 10
-            if self.n < self.cap:
-                self.buf[unsafe_offset=self.n] = UInt8(48 + digit)
-            self.n += 1
-            p //= 10
+        self.t.entry(name, slot, ",")
+        self.t.put(_kind_name(kind))
+        self.t.put(",")
+        self.t.put(_dir_name(kind, dir))
+        self.t.put(";")
 
 
 def _kind_name(kind: Int) -> StaticString:
@@ -84,4 +66,4 @@ def op_spec_text(op: Int, buf: U8Ptr, cap: Int) -> Int:
     var t = SlotText(buf, cap)
     if not op_spec(op, I64Ptr(unsafe_from_address=Int(zeros)), t):
         return -2
-    return t.n
+    return t.t.n

@@ -31,12 +31,20 @@ __all__ = ["set_phase_timing", "phase_times", "reset_phase_times", "timing_phase
 
 # Forward stages in phase order (mojo/mojolearn_kernels/mamba1/forward.mojo,
 # mamba2/layout.mojo, mamba3/layout.mojo: the ST_* constants).
-STAGES = {
-    _abi.OP_M1_FORWARD: ("norm", "in_proj", "conv", "x_proj", "dt_proj", "scan", "out_proj"),
-    _abi.OP_M2_FORWARD: ("norm", "in_proj", "conv", "cb", "ssd", "gated_norm", "out_proj"),
-    _abi.OP_M3_FORWARD: ("norm", "in_proj", "bc_norm_gates", "scan", "out_proj"),
+# STAGES maps the op ids the binary gives these ops (read on first use: the
+# import loads no binary).
+_STAGES = {
+    "m1_forward": ("norm", "in_proj", "conv", "x_proj", "dt_proj", "scan", "out_proj"),
+    "m2_forward": ("norm", "in_proj", "conv", "cb", "ssd", "gated_norm", "out_proj"),
+    "m3_forward": ("norm", "in_proj", "bc_norm_gates", "scan", "out_proj"),
 }
-_OP_NAMES = {v: k[3:].lower() for k, v in vars(_abi).items() if k.startswith("OP_")}
+
+
+def __getattr__(name):
+    if name == "STAGES":
+        ids = _abi.op_ids()
+        return {ids[op]: stages for op, stages in _STAGES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def set_phase_timing(on: bool) -> None:
@@ -52,7 +60,8 @@ def reset_phase_times() -> None:
 def phase_times() -> list[dict]:
     """Recorded phases since the last reset: dicts with op (name), op_id,
     phase, calls and seconds (total wall time over the calls)."""
-    return [{"op": _OP_NAMES.get(op, str(op)), "op_id": op, "phase": ph, "calls": n,
+    names = {v: k for k, v in _abi.op_ids().items()}
+    return [{"op": names.get(op, str(op)), "op_id": op, "phase": ph, "calls": n,
              "seconds": s} for op, ph, n, s in native().phase_times()]
 
 
@@ -78,10 +87,11 @@ def timing_phases():
 def stage_of(op_id: int, phase: int) -> str:
     """Name of a forward phase's stage when a single chunk ran (a decode
     step or a short pass); the phase number otherwise."""
-    names = STAGES.get(op_id)
+    op = {v: k for k, v in _abi.op_ids().items()}.get(op_id)
+    names = _STAGES.get(op)
     if names is None:
         return f"phase {phase}"
-    first = 0 if op_id == _abi.OP_M3_FORWARD else 1
+    first = 0 if op == "m3_forward" else 1
     k = phase - first
     if 0 <= k < len(names):
         return names[k]

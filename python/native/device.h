@@ -27,8 +27,26 @@ using BuffersFn = int64_t (*)(int64_t, int64_t *, int64_t *, int64_t);
 // ml_gpu_run(op, args, nargs, rows (slot, bytes, flags, alias), nrows, err, errcap)
 using GpuRunFn = int64_t (*)(int64_t, int64_t *, int64_t, int64_t *, int64_t, uint8_t *, int64_t);
 
-constexpr int64_t kIn = 1, kOut = 2;
-constexpr int kRow = 3;                // Int64s per ml_buffers row
+// The binary's own numbers (its ml_constants text, constants.mojo): the
+// ml_buffers row width and direction bits. Read at load, never copied here.
+struct Shared {
+  int64_t row = 0, in = 0, out = 0;
+};
+
+// Value of NAME in ml_constants' `NAME=value;...` text (throws if absent).
+inline int64_t constant(const std::string &text, const std::string &name) {
+  std::string key = name + "=";
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(';', at);
+    if (end == std::string::npos) end = text.size();
+    if (text.compare(at, key.size(), key) == 0)
+      return std::stoll(text.substr(at + key.size(), end - at - key.size()));
+    at = end + 1;
+  }
+  throw std::runtime_error("the binary's ml_constants lacks " + name);
+}
+
 constexpr size_t kGuard = 4096;        // guard bytes after each emulated copy
 constexpr unsigned char kGuardByte = 0x5A;
 constexpr unsigned char kPoisonByte = 0xFF;  // float32 NaN
@@ -41,8 +59,10 @@ struct Buffer {
 
 // The checked buffer table of op over args (without raw row drop_row, a
 // test hook that plays a binary whose table misses that row).
-inline std::vector<Buffer> table(BuffersFn fn, int64_t op, std::vector<int64_t> &args,
-                                 int64_t drop_row = -1) {
+inline std::vector<Buffer> table(BuffersFn fn, const Shared &k, int64_t op,
+                                 std::vector<int64_t> &args, int64_t drop_row = -1) {
+  const int64_t kRow = k.row;
+  if (kRow < 3) throw std::runtime_error("the binary exports no buffer table width (ml_constants)");
   std::vector<int64_t> rows(kRow * 32);
   int64_t n = fn(op, args.data(), rows.data(), 32);
   if (n > 32) {
@@ -104,7 +124,10 @@ struct FreeDeleter {
 struct HostStage {
   std::vector<std::unique_ptr<unsigned char, FreeDeleter>> mem;
 
-  HostStage(const std::vector<Buffer> &bufs, std::vector<int64_t> &dargs) {
+  int64_t kIn, kOut;
+
+  HostStage(const Shared &k, const std::vector<Buffer> &bufs, std::vector<int64_t> &dargs)
+      : kIn(k.in), kOut(k.out) {
     for (const auto &b : bufs) {
       if (b.alias >= 0) {
         mem.emplace_back(nullptr);

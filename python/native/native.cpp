@@ -131,6 +131,7 @@ struct Library {
   IntFn device_count_fn = nullptr;
   DescribeFn device_arch_fn = nullptr;
   IntArgFn host_op_fn = nullptr;  // ml_host_op: ops a device binary runs on the host
+  mlstage::Shared shared;  // ml_constants: the buffer table's row width and direction bits
   bool emulate_device = false;  // stage buffers on the host like a device (tests)
   // Test hook: drop row `drop_row` of op `drop_op`'s buffer table when
   // staging, as a binary with that row missing would (-1: none).
@@ -141,6 +142,17 @@ struct Library {
   void set_emulate(bool on) {
     if (on != emulate_device) g_emulating.fetch_add(on ? 1 : -1);
     emulate_device = on;
+  }
+
+  // The text a `fn(buf, cap) -> full length` export writes.
+  static std::string read_text(DescribeFn fn) {
+    std::vector<uint8_t> buf(512);
+    int64_t n = fn(buf.data(), static_cast<int64_t>(buf.size()));
+    if (n > static_cast<int64_t>(buf.size())) {
+      buf.resize(static_cast<size_t>(n));
+      fn(buf.data(), n);
+    }
+    return std::string(reinterpret_cast<char *>(buf.data()), static_cast<size_t>(std::max<int64_t>(n, 0)));
   }
 
   explicit Library(const std::string &p) : path(p) {
@@ -158,13 +170,14 @@ struct Library {
     vendor = reinterpret_cast<IntFn>(need("ml_vendor"))();
     numeric_mode = reinterpret_cast<IntFn>(need("ml_numeric_mode"))();
     auto describe = reinterpret_cast<DescribeFn>(need("ml_describe"));
-    std::vector<uint8_t> buf(512);
-    int64_t n = describe(buf.data(), static_cast<int64_t>(buf.size()));
-    if (n > static_cast<int64_t>(buf.size())) {
-      buf.resize(static_cast<size_t>(n));
-      describe(buf.data(), n);
+    description = read_text(describe);
+    // Absent from a binary of an older ABI, which the loader refuses by its
+    // version; the staging below then has no table to read.
+    if (auto consts = reinterpret_cast<DescribeFn>(dlsym(handle, "ml_constants"))) {
+      std::string text = read_text(consts);
+      shared = {mlstage::constant(text, "BUF_ROW"), mlstage::constant(text, "BUF_IN"),
+                mlstage::constant(text, "BUF_OUT")};
     }
-    description.assign(reinterpret_cast<char *>(buf.data()), static_cast<size_t>(n));
     buffers = reinterpret_cast<mlstage::BuffersFn>(dlsym(handle, "ml_buffers"));
     gpu_run = reinterpret_cast<mlstage::GpuRunFn>(dlsym(handle, "ml_gpu_run"));
     device_count_fn = reinterpret_cast<IntFn>(dlsym(handle, "ml_device_count"));
@@ -261,7 +274,7 @@ struct Library {
     std::vector<bool> listed(args.size(), false);
     bool on_host = host_op_fn != nullptr && host_op_fn(op) != 0;
     if (!on_host && buffers) {
-      for (const auto &b : mlstage::table(buffers, op, args)) {
+      for (const auto &b : mlstage::table(buffers, shared, op, args)) {
         spans.push_back({b.slot, b.host, b.host, b.host + static_cast<uintptr_t>(b.bytes), b.flags});
         listed[static_cast<size_t>(b.slot)] = true;
       }
@@ -272,7 +285,7 @@ struct Library {
       uintptr_t lo = 0;
       size_t n = 0;
       if (find_region(a, lo, n))
-        spans.push_back({static_cast<int64_t>(i), a, lo, lo + n, mlstage::kIn | mlstage::kOut});
+        spans.push_back({static_cast<int64_t>(i), a, lo, lo + n, shared.in | shared.out});
       else if (static_cast<uint64_t>(args[i]) >= kAddressLike)
         return "op " + std::to_string(op) + " slot " + std::to_string(i) +
                " holds an address outside every known buffer";
@@ -324,7 +337,7 @@ struct Library {
   // host copies for emulate_device.
   void run_staged(int64_t op, std::vector<int64_t> &args) const {
     if (!buffers) throw std::runtime_error(path + " does not export ml_buffers");
-    auto bufs = mlstage::table(buffers, op, args, op == drop_op ? drop_row : -1);
+    auto bufs = mlstage::table(buffers, shared, op, args, op == drop_op ? drop_row : -1);
     if (gpu_run) {
       nb::gil_scoped_release release;
       mlstage::run_gpu(gpu_run, op, args, bufs);
@@ -334,7 +347,7 @@ struct Library {
     most = std::max(most, static_cast<int64_t>(bufs.size()));
     check_unlisted_addresses(op, args, bufs);
     std::vector<int64_t> dargs(args);
-    mlstage::HostStage stage(bufs, dargs);
+    mlstage::HostStage stage(shared, bufs, dargs);
     run_host(op, args, dargs);
     stage.finish(op, bufs);
   }

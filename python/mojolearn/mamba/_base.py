@@ -226,8 +226,8 @@ class _MambaBase:
             named["a_given"] = 1
         named.update({f"exp:{n}": _exponent_address(w[n]) for n in bs.projections})
         named.update(bs.prepare_scalars(self))
-        op = bs.prepare_op
-        spec = _abi.op_spec(self._lib, op)
+        spec = _abi.op_spec(self._lib, bs.prepare_op)
+        op = spec.op
         args = spec.pack(named, d=self.d_model, wfmt=wfmt)
         blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
         args[spec.slot("blob")] = blob.address

@@ -29,8 +29,9 @@ class BlockSpec:
     """What the shared runner needs to know about one family's block.
 
     Op ids and names
-        ``forward_op``, ``prepare_op``, ``backward_op``: the ops the block
-        runs (their slots are read from the binary's op spec by name).
+        ``forward_op``, ``prepare_op``, ``backward_op``: the names of the
+        ops the block runs in the binary's op table (ops.mojo); their ids
+        and slots are read from the binary.
         ``weight_order``: the weight names in the constructor's (and the
         gradients') order; ``projections``: the weights kept as matmul
         panels in the prepared blob, in its section order.
@@ -61,9 +62,9 @@ class BlockSpec:
     """
 
     state_class: type
-    forward_op: int
-    prepare_op: int
-    backward_op: int
+    forward_op: str
+    prepare_op: str
+    backward_op: str
     weight_order: tuple
     projections: tuple
     state_shapes: Callable
@@ -137,12 +138,12 @@ class Runner:
         """Run op (default: the forward op) with the calling thread's
         workspace in its work slot; a workspace over the spec's
         keep_work_bytes is dropped after the call."""
-        op = self.spec.forward_op if op is None else op
         lib = block._lib
-        work = block._workspace(op, args)
+        spec = _abi.op_spec(lib, self.spec.forward_op if op is None else op)
+        work = block._workspace(spec.op, args)
         try:
-            args[_abi.op_spec(lib, op).slot("work")] = work.address
-            lib.run(op, args)
+            args[spec.slot("work")] = work.address
+            lib.run(spec.op, args)
         finally:
             keep = self.spec.keep_work_bytes
             if keep is not None and work.size * 4 > keep:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import struct
 
-from .. import _abi, _intake
+from .. import _intake
 from ._base import _MambaBase, weight_views
 from ._runner import BlockSpec, Runner
 from ._state import StateBase
@@ -127,8 +127,8 @@ def _prepare_scalars(block) -> dict:
 
 
 _SPEC = BlockSpec(
-    state_class=Mamba1State, forward_op=_abi.OP_M1_FORWARD, prepare_op=_abi.OP_M1_PREPARE,
-    backward_op=_abi.OP_M1_BACKWARD, weight_order=_WEIGHT_ORDER,
+    state_class=Mamba1State, forward_op="m1_forward", prepare_op="m1_prepare",
+    backward_op="m1_backward", weight_order=_WEIGHT_ORDER,
     projections=("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight"),
     state_shapes=_state_shapes, state_views=_state_views, launch=_launch,
     prepare_scalars=_prepare_scalars,

@@ -206,8 +206,8 @@ def _prepare_scalars(block) -> dict:
 
 _PROJECTIONS = ("in_proj.weight", "out_proj.weight")
 _SPEC = BlockSpec(
-    state_class=Mamba2State, forward_op=_abi.OP_M2_FORWARD, prepare_op=_abi.OP_M2_PREPARE,
-    backward_op=_abi.OP_M2_BACKWARD, weight_order=_WEIGHT_ORDER, projections=_PROJECTIONS,
+    state_class=Mamba2State, forward_op="m2_forward", prepare_op="m2_prepare",
+    backward_op="m2_backward", weight_order=_WEIGHT_ORDER, projections=_PROJECTIONS,
     state_shapes=_state_shapes, state_views=_state_views, launch=_launch,
     position_after=_position_after, prepare_scalars=_prepare_scalars,
     # the kernel writes the projections' gradients in full (no memset)

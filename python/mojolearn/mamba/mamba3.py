@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from .. import _abi, _intake
+from .. import _intake
 from . import _grad_state
 from ._base import _MambaBase, copy_bytes, weight_views
 from ._runner import BlockSpec, Runner
@@ -224,8 +224,8 @@ def _launch(block, xv, y, b, l, state, sv, lens, kind):
 
 
 _SPEC = BlockSpec(
-    state_class=Mamba3State, forward_op=_abi.OP_M3_FORWARD, prepare_op=_abi.OP_M3_PREPARE,
-    backward_op=_abi.OP_M3_BACKWARD, weight_order=_WEIGHT_ORDER,
+    state_class=Mamba3State, forward_op="m3_forward", prepare_op="m3_prepare",
+    backward_op="m3_backward", weight_order=_WEIGHT_ORDER,
     projections=("in_proj.weight", "out_proj.weight"),
     state_shapes=lambda block, b: _state_shapes(b, block.nheads), state_views=_state_views,
     written_views=_written_views, launch=_launch, position_after=_count_after,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from array import array
 
-from .. import _intake
+from .. import _abi, _intake
 from ._base import copy_bytes, workspace_floats
 from ._state import array_view, check_not_held
 
@@ -33,7 +33,7 @@ class DecodeSessionBase:
         check_not_held(state)
         self._block = block
         self._lib = block._lib
-        self._op = block._runner.spec.forward_op
+        self._op = _abi.op_spec(self._lib, block._runner.spec.forward_op).op
         self._blob = block._blob  # pinned: a later set_params is not seen
         self._state = state
         self._b = b
@@ -262,12 +262,14 @@ class Mamba1DecodeSession(DecodeSessionBase):
     ...         y_t = session.step(x_t)
     """
 
-    # FWD_FLAGS bits (mojo/mojolearn_kernels/mamba1/forward.mojo)
-    _NO_LOAD, _NO_SAVE, _NO_TOKENS = 1, 2, 4
-
     def __init__(self, block, state):
         cw, h = block._state_views(state, None)
         self._bind(block, state, cw.shape[0])
+        # FWD_FLAGS bits (mamba1/forward.mojo), read from the binary
+        flag = {n: _abi.constant("M1_FLAG_" + n, self._lib)
+                for n in ("NO_LOAD", "NO_SAVE", "NO_TOKENS")}
+        self._NO_LOAD, self._NO_SAVE = flag["NO_LOAD"], flag["NO_SAVE"]
+        self._NO_TOKENS = flag["NO_TOKENS"]
         # The state lives in this private workspace, in the kernel's layout,
         # from open to close; steps neither load nor save it.
         args = self._spec.pack(b=self._b, l=1, d=self._d, blob=self._blob)
