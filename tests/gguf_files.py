@@ -49,12 +49,13 @@ def _as(arr, qtype):
 
 
 def write_gguf(path, kind, layers, emb, norm, head=None, *, falcon=False, a_of=torch_neg_exp,
-               types=None, eps=1e-5, eos=None, arch=None, extra=None, skip=()):
+               types=None, eps=1e-5, eos=None, arch=None, extra=None, skip=(), n_groups=1):
     """Write a model as convert_hf_to_gguf would. layers: the blocks' weight
     dicts (A_log included); head None: tied. types: {gguf tensor name:
     GGMLQuantizationType} (default F32). a_of: A_log -> the stored ssm_a.
     extra: {metadata key: (value, GGUFValueType)} written after the rest;
-    skip: tensor names left out. Returns {gguf tensor name: the float32
+    skip: tensor names left out; n_groups: Mamba-2's B/C groups (the gated
+    norm stored as (groups, d_inner / groups)). Returns {gguf tensor name: the float32
     values written before any type conversion}."""
     import gguf
     types = types or {}
@@ -73,7 +74,7 @@ def write_gguf(path, kind, layers, emb, norm, head=None, *, falcon=False, a_of=t
         w.add_ssm_time_step_rank(-(d // -16))
     else:
         w.add_ssm_time_step_rank(2 * d // 64)
-        w.add_ssm_group_count(1)
+        w.add_ssm_group_count(n_groups)
     w.add_layer_norm_rms_eps(eps)
     if kind == "mamba":
         w.add_ssm_dt_b_c_rms(falcon)
@@ -103,7 +104,7 @@ def write_gguf(path, kind, layers, emb, norm, head=None, *, falcon=False, a_of=t
             tensors[p + "ssm_dt.bias"] = lw["dt_bias"]
             tensors[p + "ssm_a"] = np.asarray(a).reshape(-1, 1)
             tensors[p + "ssm_d"] = np.asarray(lw["D"]).reshape(-1, 1)
-            tensors[p + "ssm_norm.weight"] = np.asarray(lw["norm.weight"]).reshape(1, -1)
+            tensors[p + "ssm_norm.weight"] = np.asarray(lw["norm.weight"]).reshape(n_groups, -1)
         tensors[p + "ssm_out.weight"] = lw["out_proj.weight"]
     tensors["output_norm.weight"] = norm
     if head is not None:

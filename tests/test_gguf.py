@@ -318,3 +318,27 @@ def test_the_cli_generates_from_a_gguf_file(tmp_path):
     assert r.stdout.split("\n")[0].split() == [str(t) for t in want]
     r = run_cli("generate", tmp_path / "missing.gguf", "--prompt-ids", "1")
     assert r.returncode == 2 and "missing.gguf" in r.stderr
+
+
+def test_mamba2_groups_give_the_bytes_of_the_safetensors_model(tmp_path):
+    """A Codestral-shaped Mamba-2 file (ssm.group_count 2, the gated norm
+    stored per group) reads as the safetensors folder of the same weights
+    (A as the kernels compute it); control: the same file said to have one
+    group is refused by name (its in_proj has two groups' B and C)."""
+    from mojolearn.reference.weights import mamba2_weights
+    d, g = 128, 2
+    rng = np.random.default_rng(3)
+    layers = [{k: np.asarray(v, np.float32) for k, v in
+               mamba2_weights(d, seed=10 + i, n_groups=g).items()} for i in range(2)]
+    emb = rng.standard_normal((64, d)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    folder = save_checkpoint(tmp_path / "st", "mamba2", layers, emb, norm)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "mamba2", layers, emb, norm, n_groups=g, a_of=kernel_neg_exp)
+    lm = mojolearn.MambaLM(path)
+    assert [b.n_groups for b in lm.blocks] == [g, g]
+    assert _bytes(lm.logits(IDS)) == _bytes(mojolearn.MambaLM(folder).logits(IDS))
+    one = tmp_path / "one.gguf"
+    write_gguf(one, "mamba2", layers, emb, norm, n_groups=1, a_of=kernel_neg_exp)
+    with raises_naming(ValueError, "blk.0.ssm_in.weight"):
+        mojolearn.MambaLM(one)
