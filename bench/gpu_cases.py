@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.math_cases import math_cases
+
 ROOT = Path(__file__).resolve().parent.parent
 DIGESTS = ROOT / "tests" / "digests.json"
 REGENERATE = "python -m bench.gpu_cases --write-digests"
@@ -88,7 +90,6 @@ VARIANTS = {
     "groups8": (2, {"n_groups": 8}, [(2, 256, 2, 260, [260, 3])], [], []),
 }
 
-MATH_FUNCTIONS = 15  # math_eval.mojo MATH_EVAL_COUNT: exp, ..., mod2pi, sincos's sin, cos
 
 # Negative control (--perturb): every element of every block input x and
 # math input one ulp away. Cases that read no x (weights and check op only) keep their
@@ -323,69 +324,12 @@ def _batch8_cases(mojolearn, kind, d, variant=None):
         yield f"{_tag(kind, variant)} d{d} B8 {via}", b"".join(ys) + _state_bytes(kind, state)
 
 
-def _math_input():
-    import numpy as np
-    rng = np.random.default_rng(5)
-    x = np.concatenate([
-        np.linspace(-100, 100, 4001, dtype=np.float32),
-        (rng.standard_normal(4000) * 10).astype(np.float32),
-        np.exp2(rng.uniform(-140, 120, 4000)).astype(np.float32),
-        np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38], np.float32)])
-    if _PERTURB:  # every element: floor and mod2pi see few one-ulp steps
-        x = np.nextafter(x, np.float32(-np.inf))
-    return x
-
-
-def math_values(lib, x, fn, width) -> bytes:
-    """Bytes of function `fn` over float32 array x at SIMD width `width`."""
-    import numpy as np
-    from mojolearn import _abi
-    y = np.full_like(x, 7.0)
-    op = _abi.OP_MATH_EVAL
-    lib.run(op, _abi.op_spec(lib, op).pack(fn=fn, src=x.ctypes.data, dst=y.ctypes.data,
-                                           n=x.size, width=width))
-    return y.tobytes()
-
-
-def run_math(lib) -> dict:
-    """The own transcendentals (OP_MATH_EVAL, every function) over a fixed
-    set of float32 inputs, run by `lib` (a loaded binary): the simplest op,
-    so a GPU mismatch here points at the numerics, not at a block."""
-    x = _math_input()
-    return {f"math fn{fn}": math_values(lib, x, fn, 1) for fn in range(MATH_FUNCTIONS)}
-
-
-def _nonfinite(lib) -> bytes:
-    """OP_FIRST_NONFINITE (ragged rows: padding not looked at) and the plain
-    scan export, over arrays with a NaN or inf placed in turn."""
-    import numpy as np
-    from mojolearn import _abi
-    b, l, inner = 3, 7, 37
-    lens = np.array([7, 3, 1], np.int64)
-    out = []
-    for i, pos in enumerate([None, (0, 6, 36), (1, 2, 0), (1, 3, 5), (2, 0, 17), (2, 4, 1)]):
-        a = np.random.default_rng(13 + i).standard_normal((b, l, inner)).astype(np.float32)
-        if pos is not None:
-            a[pos] = np.nan if i % 2 else -np.inf
-        got = np.full(1, -7, np.int64)
-        op = _abi.OP_FIRST_NONFINITE
-        lib.run(op, _abi.op_spec(lib, op).pack(src=a.ctypes.data, b=b, l=l, inner=inner,
-                                               lengths=lens.ctypes.data, out=got.ctypes.data))
-        out += [int(got[0]), lib.first_nonfinite(a.ctypes.data, a.size)]
-    return np.array(out, np.int64).tobytes()
-
-
 def iter_cases(mojolearn, shapes=SHAPES, packed=PACKED, batch8=BATCH8, lm=True):
     """(name, bytes) of every case, in the matrix order."""
     from mojolearn import _loader
     from bench.lm_cases import lm_cases
     lib = _loader.library()
-    x = _math_input()
-    for fn in range(MATH_FUNCTIONS):
-        yield f"math fn{fn}", math_values(lib, x, fn, 1)
-    wide = (math_values(lib, x, fn, w) for w in (8, 16) for fn in range(MATH_FUNCTIONS))
-    yield f"math fn0-{MATH_FUNCTIONS - 1} w8 w16", b"".join(wide)
-    yield "nonfinite", _nonfinite(lib)
+    yield from math_cases(lib, perturb=_PERTURB)
     for s in shapes:
         yield from _shape_cases(mojolearn, *s)
     for s in batch8:

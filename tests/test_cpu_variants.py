@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mojolearn import _abi, _loader
-from bench import gpu_cases
+from bench import gpu_cases, math_cases
 from tests.errors import raises_naming
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,11 +92,11 @@ def test_every_math_function_has_recorded_digests():
     np = pytest.importorskip("numpy")
     lib = _loader.library()
     x = np.linspace(-3, 3, 64, dtype=np.float32)
-    for fn in range(gpu_cases.MATH_FUNCTIONS):
-        y = np.frombuffer(gpu_cases.math_values(lib, x, fn, 1), np.float32)
+    for fn in range(math_cases.MATH_FUNCTIONS):
+        y = np.frombuffer(math_cases.math_values(lib, x, fn, 1), np.float32)
         assert not np.isnan(y).all(), fn
         assert f"math fn{fn}" in _recorded()["digests"]
-    y = np.frombuffer(gpu_cases.math_values(lib, x, gpu_cases.MATH_FUNCTIONS, 1), np.float32)
+    y = np.frombuffer(math_cases.math_values(lib, x, math_cases.MATH_FUNCTIONS, 1), np.float32)
     assert np.isnan(y).all()
 
 

@@ -19,7 +19,7 @@ np = pytest.importorskip("numpy")
 
 import mojolearn  # noqa: E402
 from mojolearn import _abi, _loader  # noqa: E402
-from bench import gpu_cases  # noqa: E402
+from bench import gpu_cases, math_cases  # noqa: E402
 from tests.errors import raises_naming  # noqa: E402
 from mojolearn.reference.weights import random_input  # noqa: E402
 
@@ -53,10 +53,10 @@ def test_staged_run_on_packed_weights_gives_the_direct_bytes(shape, emulated):
 
 def test_staged_math_gives_the_direct_bytes(emulated):
     emulated.emulate_device = False
-    direct = gpu_cases.run_math(emulated)
+    direct = math_cases.run_math(emulated)
     emulated.emulate_device = True
-    staged = gpu_cases.run_math(emulated)
-    assert len(direct) == gpu_cases.MATH_FUNCTIONS and staged == direct
+    staged = math_cases.run_math(emulated)
+    assert len(direct) == math_cases.MATH_FUNCTIONS and staged == direct
 
 
 def test_staging_compares_bytes_that_can_differ():
