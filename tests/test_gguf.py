@@ -165,7 +165,7 @@ def _values(value, qtype):
     packed with the file's own bytes, widened here by mojolearn.lowbit."""
     if qtype in (T.Q8_0, T.Q4_0):
         assert lowbit.is_packed(value) and value.format == qtype.name.lower()
-        value = lowbit.unpack({"w": value})[0]["w"]
+        value = value.to_float32()
     return np.array(memoryview(value))
 
 

@@ -12,7 +12,7 @@ from array import array as _pyarray
 
 from . import _abi, _intake
 
-from .lowbit import FORMATS as WEIGHT_FORMATS, FORMAT_IDS
+from .lowbit import FORMATS as WEIGHT_FORMATS, FORMAT_IDS, _common_format
 
 PREPARE_ROWS = 4096  # vocabulary rows packed per call when read from a file (a multiple of 16)
 
@@ -97,8 +97,10 @@ class MambaLM:
             self.blocks.append(ck.block(i, weight_format=weight_format, numeric_mode=numeric_mode))
             if owned:
                 ck.layers[i] = None
-        self._blob = self._prepare(ck, weight_format)
-        self.weight_format = _overall_format(self.blocks, self._vocab_formats)
+        self._blob, formats = self._prepare(ck, weight_format)
+        for i, block in enumerate(self.blocks):
+            formats.update({f"layers.{i}.{n}": f for n, f in block.weight_formats.items()})
+        self.weight_format = _common_format(formats)  # one format, or 'mixed'
         if owned:
             from ._loader import native
             del ck
@@ -111,9 +113,9 @@ class MambaLM:
 
     # -- the vocabulary ends ----------------------------------------------
     def _prepare(self, ck, weight_format):
-        """The blob of the final norm weight and the vocabulary panels,
-        packed in row ranges of PREPARE_ROWS (read from the file range by
-        range when the checkpoint is lazy)."""
+        """(blob, {matrix name: format}): the blob of the final norm weight
+        and the vocabulary panels, packed in row ranges of PREPARE_ROWS (read
+        from the file range by range when the checkpoint is lazy)."""
         from ._array import Array
         from .checkpoints import LazyTensor, _loaded
         from .lowbit import is_packed
@@ -142,28 +144,28 @@ class MambaLM:
                 w = self._rows(value, name, r0, r1, weight_format)
                 keep.append(w)
                 named[name], named[f"exp:{name}"] = _addresses(w)
+            formats = {n: w.format if is_packed(w) else "float32" for n, w in zip(mats, keep)}
             # the formats word (lm.mojo): the head's format, then the embedding's
-            ids = [FORMAT_IDS[w.format if is_packed(w) else "float32"] for w in keep]
+            ids = [FORMAT_IDS[f] for f in formats.values()]
             wfmt = ids[0] | ids[-1] << 4  # tied: the head's twice
-            self._vocab_formats = {w.format if is_packed(w) else "float32" for w in keep}
             args = spec.pack(named, d=d, vocab=v, wfmt=wfmt, row0=r0, nrows=r1 - r0)
             if blob is None:
                 blob = Array((self._lib.workspace_bytes(op, args) // 4,), zero=True)
             args[spec.slot("blob")] = blob.address
             self._lib.run(op, args)
-        return blob
+        return blob, formats
 
     def _rows(self, value, name, r0, r1, weight_format):
         """Rows [r0, r1) of a vocabulary matrix, checked, in weight_format
         (None: as stored; a float32 view or a PackedWeight)."""
         from .checkpoints import LazyTensor
-        from .lowbit import is_packed, pack_one, unpack
+        from .lowbit import is_packed, pack_one
         if isinstance(value, LazyTensor):
             value = value.rows(r0, r1)
         if is_packed(value):
             if weight_format is None:
                 return value  # as the file stores it (its scales checked when made)
-            value = unpack({name: value})[0][name]
+            value = value.to_float32()
         w = _intake.float32_view(value, name, ndim=(2,))  # (in memory: all rows at once)
         if weight_format not in (None, "float32"):
             return pack_one(w.mv, weight_format, name)  # checks finiteness
@@ -470,16 +472,6 @@ def _addresses(w) -> tuple:
     if is_packed(w):
         return w.data.address, (w.exponents.address if w.exponents is not None else 0)
     return w.address, 0
-
-
-def _overall_format(blocks, vocab_formats) -> str:
-    """The model's weight format: the one format of every projection, the
-    embedding and the head, or 'mixed'."""
-    from .lowbit import MIXED
-    seen = set(vocab_formats)
-    for b in blocks:
-        seen.update(b.weight_formats.values())
-    return seen.pop() if len(seen) == 1 else MIXED
 
 
 def _eos_ids(value) -> tuple:
