@@ -21,6 +21,14 @@ Per (kind, format, B), mojolearn:
   format, the head, the B rows' states read and written) over the DRAM
   read bandwidth measured in the same run (bench/limits.weight_read_seconds
   on a buffer of that size), and ours / floor;
+- the prefill's achieved GFLOP/s and its fraction of sgemm: the
+  multiply-adds of every projection of a block for the prompt's tokens
+  (bench/limits.flop_model's 'proj': 2*M*K*N per matmul, M = --prompt),
+  times the layers, over the prefill's time; the scan, conv, norms,
+  embedding and the head's one row are not counted (so the fraction is a
+  lower bound of the projections' own). sgemm: NumPy float32 on the same
+  (M, K, N) shapes with --threads threads (bench/limits.sgemm_gflops),
+  measured once per kind in the same run;
 - peak RSS against the weights' bytes plus the states, and per stream:
   (peak RSS - RSS right after loading) / B (0 when loading was the peak);
 - for Mamba-2, each of --session-cache (the Batcher's session_cache: 'on'
@@ -185,6 +193,24 @@ def _floor_s(step_bytes: int, threads: int) -> dict:
     return weight_read_seconds(step_bytes, threads, reps=5)
 
 
+_LIMITS_KIND = {"mamba": "mamba1", "mamba2": "mamba2"}
+
+
+def prefill_flops(kind: str, tokens: int, layers: int) -> float:
+    """FLOPs of the projections of a prefill of `tokens` tokens through
+    `layers` blocks (bench/limits.flop_model's 'proj', 2 per multiply-add)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from limits import flop_model
+    return layers * flop_model(_LIMITS_KIND[kind], D, 1, tokens)["proj"]
+
+
+def _sgemm_rate(kind: str, tokens: int, threads: int) -> float:
+    """GFLOP/s of NumPy sgemm on one block's projection shapes with M = tokens."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from limits import proj_shapes, sgemm_gflops
+    return sgemm_gflops(proj_shapes(_LIMITS_KIND[kind], D, tokens), threads)["gflops"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="mamba,mamba2")
@@ -213,6 +239,8 @@ def main(argv=None) -> int:
           f"{VOCAB}; {cpu_name()}, {a.threads} threads; load {os.getloadavg()[0]:.2f}")
     for kind in a.kinds.split(","):
         folder = str(model_folder(kind, a.quick))
+        sgemm = _sgemm_rate(kind, a.prompt, a.threads)
+        flops = prefill_flops(kind, a.prompt, 2 if a.quick else LAYERS)
         theirs = {}
         if not a.no_transformers:
             for B in [b for b in batches if b in (1, 8)]:
@@ -229,12 +257,16 @@ def main(argv=None) -> int:
             ours["floor_step_s"] = floor["seconds"]
             ours["read_gbps"] = floor["gbps"]
             ours["step_bytes"] = step_bytes
+            ours["prefill_gflops"] = flops / a.prompt * ours["prefill_tok_s"] / 1e9
+            ours["sgemm_gflops"] = sgemm
             t = theirs.get(B) if fmt == "float32" else None
             raw.append({"kind": kind, "format": fmt, "B": B, "session_cache": cache,
                         "ours": ours, "theirs": t})
             per_stream = (ours["peak_rss_mb"] - ours["rss_loaded_now_mb"]) / B
             rows.append(
                 f"| {kind} | {fmt} | {B} | {cache} | {ours['prefill_tok_s']:.0f} | "
+                f"{ours['prefill_gflops']:.0f} / {sgemm:.0f} "
+                f"({ours['prefill_gflops'] / sgemm:.0%}) | "
                 f"{ours['decode_tok_s']:.1f} | {ours['decode_step_s'] * 1e3:.2f} | "
                 f"{floor['seconds'] * 1e3:.2f} ({floor['gbps']:.1f} GB/s) | "
                 f"{ours['decode_step_s'] / floor['seconds']:.2f} | "
@@ -245,11 +277,12 @@ def main(argv=None) -> int:
                 f"{per_stream:.1f} / {ours['state_bytes'] / B / 2**20:.1f} / "
                 f"{ours['session_cache_bytes'] / B / 2**20:.1f} |")
             print(rows[-1], flush=True)
-    header = ("| kind | format | B | session cache | prefill tok/s | decode tok/s (all rows) | "
+    header = ("| kind | format | B | session cache | prefill tok/s | "
+              "prefill proj GFLOP/s / sgemm (fraction) | decode tok/s (all rows) | "
               "ms/step | floor ms/step (read GB/s) | step / floor | "
               "transformers prefill / decode tok/s | decode vs transformers | "
               "peak RSS MB / weights+states MB | per stream MB: peak RSS / states / cache |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     table = header + "\n" + "\n".join(rows)
     print(table)
     if a.out:
