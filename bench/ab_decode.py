@@ -15,6 +15,14 @@ Usage (repository root; each folder holds libmojolearn_cpu*.so)::
 
     PYTHONPATH=python:. python bench/ab_decode.py --block 2 --batch 8 DIR_A DIR_B \\
         [--target baseline] [--pairs 60] [--steps 2] [--ctx 128] [--clock cpu]
+        [--roots] [--lm FOLDER [--format float32]]
+
+--roots: DIR_A and DIR_B are repository roots (worktrees): each worker
+imports that root's python/ package with the binaries built there, so a
+change of the Python layer is measured too. --lm FOLDER: instead of one
+block, each worker decodes --batch requests of 16-token prompts together
+through a whole MambaLM checkpoint (Batcher.step: embedding, every layer,
+the head and the next tokens).
 
 --target baseline forces the x86-64-v3 (AVX2) binary in both workers.
 --clock cpu times each burst in process CPU seconds instead of wall seconds:
@@ -37,6 +45,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 1024  # distinct inputs a worker cycles through
 
 
+def _serve(step, clock: str) -> None:
+    """Print "ready", then per line read a step count, run that many
+    step() calls and print the mean seconds per call."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    print("ready", flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        t0 = now()
+        for _ in range(n):
+            step()
+        print(f"{(now() - t0) / n:.9f}", flush=True)
+
+
+def _lm_worker(folder: str, fmt: str, batch: int, clock: str) -> None:
+    """Serve bursts of Batcher steps of `batch` rows decoding together."""
+    import mojolearn
+    lm = mojolearn.MambaLM(folder, weight_format=fmt)
+    b = lm.batcher(prefill_chunk=None)
+    vocab = lm.vocab_size
+    for r in range(batch):
+        b.submit([(11 * r + 5 * i + 1) % vocab for i in range(16)], max_new_tokens=1 << 30)
+    for _ in range(6):  # the prefill, the rows opening, warm-up
+        b.step()
+    _serve(b.step, clock)
+
+
 def _worker(block: int, batch: int, ctx: int, d: int, clock: str = "wall") -> None:
     """Serve bursts: read a step count per line, run that many steps, print
     the mean seconds per step."""
@@ -52,20 +86,14 @@ def _worker(block: int, batch: int, ctx: int, d: int, clock: str = "wall") -> No
         blk.forward(random_input(batch, ctx, d, seed=3), state)
     # contiguous (B, d) tokens, so each step takes the session's one-call path
     toks = np.ascontiguousarray(random_input(batch, TOKENS, d, seed=2).transpose(1, 0, 2))
-    pos = 0
-    now = time.process_time if clock == "cpu" else time.perf_counter
+    pos = [0]
     with blk.decode_session(state) as s:
+        def step():
+            s.step(toks[pos[0] % TOKENS])
+            pos[0] += 1
         for _ in range(4):  # warm-up
-            s.step(toks[pos])
-            pos += 1
-        print("ready", flush=True)
-        for line in sys.stdin:
-            n = int(line)
-            t0 = now()
-            for t in range(n):
-                s.step(toks[(pos + t) % TOKENS])
-            print(f"{(now() - t0) / n:.9f}", flush=True)
-            pos += n
+            step()
+        _serve(step, clock)
 
 
 def main(argv=None) -> None:
@@ -81,19 +109,31 @@ def main(argv=None) -> None:
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall seconds, or process CPU seconds (use with MOJOLEARN_NUM_THREADS=1)")
+    p.add_argument("--roots", action="store_true",
+                   help="DIR_A and DIR_B are repository roots: their python/ and binaries")
+    p.add_argument("--lm", default=None, metavar="FOLDER",
+                   help="decode --batch rows of this MambaLM checkpoint instead of one block")
+    p.add_argument("--format", default="float32", help="the MambaLM's weight_format (--lm)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        _worker(a.block, a.batch, a.ctx, a.d, a.clock)
+        if a.lm:
+            _lm_worker(a.lm, a.format, a.batch, a.clock)
+        else:
+            _worker(a.block, a.batch, a.ctx, a.d, a.clock)
         return
     procs = []
     for folder in (a.dir_a, a.dir_b):
-        env = dict(os.environ, MOJOLEARN_LIB_DIR=os.path.abspath(folder),
-                   MOJOLEARN_CPU_TARGET=a.target,
-                   PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT]))
+        root = os.path.abspath(folder) if a.roots else ROOT
+        env = dict(os.environ, MOJOLEARN_CPU_TARGET=a.target,
+                   PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), ROOT]))
+        if not a.roots:
+            env["MOJOLEARN_LIB_DIR"] = os.path.abspath(folder)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", a.dir_a, a.dir_b,
                "--block", str(a.block), "--batch", str(a.batch), "--ctx", str(a.ctx),
                "--d", str(a.d), "--clock", a.clock]
+        if a.lm:
+            cmd += ["--lm", os.path.abspath(a.lm), "--format", a.format]
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
         if proc.stdout.readline().strip() != "ready":
@@ -115,9 +155,11 @@ def main(argv=None) -> None:
             proc.stdin.close()
             proc.wait()
     q = statistics.quantiles(ratios, n=4)
-    print(f"Mamba-{a.block} B={a.batch} ({a.target or 'default binary'}, {a.clock} clock), "
+    what = f"MambaLM {os.path.basename(a.lm)} {a.format}" if a.lm else f"Mamba-{a.block}"
+    print(f"{what} B={a.batch} ({a.target or 'default binary'}, {a.clock} clock), "
           f"{a.pairs} pairs of "
-          f"{a.steps} steps after a {a.ctx}-token prefill: A median {statistics.median(ta) * 1e3:.4f}"
+          f"{a.steps} steps" + ("" if a.lm else f" after a {a.ctx}-token prefill")
+          + f": A median {statistics.median(ta) * 1e3:.4f}"
           f" ms, B median {statistics.median(tb) * 1e3:.4f} ms; paired B/A median "
           f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
 

@@ -1,6 +1,6 @@
 """The decode sessions' speed cache is a choice (memory per stream): with it
 or without it a Mamba-2/3 session, MambaLM.open_rows and the Batcher give
-the same bytes; without it nothing is allocated; the Batcher's 'auto' rule
+the same bytes (Mamba-1: its sessions against block.step); without it nothing is allocated; the Batcher's 'auto' rule
 follows its budget; bad values are refused by name and change nothing."""
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from tests.bits import assert_bits_differ, assert_same_bits
 from tests.engine_common import tiny_folder, tiny_lm
 
 KINDS = ("mamba2", "mamba3")
-CHUNK = {"mamba2": 256, "mamba3": 64}
+CHUNK = {"mamba": 16, "mamba2": 256, "mamba3": 64}  # (Mamba-1: no chunks; any length)
 SESSION = {"mamba2": Mamba2DecodeSession, "mamba3": Mamba3DecodeSession}
 
 
@@ -93,6 +93,9 @@ def test_without_cache_nothing_is_allocated():
     m3 = _block("mamba3")
     with m3.decode_session(m3.allocate_state(2)) as s:
         assert s.cache_bytes == 0  # Mamba-3 keeps none
+    m1 = mojolearn.Mamba1Block(mojolearn.init_weights("mamba1", 32, seed=4))
+    with m1.decode_session(m1.allocate_state(2)) as s:  # its workspace holds the state
+        assert s.cache_bytes == m1._session_cache_bytes(2) == 4 * s._work.size > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -107,7 +110,7 @@ def test_bad_cache_value_is_refused_and_changes_nothing(kind, bad):
 
 # -- the model and the engine ----------------------------------------------------
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=("mamba",) + KINDS)
 def lm(request, tmp_path_factory):
     return tiny_lm(tiny_folder(tmp_path_factory.mktemp(request.param), request.param))
 

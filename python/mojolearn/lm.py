@@ -377,14 +377,16 @@ class MambaLM:
     def session_cache_bytes(self, rows: int = 1) -> int:
         """Bytes of the decode sessions' speed caches of ``rows`` rows
         decoded together, all layers (what ``open_rows(..., cache=True)``
-        allocates on top of the states; 0 for Mamba-1 and Mamba-3, whose
-        sessions keep none).
+        allocates on top of the states; 0 for Mamba-3, whose sessions keep
+        none). Mamba-1: each session's workspace, which holds its rows'
+        state in the kernel's layout between steps; Mamba-2: copies of
+        state values laid out for the one-token step.
 
         Examples
         --------
-        >>> lm = mojolearn.MambaLM(lm_folder)  # a Mamba-1 model: no session cache
-        >>> lm.session_cache_bytes(8)
-        0
+        >>> lm = mojolearn.MambaLM(lm_folder)  # a Mamba-1 model
+        >>> lm.session_cache_bytes(8) > lm.session_cache_bytes(1) > 0
+        True
         """
         rows = _intake.as_int(rows, "rows")
         if rows < 1:

@@ -23,10 +23,13 @@ class RowDecoder:
 
     Mamba-2/3 layers decode through decode sessions that step on the
     states' own arrays (nothing copied) and read one shared int64 array of
-    row positions, advanced once per ``step``; Mamba-1 layers use
-    ``block.step``. Until ``close()`` the states are held (a block refuses
-    them) and, for Mamba-2/3, their scalar positions are not used: the
-    rows' positions are ``positions()``. Not thread-safe.
+    row positions, advanced once per ``step``. Mamba-1 layers decode
+    through decode sessions with ``cache`` (each keeps its rows' state in
+    its own workspace, in the kernel's layout: a step neither checks,
+    loads nor saves it), through ``block.step`` without. Until ``close()``
+    the states are held (a block refuses them; a Mamba-1 session writes
+    them back at close) and, for Mamba-2/3, their scalar positions are not
+    used: the rows' positions are ``positions()``. Not thread-safe.
 
     Parameters
     ----------
@@ -37,7 +40,7 @@ class RowDecoder:
         Each row's position in its blocks' chunks (``MambaLM.row_position``
         of the row's own state; ignored for Mamba-1).
     cache : bool, default True
-        Whether the sessions keep their speed cache (Mamba-2:
+        Whether the sessions keep their speed cache (Mamba-1 and Mamba-2:
         ``MambaLM.session_cache_bytes``; the same bits either way).
     """
 
@@ -49,10 +52,16 @@ class RowDecoder:
         self.kind = model.kind
         self.states = states
         fam = family(model.kind)
-        if not fam.row_positions:  # Mamba-1: block.step (a session would hold a workspace per layer)
-            self._layers = [_Stepper(blk, st) for blk, st in zip(model.blocks, states)]
+        if not fam.row_positions:  # Mamba-1: a session per layer, or block.step
+            self._layers = []
             self._rows = None
             self._positions = [0] * len(positions)
+            try:
+                for blk, st in zip(model.blocks, states):
+                    self._layers.append(blk.decode_session(st) if cache else _Stepper(blk, st))
+            except BaseException:
+                self.close()
+                raise
         else:  # one row-position array for all layers
             rows = Array((len(positions),), "int64", zero=False)
             memoryview(rows).cast("B")[:] = array("q", positions).tobytes()

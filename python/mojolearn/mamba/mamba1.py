@@ -295,6 +295,18 @@ class Mamba1Block(_MambaBase):
         """Open a Mamba1DecodeSession for fast token-by-token decoding."""
         return Mamba1DecodeSession(self, state)
 
+    def _session_cache_bytes(self, batch_size: int) -> int:
+        """Bytes of a decode session's speed cache for batch_size rows: its
+        private workspace, which holds the state in the kernel's layout from
+        open to close (so a step neither checks, loads nor saves the state,
+        as block.step does)."""
+        from .. import _abi
+        from ._base import workspace_floats
+        op = _abi.op_spec(self._lib, self._runner.spec.forward_op).op
+        args = self._runner.forward_slots(self).pack(b=batch_size, l=1, d=self.d_model,
+                                                     blob=self._blob)
+        return 4 * workspace_floats(self._lib, op, args)
+
 
 class Mamba1BlockInference(Mamba1Block):
     """Forward-only Mamba1Block on the CPU host binary.

@@ -274,6 +274,7 @@ class Mamba1DecodeSession(DecodeSessionBase):
         # from open to close; steps neither load nor save it.
         args = self._spec.pack(b=self._b, l=1, d=self._d, blob=self._blob)
         self._own_workspace(args, zero=True)
+        self.cache_bytes = 4 * self._work.size  # (the block's _session_cache_bytes)
         self._args = args
         self._transfer(cw, h, self._NO_TOKENS | self._NO_SAVE)
         args[self._spec.slot("flags")] = self._NO_LOAD | self._NO_SAVE
