@@ -31,7 +31,7 @@ Per (kind, format, B), mojolearn:
   measured once per kind in the same run;
 - peak RSS against the weights' bytes plus the states, and per stream:
   (peak RSS - RSS right after loading) / B (0 when loading was the peak);
-- for Mamba-2, each of --session-cache (the Batcher's session_cache: 'on'
+- each of --session-cache (the Batcher's session_cache: 'on'
   keeps the decode sessions' speed cache, 'off' does not), each in its own
   child (the cache's bytes are in the table).
 transformers (float32 only, B = 1 and 8): prefill (a forward of the
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--session-cache", default="on,off",
-                    help="Mamba-2's decode sessions' speed cache: on, off or both (on,off)")
+                    help="the decode sessions' speed cache: on, off or both (on,off)")
     ap.add_argument("--quick", action="store_true", help="2 layers, B=1, float32: a smoke run")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", default=None)
@@ -247,11 +247,11 @@ def main(argv=None) -> int:
                 theirs[B] = _child({"side": "theirs", "folder": folder, "B": B,
                                     "steps": max(4, a.decode_steps // 4), "prompt": a.prompt,
                                     "threads": a.threads})
-        caches = a.session_cache.split(",") if kind == "mamba2" else ["-"]
+        caches = a.session_cache.split(",")
         for fmt, B, cache in [(f, B, c) for f in formats for B in batches for c in caches]:
             ours = _child({"side": "ours", "folder": folder, "format": fmt, "B": B,
                            "steps": a.decode_steps, "prompt": a.prompt,
-                           "threads": a.threads, "cache": "on" if cache == "-" else cache})
+                           "threads": a.threads, "cache": cache})
             step_bytes = ours["weight_bytes"] + 2 * ours["state_bytes"]
             floor = _floor_s(step_bytes, a.threads)
             ours["floor_step_s"] = floor["seconds"]
