@@ -34,7 +34,8 @@ __all__ = ["set_phase_timing", "phase_times", "reset_phase_times", "timing_phase
 # STAGES maps the op ids the binary gives these ops (read on first use: the
 # import loads no binary).
 _STAGES = {
-    "m1_forward": ("norm", "in_proj", "conv", "x_proj", "dt_proj", "scan", "out_proj"),
+    "m1_forward": ("norm", "in_proj", "conv", "x_proj", "bcdt_norm", "dt_proj", "scan",
+                   "out_proj"),
     "m2_forward": ("norm", "in_proj", "conv", "cb", "ssd", "gated_norm", "out_proj"),
     "m3_forward": ("norm", "in_proj", "bc_norm_gates", "scan", "out_proj"),
 }
