@@ -314,3 +314,13 @@ def test_the_cli_names_the_key_of_an_unsupported_tokenizer(tmp_path):
     r = run_cli("generate", path, "--prompt-ids", "1,2", "--max-new-tokens", 2)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 2  # the ids, then the summary
+
+
+def test_the_server_takes_the_files_tokenizer(files):
+    pytest.importorskip("starlette")
+    from mojolearn.serve.ray_deployment import build_server
+    server = build_server(str(files["gpt-2"]))
+    try:
+        assert _all_ids(server.tokenizer) == _all_ids(_json(files["plain"]))
+    finally:
+        server.close()
