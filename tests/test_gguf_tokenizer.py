@@ -324,3 +324,21 @@ def test_the_server_takes_the_files_tokenizer(files):
         assert _all_ids(server.tokenizer) == _all_ids(_json(files["plain"]))
     finally:
         server.close()
+
+
+def test_a_merge_is_split_at_the_first_space_after_its_first_character(tmp_path):
+    # as llama.cpp splits: "  a" is " " + "a" (a left part may be a space)
+    meta = _good_meta()
+    meta["tokenizer.ggml.tokens"] = (["a", "b", "ab", "<s>", "[PAD4]", " ", " a"], None)
+    meta["tokenizer.ggml.token_type"] = ([1, 1, 1, 3, 5, 1, 1], None)
+    meta["tokenizer.ggml.merges"] = (["a b", "  a"], None)
+    tk = read_tokenizer(_raw_file(tmp_path / "m.gguf", meta))
+    assert json.loads(tk.to_str())["model"]["merges"] == [["a", "b"], [" ", "a"]]
+
+
+def test_an_unknown_type_token_is_special_like_a_control_token(tmp_path):
+    meta = _good_meta()
+    meta["tokenizer.ggml.token_type"] = ([1, 1, 1, 2, 5], None)  # <s>: llama.cpp's "unknown"
+    tk = read_tokenizer(_raw_file(tmp_path / "m.gguf", meta))
+    assert tk.encode("ab<s>").ids == [2, 3]
+    assert tk.decode([2, 3]) == "ab" and tk.decode([2, 3], skip_special_tokens=False) == "ab<s>"
