@@ -5,8 +5,8 @@ prefill and decode speed and why generation stopped.
 With --prompt TEXT (or text output) the model folder must hold a
 tokenizer.json and the optional `tokenizers` package must be installed;
 for a .gguf file the tokenizer.json beside it, else the tokenizer the file
-carries (mojolearn.gguf.read_tokenizer). --prompt-ids needs neither. Text is streamed whole characters at a time
-(mojolearn.textstream). Any error is one line on stderr and exit status 2
+carries (mojolearn.gguf.read_tokenizer). --prompt-ids needs neither. Text
+is streamed whole characters at a time (mojolearn.textstream). Any error is one line on stderr and exit status 2
 (--debug: the traceback).
 """
 from __future__ import annotations

@@ -23,7 +23,8 @@ left out, so their ids decode to nothing, as in the model's tokenizer.json.
 from __future__ import annotations
 
 MODEL, PRE = "tokenizer.ggml.model", "tokenizer.ggml.pre"
-TOKENS, TYPES, MERGES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"
+TOKENS, TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
+MERGES = "tokenizer.ggml.merges"
 # tokenizer.ggml.pre -> the normalizer of the tokenizer it names (all three
 # split with GPT-2's byte-level regex)
 SPLITS = {"gpt-2": None, "mpt": "NFC", "olmo": "NFC"}
@@ -70,6 +71,8 @@ def _special_ids(meta, n, path) -> dict:
 
 
 def _checked_types(meta, n, path) -> list:
+    """The n token types (all normal when the key is absent); ValueError
+    naming the key for another length or a type llama.cpp does not have."""
     types = _need_list(meta, TYPES, int, path, required=False)
     if types is None:  # llama.cpp: every token normal
         return [NORMAL] * n
