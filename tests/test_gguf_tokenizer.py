@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 
 import pytest
 
@@ -342,3 +343,12 @@ def test_an_unknown_type_token_is_special_like_a_control_token(tmp_path):
     tk = read_tokenizer(_raw_file(tmp_path / "m.gguf", meta))
     assert tk.encode("ab<s>").ids == [2, 3]
     assert tk.decode([2, 3]) == "ab" and tk.decode([2, 3], skip_special_tokens=False) == "ab<s>"
+
+
+def test_without_the_tokenizers_package(files, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails
+    with raises_naming(ImportError, "tokenizers", "pip install tokenizers"):
+        read_tokenizer(files["gpt-2"])
+    assert load_tokenizer(files["gpt-2"]) is None  # token ids still work
+    with raises_naming(ImportError, "tokenizers"):
+        load_tokenizer(files["gpt-2"], required=True)
