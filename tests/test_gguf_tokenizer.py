@@ -286,6 +286,9 @@ BAD = [
     ({"tokenizer.ggml.add_eos_token": (True, None), "tokenizer.ggml.eos_token_id": (4, None)},
      ["tokenizer.ggml.eos_token_id = 4"]),
     ({"tokenizer.ggml.bos_token_id": (7, None)}, ["tokenizer.ggml.bos_token_id = 7"]),
+    ({"tokenizer.ggml.tokens": (["a", "b", "ab", "<s>:0", "[PAD4]"], None),
+      "tokenizer.ggml.add_bos_token": (True, None), "tokenizer.ggml.bos_token_id": (3, None)},
+     ["tokenizer.ggml.bos_token_id = 3", "'<s>:0'"]),
 ]
 
 
