@@ -2,7 +2,8 @@
 CLI's text prompts on a .gguf file), written by llama.cpp's own writer the
 way its converter writes it (tests/gguf_files.py add_tokenizer) from a real
 byte-level BPE tokenizer.json (tests/text_model.py's, plus a user-defined
-whitespace token, a user-defined "\\n\\n" and a second control token).
+whitespace token, a user-defined "\\n\\n" and a second control token; an
+NFC variant for "mpt" / "olmo"; one with Falcon-7B's split for "falcon").
 
 What is compared: the ids `encode` gives (and the text `decode` gives) with
 the tokenizer rebuilt from the file against the tokenizer.json it was
@@ -10,8 +11,8 @@ written from, on ASCII, accents (composed and not), CJK, emoji, whitespace
 runs and special tokens; the CLI's output on the .gguf against the
 safetensors folder with that tokenizer.json. Negative controls: a file whose
 merges are reordered or cut, a control token written as normal, the wrong
-split name for a normalizing tokenizer, a different tokenizer.json beside
-the file.
+split name (GPT-2's) for the NFC and the Falcon tokenizers, a different
+tokenizer.json beside the file.
 """
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ gguf = pytest.importorskip("gguf")  # in the test extra
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")  # the converter reads the tokenizer with it
 
-VOCAB = 328  # the tokenizer's 323 ids, padded to a multiple of 8 as the converter pads
+VOCAB = 368  # the tokenizers' ids (323; Falcon's 363) padded to a multiple of 8 as the
+#              converter pads
+TRAIN_NUMBERS = ("Call 555-1234 or 1,000,000 now!!! (yes) x+y=z; $5.00... 12345678 a1b22c333 "
+                 "don't (no) 1 2 3 'tis")
+NUMBERS = TRAIN_NUMBERS + " 0000"  # Falcon: "000" "0"; GPT-2: "00" "00"
 DECOMPOSED = "cafe\u0301 cre\u0300me nai\u0308ve"  # accents as combining marks (not NFC)
 TEXTS = [
     "The café serves crème brûlée and naïve piñatas.",
@@ -46,17 +51,47 @@ TEXTS = [
     "a  b    c\n\n\t  x   \n\n\n  ",
     f"{EOS}Ünïcödé<|pad|> mïxed{EOS}",
     "Привет, мир! 12345 don't",  # characters and digits the merges never saw
+    NUMBERS,  # digits and punctuation: where Falcon's split differs
     "",
 ]
 
 
-def _tokenizer_json(nfc=False, bos=False):
-    """text_model's tokenizer with added tokens: user-defined "    " and
-    "\\n\\n" (GPT-NeoX has whitespace runs as added tokens), control <|pad|>;
-    with nfc an NFC normalizer (GPT-NeoX's), with bos EOS put first (a
-    TemplateProcessing, which the converter reads as add_bos_token)."""
+# Falcon-7B's split, as its tokenizer.json writes it (Falcon-Mamba's tokenizer)
+FALCON_SPLIT = {"type": "Sequence", "pretokenizers": [
+    {"type": "Punctuation", "behavior": "Contiguous"},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    {"type": "Digits", "individual_digits": False},
+    {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated",
+     "invert": False}]}
+
+
+def _falcon_tokenizer():
+    """A BPE trained with GPT-2's split (merges that cross Falcon's
+    boundaries: the split decides) that then splits as Falcon-7B does (set
+    from the JSON form above)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from .text_model import TEXT
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=[EOS],
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator((TEXT + [TRAIN_NUMBERS]) * 4, trainer)
+    spec = json.loads(tk.to_str())
+    spec["pre_tokenizer"] = FALCON_SPLIT
+    tk = Tokenizer.from_str(json.dumps(spec))
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _tokenizer_json(nfc=False, bos=False, falcon=False):
+    """text_model's tokenizer (with falcon: one trained with Falcon's split)
+    with added tokens: user-defined "    " and "\\n\\n" (GPT-NeoX has
+    whitespace runs as added tokens), control <|pad|>; with nfc an NFC
+    normalizer (GPT-NeoX's), with bos EOS put first (a TemplateProcessing,
+    which the converter reads as add_bos_token)."""
     from tokenizers import AddedToken, normalizers, processors
-    tk = tokenizer()
+    tk = _falcon_tokenizer() if falcon else tokenizer()
     tk.add_tokens([AddedToken("    ", special=False), AddedToken("\n\n", special=False)])
     tk.add_special_tokens([AddedToken("<|pad|>", special=True, normalized=False)])
     if nfc:
@@ -89,7 +124,9 @@ def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ggtok")
     out = {"plain": _tokenizer_folder(tmp / "plain", _tokenizer_json()),
            "nfc": _tokenizer_folder(tmp / "nfc", _tokenizer_json(nfc=True)),
-           "bos": _tokenizer_folder(tmp / "bos", _tokenizer_json(bos=True))}
+           "bos": _tokenizer_folder(tmp / "bos", _tokenizer_json(bos=True)),
+           "falcon-json": _tokenizer_folder(tmp / "falcon", _tokenizer_json(falcon=True))}
+    out["falcon"] = _write(tmp / "falcon.gguf", out["falcon-json"], "falcon")
     out["gpt-2"] = _write(tmp / "gpt2.gguf", out["plain"], "gpt-2")
     out["mpt"] = _write(tmp / "mpt.gguf", out["nfc"], "mpt")
     out["olmo"] = _write(tmp / "olmo.gguf", out["nfc"], "olmo")
@@ -106,7 +143,8 @@ def _all_ids(tk):
 
 
 @pytest.mark.parametrize("gguf_name, folder", [("gpt-2", "plain"), ("mpt", "nfc"),
-                                               ("olmo", "nfc"), ("bos.gguf", "bos")])
+                                               ("olmo", "nfc"), ("bos.gguf", "bos"),
+                                               ("falcon", "falcon-json")])
 def test_encode_and_decode_equal_the_tokenizer_json(files, gguf_name, folder):
     want, got = _json(files[folder]), read_tokenizer(files[gguf_name])
     ids = _all_ids(want)
@@ -169,6 +207,14 @@ def test_negative_control_the_split_name_decides_the_normalizer(files, tmp_path)
     want = _json(files["nfc"])
     assert wrong.encode(TEXTS[0]).ids == want.encode(TEXTS[0]).ids  # composed
     assert wrong.encode(DECOMPOSED).ids != want.encode(DECOMPOSED).ids
+
+
+def test_negative_control_falcons_split_differs_from_gpt2s(files, tmp_path):
+    # the Falcon-split tokenizer written under GPT-2's name
+    wrong = read_tokenizer(_write(tmp_path / "wrong.gguf", files["falcon-json"], "gpt-2"))
+    want = _json(files["falcon-json"])
+    assert wrong.encode(TEXTS[0]).ids == want.encode(TEXTS[0]).ids  # words alike
+    assert wrong.encode(NUMBERS).ids != want.encode(NUMBERS).ids
 
 
 def test_a_tokenizer_json_beside_the_file_wins(files, tmp_path):
@@ -266,7 +312,7 @@ def _good_meta():
 BAD = [
     ({"tokenizer.ggml.model": ("llama", None)}, ["tokenizer.ggml.model", "'llama'"]),
     ({"tokenizer.ggml.model": (None, None)}, ["tokenizer.ggml.model", "missing"]),
-    ({"tokenizer.ggml.pre": ("falcon", None)}, ["tokenizer.ggml.pre", "'falcon'"]),
+    ({"tokenizer.ggml.pre": ("falcon3", None)}, ["tokenizer.ggml.pre", "'falcon3'"]),
     ({"tokenizer.ggml.pre": ("default", None)}, ["tokenizer.ggml.pre", "'default'"]),
     ({"tokenizer.ggml.pre": (None, None)}, ["tokenizer.ggml.pre", "missing"]),
     ({"tokenizer.ggml.merges": (None, None)}, ["tokenizer.ggml.merges", "missing"]),

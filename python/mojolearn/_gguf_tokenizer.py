@@ -6,13 +6,15 @@ Read: llama.cpp's "gpt2" tokenizer model, a byte-level BPE: the token list
 (``tokenizer.ggml.tokens``, id = position), their types
 (``tokenizer.ggml.token_type``), the merges in rank order
 (``tokenizer.ggml.merges``, "left right"), ``add_bos_token`` /
-``add_eos_token`` and the split named by ``tokenizer.ggml.pre``. The split is
-GPT-2's byte-level regex for the names llama.cpp gives that regex and that
-Mamba checkpoints carry: "gpt-2" (GPT-2's tokenizer: no normalizer), "mpt"
-and "olmo" (both name GPT-NeoX's tokenizer, the one Mamba and Mamba-2 are
-trained with: NFC first, as its tokenizer.json does; llama.cpp itself does
-not normalize, so text that is not in NFC may tokenize differently there).
-Any other tokenizer model or split is refused naming the key and its value.
+``add_eos_token`` and the split named by ``tokenizer.ggml.pre``, rebuilt as
+the tokenizer.json of the tokenizer that name stands for does it, for the
+names Mamba checkpoints carry: "gpt-2" (GPT-2's byte-level regex, no
+normalizer), "mpt" and "olmo" (both name GPT-NeoX's tokenizer, the one Mamba
+and Mamba-2 are trained with: NFC, then GPT-2's regex; llama.cpp itself does
+not normalize, so text that is not in NFC may tokenize differently there),
+"falcon" (Falcon-7B's, which Falcon-Mamba is trained with: punctuation runs,
+GPT-2's regex, digit runs cut in threes). Any other tokenizer model or split
+is refused naming the key and its value.
 
 Token types: normal (and byte) tokens are the BPE's vocabulary; control and
 unknown tokens are special added tokens (matched in text, dropped by
@@ -25,9 +27,9 @@ from __future__ import annotations
 MODEL, PRE = "tokenizer.ggml.model", "tokenizer.ggml.pre"
 TOKENS, TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
 MERGES = "tokenizer.ggml.merges"
-# tokenizer.ggml.pre -> the normalizer of the tokenizer it names (all three
-# split with GPT-2's byte-level regex)
-SPLITS = {"gpt-2": None, "mpt": "NFC", "olmo": "NFC"}
+# tokenizer.ggml.pre -> (the normalizer, the split) of the tokenizer it names
+SPLITS = {"gpt-2": (None, "byte-level"), "mpt": ("NFC", "byte-level"),
+          "olmo": ("NFC", "byte-level"), "falcon": (None, "falcon")}
 # llama.cpp's token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -157,9 +159,10 @@ def gguf_tokenizer(meta: dict, path):
         raise ImportError(f"the tokenizer of {path} needs the `tokenizers` package "
                           "(pip install tokenizers)") from None
     tk = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-    if SPLITS[pre] == "NFC":
+    normalizer, split = SPLITS[pre]
+    if normalizer == "NFC":
         tk.normalizer = normalizers.NFC()
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.pre_tokenizer = _pre_tokenizer(split)
     tk.decoder = decoders.ByteLevel()
     # in the vocabulary already: added tokens keep their ids
     tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
@@ -175,3 +178,17 @@ def gguf_tokenizer(meta: dict, path):
             single=seq("$A", 0), pair=seq("$A", 0) + seq("$B", 1),
             special_tokens=[(tokens[t], t) for t in set(added.values())])
     return tk
+
+
+def _pre_tokenizer(split: str):
+    """The split before the BPE: GPT-2's byte-level regex; for "falcon",
+    Falcon-7B's tokenizer.json sequence (runs of punctuation apart, the
+    byte-level regex, digit runs apart, then cut into threes from the left),
+    which llama.cpp approximates with regexes."""
+    from tokenizers import Regex, pre_tokenizers as pt
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split == "byte-level":
+        return byte_level
+    return pt.Sequence([pt.Punctuation(behavior="contiguous"), byte_level,
+                        pt.Digits(individual_digits=False),
+                        pt.Split(Regex("[0-9][0-9][0-9]"), behavior="isolated", invert=False)])

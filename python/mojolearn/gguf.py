@@ -232,7 +232,8 @@ def read_tokenizer(path):
     ``tokenizer.ggml.*`` metadata; this rebuilds it: llama.cpp's "gpt2"
     tokenizer model (byte-level BPE with the file's tokens and merges, its
     control tokens as special tokens) with the split ``tokenizer.ggml.pre``
-    names, "gpt-2", "mpt" or "olmo" (docs/checkpoints.md, "GGUF files").
+    names, "gpt-2", "mpt", "olmo" or "falcon" (docs/checkpoints.md, "GGUF
+    files").
     Encoding, special tokens and decoding are those of the model's own
     tokenizer.json. Needs the optional ``tokenizers`` package.
 
