@@ -48,15 +48,69 @@ def _as(arr, qtype):
     return gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype), qtype
 
 
+def _looks_special(token: str) -> bool:
+    """The converter's does_token_look_special, for the token shapes the
+    tests use."""
+    return token in ("<pad>", "<mask>") or (token.startswith("<|") and token.endswith("|>"))
+
+
+def add_tokenizer(w, folder, pre, vocab_size, edit=None):
+    """Write the tokenizer of folder (tokenizer.json and tokenizer_config.json)
+    into GGUFWriter w as the converter's _set_vocab_gpt2 does: its
+    get_vocab_base (every id below vocab_size: the tokenizer's token, typed
+    normal / control / user-defined, or an unused "[PAD{i}]"), then the `gguf`
+    package's own SpecialVocab (merges, special ids, add_bos/eos, chat
+    template). pre: tokenizer.ggml.pre (the converter picks it from a hash of
+    known tokenizers' output). edit(tokens, types, special_vocab), if given,
+    changes what is written (negative controls)."""
+    import gguf
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    vocab = tok.get_vocab()
+    assert max(vocab.values()) < vocab_size
+    reverse = {i: t for t, i in vocab.items()}
+    added = tok.get_added_vocab()
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse[i]
+        if token in added:
+            info = tok.added_tokens_decoder[i]
+            if not info.normalized:
+                token = tok.decode(tok.encode(token, add_special_tokens=False))
+            if info.special or _looks_special(token):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                token = token.replace("\u2581", " ")
+                types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    special = gguf.SpecialVocab(folder, load_merges=True)
+    if edit is not None:
+        edit(tokens, types, special)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    special.add_to_gguf(w)
+
+
 def write_gguf(path, kind, layers, emb, norm, head=None, *, falcon=False, a_of=torch_neg_exp,
-               types=None, eps=1e-5, eos=None, arch=None, extra=None, skip=(), n_groups=1):
+               types=None, eps=1e-5, eos=None, arch=None, extra=None, skip=(), n_groups=1,
+               tokenizer=None):
     """Write a model as convert_hf_to_gguf would. layers: the blocks' weight
     dicts (A_log included); head None: tied. types: {gguf tensor name:
     GGMLQuantizationType} (default F32). a_of: A_log -> the stored ssm_a.
     extra: {metadata key: (value, GGUFValueType)} written after the rest;
     skip: tensor names left out; n_groups: Mamba-2's B/C groups (the gated
-    norm stored as (groups, d_inner / groups)). Returns {gguf tensor name: the float32
-    values written before any type conversion}."""
+    norm stored as (groups, d_inner / groups)). tokenizer: (folder, pre, edit)
+    for add_tokenizer (default: a placeholder list of tokens, no merges).
+    Returns {gguf tensor name: the float32 values written before any type
+    conversion}."""
     import gguf
     types = types or {}
     arch = arch or kind
@@ -79,8 +133,11 @@ def write_gguf(path, kind, layers, emb, norm, head=None, *, falcon=False, a_of=t
     if kind == "mamba":
         w.add_ssm_dt_b_c_rms(falcon)
     w.add_file_type(0)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(emb.shape[0])])
+    if tokenizer is None:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(emb.shape[0])])
+    else:
+        add_tokenizer(w, tokenizer[0], tokenizer[1], emb.shape[0], *tokenizer[2:])
     if eos is not None:
         w.add_eos_token_id(eos)
     for key, (value, vtype) in (extra or {}).items():

@@ -49,11 +49,17 @@ def model_folder(source: str, *, download: bool = False) -> str:
 
 
 def load_tokenizer(folder, *, required: bool = False):
-    """The folder's tokenizer.json as a ``tokenizers.Tokenizer``, or None when
-    the folder has none (or, unless ``required``, when the ``tokenizers``
-    package is missing); with ``required`` a missing tokenizer is an error
-    that says what to add."""
-    path = Path(folder) / "tokenizer.json"
+    """The model's tokenizer as a ``tokenizers.Tokenizer``: the folder's
+    tokenizer.json; for a .gguf file the tokenizer.json beside it, else the
+    tokenizer the file carries (mojolearn.gguf.read_tokenizer). None when
+    there is none (or, unless ``required``, when the ``tokenizers`` package is
+    missing or the file's tokenizer is not one that is read); with
+    ``required`` a missing tokenizer is an error that says what to add."""
+    source = Path(folder)
+    gguf_file = source.suffix == ".gguf" and source.is_file()
+    path = (source.parent if gguf_file else source) / "tokenizer.json"
+    if gguf_file and not path.is_file():
+        return _gguf_tokenizer(source, required)
     if not path.is_file():
         if required:
             raise FileNotFoundError(f"text needs a tokenizer.json in {folder} (or give token ids)")
@@ -66,6 +72,21 @@ def load_tokenizer(folder, *, required: bool = False):
         raise ImportError(f"{path} needs the `tokenizers` package "
                           "(pip install tokenizers)") from None
     return Tokenizer.from_file(str(path))
+
+
+def _gguf_tokenizer(path: Path, required: bool):
+    """The tokenizer a GGUF file carries; without ``required`` None when it
+    cannot be read (the model itself may still serve token ids)."""
+    from .gguf import read_tokenizer
+    try:
+        return read_tokenizer(path)
+    except (ValueError, ImportError) as e:
+        if not required:
+            return None
+        if isinstance(e, ImportError):
+            raise
+        raise ValueError(f"{e}; text needs the model's tokenizer: put its tokenizer.json "
+                         f"beside {path.name} (or give token ids)") from None
 
 
 def parse_ids(text: str, what: str) -> list:

@@ -4,8 +4,9 @@ prefill and decode speed and why generation stopped.
 
 With --prompt TEXT (or text output) the model folder must hold a
 tokenizer.json and the optional `tokenizers` package must be installed;
---prompt-ids needs neither. Text is streamed whole characters at a time
-(mojolearn.textstream). Any error is one line on stderr and exit status 2
+for a .gguf file the tokenizer.json beside it, else the tokenizer the file
+carries (mojolearn.gguf.read_tokenizer). --prompt-ids needs neither. Text
+is streamed whole characters at a time (mojolearn.textstream). Any error is one line on stderr and exit status 2
 (--debug: the traceback).
 """
 from __future__ import annotations
@@ -28,7 +29,9 @@ def _parser():
                     "see --download)")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    src.add_argument("--prompt", help="text (needs tokenizer.json and the tokenizers package)")
+    src.add_argument("--prompt", help="text (needs the tokenizers package and the model's "
+                     "tokenizer.json; for a .gguf file without one beside it, the tokenizer "
+                     "the file carries)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sample", action="store_true", help="sample (default: greedy)")
     ap.add_argument("--temperature", type=float, default=None,

@@ -13,7 +13,8 @@ anything is allocated or read; a malformed file is a ValueError naming the
 file and the key or tensor. Tensor types: F32 is read as is; F16, BF16,
 Q8_0 and Q4_0 are widened exactly to float32 (each Q8_0 / Q4_0 value is a
 float16 scale times a small integer, representable in float32); any other
-type is a TypeError naming the tensor and the type.
+type is a TypeError naming the tensor and the type. ``read_tokenizer`` builds
+the tokenizer a file carries (llama.cpp's "gpt2" byte-level BPE).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from .safetensors import LazyTensor, _from_raw
 
-__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "GGML_TYPE_NAMES"]
+__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "read_tokenizer", "GGML_TYPE_NAMES"]
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -222,6 +223,40 @@ def read_gguf(path) -> GGUFFile:
             raise ValueError(f"{path}: not a GGUF file (shorter than its 24-byte header)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse(_Reader(memoryview(buf), path), path)
+
+
+def read_tokenizer(path):
+    """The tokenizer a GGUF file carries, as a ``tokenizers.Tokenizer``.
+
+    llama.cpp's converter stores a Mamba model's tokenizer in the
+    ``tokenizer.ggml.*`` metadata; this rebuilds it: llama.cpp's "gpt2"
+    tokenizer model (byte-level BPE with the file's tokens and merges, its
+    control tokens as special tokens) with the split ``tokenizer.ggml.pre``
+    names, "gpt-2", "mpt", "olmo" or "falcon" (docs/checkpoints.md, "GGUF
+    files").
+    Encoding, special tokens and decoding are those of the model's own
+    tokenizer.json. Needs the optional ``tokenizers`` package.
+
+    Parameters
+    ----------
+    path : str or PathLike
+
+    Returns
+    -------
+    tokenizers.Tokenizer
+        A new object each call, sharing nothing with the file (which is
+        closed when this returns).
+
+    Raises
+    ------
+    ValueError naming the metadata key: the file carries no tokenizer, another
+    tokenizer model ("llama" ...), another split, malformed tokens, token types,
+    merges or special-token ids; and read_gguf's errors.
+    ImportError without the ``tokenizers`` package.
+    """
+    from ._gguf_tokenizer import gguf_tokenizer
+    path = Path(path)
+    return gguf_tokenizer(read_gguf(path).metadata, path)
 
 
 def _parse(r: _Reader, path) -> GGUFFile:
