@@ -127,16 +127,12 @@ class Mamba2State(StateBase):
     _VALUES = ("buffered_tokens",)
 
     def __init__(self, conv_window, h, buffer_xbc, buffer_dtraw, buffered_tokens=0):
-        self.conv_window = conv_window
-        self.h = h
-        self.buffer_xbc = buffer_xbc
-        self.buffer_dtraw = buffer_dtraw
+        self._store(conv_window, h, buffer_xbc, buffer_dtraw)
         bt = _intake.as_int(buffered_tokens, "buffered_tokens")
         if not 0 <= bt < CHUNK:
             raise ValueError(f"buffered_tokens = {bt} is outside [0, {CHUNK})")
         self.buffered_tokens = bt
         self._version = 0  # bumped by every call that updates the state
-        self._held_by = None  # an open Mamba2DecodeSession
 
     def __repr__(self):
         shape = getattr(memoryview(self.h), "shape", None)
