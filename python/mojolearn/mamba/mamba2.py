@@ -457,10 +457,9 @@ class Mamba2Block(_MambaBase):
     def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M2_BACKWARD with its state slots; docs/backward.md)."""
-        _grad_state.check_ragged_without_state(state, grad_state, lengths)
-        xv, gv, lens = self._runner.backward_views(self, x, grad_output, lengths)
+        xv, gv, lens, stated = _grad_state.backward_intake(self, x, grad_output, state,
+                                                           grad_state, lengths)
         b, l, d = xv.shape
-        stated = state is not None or grad_state is not None
         named, bt = {}, 0
         if state is not None:
             sv, bt = self._start_state_views(state, b)

@@ -502,10 +502,9 @@ class Mamba3Block(_MambaBase):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M3_BACKWARD with its state slots; docs/backward.md)."""
         from .._array import Array
-        _grad_state.check_ragged_without_state(state, grad_state, lengths)
-        xv, gv, lens = self._runner.backward_views(self, x, grad_output, lengths)
+        xv, gv, lens, stated = _grad_state.backward_intake(self, x, grad_output, state,
+                                                           grad_state, lengths)
         b, l, d = xv.shape
-        stated = state is not None or grad_state is not None
         named, nb, pending = {}, 0, False
         if stated:
             if state is not None:
