@@ -82,3 +82,25 @@ def measure_in_child(script, block, side, d, B, L, threads, reps):
     if res.returncode != 0:
         raise RuntimeError(f"{spec} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def add_model_options(parser, *, kind, d, layers, vocab):
+    """The options of a random model's shape: --kind, --d, --layers, --vocab
+    (with these defaults), as write_random_model takes them."""
+    parser.add_argument("--kind", default=kind, choices=["mamba", "mamba2", "mamba3"])
+    parser.add_argument("--d", type=int, default=d)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--vocab", type=int, default=vocab)
+
+
+def write_random_model(folder, kind, d, layers, vocab, emb_scale):
+    """Save a MambaLM checkpoint of random weights into folder; return the
+    folder. Layer i: mojolearn.init_weights seeded i; embeddings standard
+    normal (seed 0) times emb_scale; final norm ones; tied head."""
+    import numpy as np
+    import mojolearn
+    from mojolearn.save import save_checkpoint
+    block = {"mamba": "mamba1"}.get(kind, kind)
+    ws = [mojolearn.init_weights(block, d, seed=i, n_layers=layers) for i in range(layers)]
+    emb = (np.random.default_rng(0).standard_normal((vocab, d)) * emb_scale).astype(np.float32)
+    return save_checkpoint(folder, kind, ws, emb, np.ones(d, np.float32))

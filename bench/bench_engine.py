@@ -29,16 +29,10 @@ import time
 
 
 def _model(args):
-    import numpy as np
     import mojolearn
-    from mojolearn.save import save_checkpoint
-    rng = np.random.default_rng(0)
-    block = {"mamba": "mamba1"}.get(args.kind, args.kind)
-    layers = [{k: np.asarray(v) for k, v in mojolearn.init_weights(
-        block, args.d, seed=i, n_layers=args.layers).items()} for i in range(args.layers)]
-    folder = save_checkpoint(tempfile.mkdtemp(prefix="bench_engine_"), args.kind, layers,
-                             rng.standard_normal((args.vocab, args.d)).astype(np.float32) * 0.1,
-                             np.ones(args.d, np.float32))
+    from _harness import write_random_model
+    folder = write_random_model(tempfile.mkdtemp(prefix="bench_engine_"), args.kind, args.d,
+                                args.layers, args.vocab, emb_scale=0.1)
     return mojolearn.MambaLM(folder)
 
 
@@ -83,10 +77,8 @@ def second_turn(lm, args, cache_bytes):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kind", default="mamba2", choices=["mamba", "mamba2", "mamba3"])
-    p.add_argument("--d", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=4096)
+    from _harness import add_model_options
+    add_model_options(p, kind="mamba2", d=256, layers=8, vocab=4096)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--long", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=256)

@@ -49,13 +49,8 @@ def make_model(kind, d, layers, vocab) -> Path:
     folder = OUT / f"serve_{kind}_{d}_{layers}_{vocab}"
     if (folder / "config.json").is_file():
         return folder
-    import numpy as np
-    import mojolearn
-    from mojolearn.save import save_checkpoint
-    block = {"mamba": "mamba1"}.get(kind, kind)
-    ws = [mojolearn.init_weights(block, d, seed=i, n_layers=layers) for i in range(layers)]
-    emb = (np.random.default_rng(0).standard_normal((vocab, d)) * 0.02).astype(np.float32)
-    save_checkpoint(folder, kind, ws, emb, np.ones(d, np.float32))
+    from _harness import write_random_model
+    write_random_model(folder, kind, d, layers, vocab, emb_scale=0.02)
     return folder
 
 
@@ -175,10 +170,8 @@ def run_level(port, n, args, rng):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--kind", default="mamba", choices=["mamba", "mamba2", "mamba3"])
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--vocab", type=int, default=50280)
+    from _harness import add_model_options
+    add_model_options(ap, kind="mamba", d=768, layers=24, vocab=50280)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--streams-per-level", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -71,6 +71,19 @@ def assert_reference_equals(ours, theirs, names, rel=1e-10):
         assert np.abs(ours[name] - theirs[name]).max() <= rel * np.abs(theirs[name]).max(), name
 
 
+def check_reference_at_zero_state(make_weights, d, zero_shapes, torch_grads, grad_reference,
+                                  names):
+    """At a zero state and zero cotangents (float64 zeros of zero_shapes(w))
+    the torch reference's gradients, torch_grads(w, x, g, *zeros, *zeros),
+    equal grad_reference(w, x, g) (transformers' block under autograd) on
+    names (assert_reference_equals): weights make_weights(d, seed=7), x
+    and g (2, 9, d) (seeds 8, 9)."""
+    w = make_weights(d, seed=7)
+    x, g = random_input(2, 9, d, seed=8), random_input(2, 9, d, seed=9)
+    zeros = [np.zeros(s) for s in zero_shapes(w)]
+    assert_reference_equals(torch_grads(w, x, g, *zeros, *zeros), grad_reference(w, x, g), names)
+
+
 # --------------------------------------------------------------------------- backward
 def backward_with_shapes(block, w, B, L, names):
     """block.backward(x, g) on x (seed 200 + L) and g (seed 300 + L) of
@@ -198,12 +211,18 @@ def chunked_gradients(block, x, g, pieces, weight_names, state_names, state=None
     return total, cot
 
 
-def check_ragged_rows(block, w, x, g, lens, reference, weight_names, nan_padding):
-    """backward(x, g, lengths=lens), no state: a row's x gradient equals the
-    row's alone over its own tokens, padding x gradients are +0.0 (with
-    nan_padding the padding of x and g is NaN, never read); the weight
-    gradients are within the bound of float64 autograd (reference) of the
-    rows alone, summed. Control: without lengths the padding counts."""
+def check_ragged_rows(block_cls, make_weights, lens, reference_of, weight_names, nan_padding):
+    """On a block of make_weights(32, seed=50) and x, g (len(lens),
+    max(lens), 32) (seeds 51, 52): backward(x, g, lengths=lens), no state:
+    a row's x gradient equals the row's alone over its own tokens, padding x
+    gradients are +0.0 (with nan_padding the padding of x and g is NaN,
+    never read); the weight gradients are within the bound of float64
+    autograd (reference_of(block)(w, x, g)) of the rows alone, summed.
+    Control: without lengths the padding counts."""
+    w = make_weights(32, seed=50)
+    block, shape = block_cls(w), (len(lens), max(lens), 32)
+    x, g = random_input(*shape, seed=51), random_input(*shape, seed=52)
+    reference = reference_of(block)
     xp, gp = x.copy(), g.copy()
     if nan_padding:
         for i, n in enumerate(lens):
@@ -226,11 +245,26 @@ def check_ragged_rows(block, w, x, g, lens, reference, weight_names, nan_padding
 
 
 # --------------------------------------------------------------------------- intake
+def intake_case(block_cls, make_weights, make_state, state_class, foreign_cls, foreign_weights):
+    """(block, x, g, state) of a stateful backward's intake test, after the
+    errors every one gives (check_state_intake_errors, naming state_class;
+    the foreign state: a foreign_cls block's): d 32 (weights seed 60), x and g (2, 6, 32) (seeds
+    61, 62), a state with 5 buffered rows, make_state(block, 2, 5, 63)."""
+    block = block_cls(make_weights(32, seed=60))
+    x, g = random_input(2, 6, 32, seed=61), random_input(2, 6, 32, seed=62)
+    state = make_state(block, 2, 5, 63)
+    foreign = foreign_cls(foreign_weights(32, 1)).allocate_state(2)
+    check_state_intake_errors(block, x, g, state, foreign, state_class)
+    return block, x, g, state
+
+
 def check_state_intake_errors(block, x, g, state, foreign_state, state_class):
     """The errors every stateful backward gives (lengths with a state or
     grad_state, another block's state, an unknown or non-dict grad_state, a
-    grad_state['h'] of the wrong shape), each naming what is wrong."""
+    grad_state['h'] of the wrong shape, a float64 cotangent of the first
+    state array), each naming what is wrong; the state keeps its bytes."""
     b, h = x.shape[0], np.asarray(state.h)
+    before = [np.asarray(getattr(state, n)).tobytes() for n in state._ARRAYS]
     with raises_naming(ValueError, "lengths"):
         block.backward(x, g, state, lengths=[x.shape[1]] * b)
     with raises_naming(ValueError, "lengths"):
@@ -243,6 +277,11 @@ def check_state_intake_errors(block, x, g, state, foreign_state, state_class):
         block.backward(x, g, state, grad_state=[1, 2])
     with raises_naming(ValueError, "grad_state['h']"):
         block.backward(x, g, state, grad_state={"h": np.zeros((b, 3) + h.shape[2:], np.float32)})
+    first = state._ARRAYS[0]
+    with raises_naming(TypeError, f"grad_state['{first}']"):
+        block.backward(x, g, state,
+                       grad_state={first: np.zeros(np.asarray(getattr(state, first)).shape)})
+    assert [np.asarray(getattr(state, n)).tobytes() for n in state._ARRAYS] == before
 
 
 def check_buffer_cotangent_rows(block, x, g, state, name, shape, nan_at, rows_read):
@@ -263,18 +302,28 @@ def check_buffer_cotangent_rows(block, x, g, state, name, shape, nan_at, rows_re
         block.backward(x, g, st2)
 
 
-def direct_and_staged(block, x, g, state, cots):
-    """backward(x, g, state, grad_state=cots) run directly and with the
+def check_staged_gives_direct_bytes(block_cls, make_weights, make_states, make_cotangents,
+                                    names):
+    """On a block of make_weights(32, seed=70), x and g (2, 70, 32) (seeds
+    71, 72) and each state of make_states(block, 2), backward with
+    grad_state make_cotangents(block, 2, 74) run directly and with the
     device staging emulated (outputs start as NaN bytes,
-    tests/test_device_staging.py): (direct, staged)."""
+    tests/test_device_staging.py) gives the same gradients, names, byte for
+    byte."""
     from mojolearn import _loader
     lib = _loader.library()
-    before = lib.emulate_device
-    try:
-        lib.emulate_device = False
-        direct = block.backward(x, g, state, grad_state=cots)
-        lib.emulate_device = True
-        staged = block.backward(x, g, state, grad_state=cots)
-    finally:
-        lib.emulate_device = before
-    return direct, staged
+    block = block_cls(make_weights(32, seed=70))
+    x, g = random_input(2, 70, 32, seed=71), random_input(2, 70, 32, seed=72)
+    for i, state in enumerate(make_states(block, 2)):
+        cots = make_cotangents(block, 2, 74)
+        before = lib.emulate_device
+        try:
+            lib.emulate_device = False
+            direct = block.backward(x, g, state, grad_state=cots)
+            lib.emulate_device = True
+            staged = block.backward(x, g, state, grad_state=cots)
+        finally:
+            lib.emulate_device = before
+        assert sorted(direct) == sorted(staged) == sorted(names)
+        for n in names:
+            assert np.asarray(direct[n]).tobytes() == np.asarray(staged[n]).tobytes(), (i, n)

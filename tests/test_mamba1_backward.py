@@ -9,7 +9,7 @@ import pytest
 
 import mojolearn
 from tests import backward_checks as checks
-from tests import tolerance
+from tests import block_cases, tolerance
 from tests.reference import hf_mamba as _hf
 from tests.reference.hf_mamba import mamba1_reference
 from mojolearn.reference.weights import mamba1_weights, random_input
@@ -76,14 +76,11 @@ def test_gradients_at_chunk_edges(L):
              f"edge L={L}")
 
 
-@pytest.mark.parametrize("bias_shift,x_scale", [(19.5, 3.0), (0.0, 10.0)])
+@pytest.mark.parametrize("bias_shift,x_scale", block_cases.SOFTPLUS_SHIFTS)
 def test_gradients_softplus_threshold_and_large_inputs(bias_shift, x_scale):
     """softplus inputs around 20 (both branches of its gradient), large gates."""
-    d = 32
-    w = mamba1_weights(d, seed=3)
-    w["dt_proj.bias"] = w["dt_proj.bias"] + np.float32(bias_shift)
-    x = random_input(2, 33, d, seed=4, scale=x_scale)
-    g = random_input(2, 33, d, seed=5)
+    w, x = block_cases.mamba1_softplus_case(bias_shift, x_scale)
+    g = random_input(2, 33, 32, seed=5)
     _compare(mojolearn.Mamba1Block(w).backward(x, g), *reference_and_scale(w, x, g),
              f"bias+{bias_shift} x*{x_scale}")
 

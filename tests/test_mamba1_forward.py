@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import mojolearn
+from tests import block_cases, tolerance
 from tests.reference.hf_mamba import mamba1_reference
 from mojolearn.reference.weights import mamba1_weights, random_input
 
@@ -11,12 +12,7 @@ WORST = {}  # worst err / bound ratio seen, reported at the end
 
 
 def _check(y, ref, label):
-    y = np.asarray(y, dtype=np.float64)
-    err = np.abs(y - ref)
-    ratio = float((err / (ATOL + RTOL * np.abs(ref))).max())
-    WORST[label] = (float(err.max()), ratio)
-    assert ratio <= 1.0, f"{label}: max |err| {err.max():.3g}, worst err/bound {ratio:.3g}"
-    return ratio
+    return tolerance.assert_mixed_bound(y, ref, label, ATOL, RTOL, WORST)
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -36,24 +32,17 @@ def test_forward_matches_transformers_float64(d, L, B):
 
 
 def test_continuation_from_a_state_matches_transformers():
-    d, B = 64, 2
-    w = mamba1_weights(d, seed=7)
-    x = random_input(B, 12, d, seed=8)
-    block = mojolearn.Mamba1Block(w)
-    state = block.allocate_state(B)
+    w, x, block, state = block_cases.continuation_case(mojolearn.Mamba1Block, mamba1_weights, 12)
     block.forward(x[:, :5], state)
     ref, _, _ = mamba1_reference(w, x[:, 5:], np.asarray(state.conv_window, np.float64),
                                  np.asarray(state.h, np.float64))
     _check(block.forward(x[:, 5:], state), ref, "continuation")
 
 
-@pytest.mark.parametrize("bias_shift,x_scale", [(19.5, 3.0), (0.0, 10.0)])
+@pytest.mark.parametrize("bias_shift,x_scale", block_cases.SOFTPLUS_SHIFTS)
 def test_softplus_near_threshold_and_large_inputs(bias_shift, x_scale):
     """softplus inputs around its threshold 20 (both branches), large gates."""
-    d = 32
-    w = mamba1_weights(d, seed=3)
-    w["dt_proj.bias"] = w["dt_proj.bias"] + np.float32(bias_shift)
-    x = random_input(2, 33, d, seed=4, scale=x_scale)
+    w, x = block_cases.mamba1_softplus_case(bias_shift, x_scale)
     block = mojolearn.Mamba1Block(w)
     ref, _, _ = mamba1_reference(w, x)
     _check(block.forward(x), ref, f"bias+{bias_shift} x*{x_scale}")
@@ -77,12 +66,7 @@ def test_decays_beyond_exps_fast_range(a_scale):
 
 def test_reference_mismatch_is_detected():
     """Negative control: a perturbed weight must fail the tolerance."""
-    d = 16
-    w = mamba1_weights(d, seed=1)
-    x = random_input(1, 9, d, seed=2)
-    ref, _, _ = mamba1_reference(w, x)
-    w2 = dict(w)
-    w2["out_proj.weight"] = w["out_proj.weight"] * np.float32(1.001)
+    _, x, ref, w2 = block_cases.perturbed_out_proj(mamba1_weights, mamba1_reference, 16)
     y = mojolearn.Mamba1Block(w2).forward(x)
     with pytest.raises(AssertionError):
         _check(y, ref, "perturbed")

@@ -106,12 +106,8 @@ def test_reference_forward_equals_numpy_reference():
 def test_reference_gradients_equal_transformers_autograd():
     """At a zero state and zero cotangents the torch block's gradients are
     those of transformers' MambaBlock in float64 (test_mamba1_backward)."""
-    d, B, L = 16, 2, 9
-    w = mamba1_weights(d, seed=7)
-    x, g = random_input(B, L, d, seed=8), random_input(B, L, d, seed=9)
-    z = np.zeros((B, 2 * d, 4)), np.zeros((B, 2 * d, 16))
-    checks.assert_reference_equals(torch_mamba1.grads(w, x, g, *z, *z),
-                                   grad_reference(w, x, g), WEIGHT_NAMES)
+    checks.check_reference_at_zero_state(mamba1_weights, 16, lambda w: [(2, 32, 4), (2, 32, 16)],
+                                         torch_mamba1.grads, grad_reference, WEIGHT_NAMES)
 
 
 # ------------------------------------------------------------------ accuracy

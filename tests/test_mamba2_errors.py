@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from mojolearn.mamba import Mamba2Block, Mamba2BlockInference, Mamba2State
-from mojolearn.reference.weights import mamba2_weights, random_input
-from tests.contract.cases import as_bytes, fails, filled_state, numpy_state, snapshot
+from mojolearn.reference.weights import mamba2_weights
+from tests.contract.cases import (as_bytes, fails, family_fixtures, filled_state,
+                                  numpy_state, snapshot)
 from tests.errors import raises_naming
 
 D = 64
@@ -27,19 +28,7 @@ SHAPES = {"conv_window": (B, CD, 4), "h": (B, H, 64, 128), "buffer_xbc": (B, 256
           "buffer_dtraw": (B, 256, H)}
 
 
-@pytest.fixture(scope="module")
-def weights():
-    return mamba2_weights(D, seed=3)
-
-
-@pytest.fixture(scope="module")
-def block(weights):
-    return Mamba2Block(weights)
-
-
-@pytest.fixture
-def x():
-    return random_input(B, L, D, seed=11)
+weights, block, x = family_fixtures(mamba2_weights, Mamba2Block, D, B, L)
 
 
 @pytest.mark.parametrize("d", [16, 48, 100])

@@ -96,13 +96,9 @@ def test_reference_forward_equals_numpy_reference():
 def test_reference_gradients_equal_transformers_autograd():
     """At a zero state and zero cotangents the torch block's gradients are
     those of transformers' Mamba2Block in float64 (test_mamba2_backward)."""
-    d, b, L = 32, 2, 9
-    w = mamba2_weights(d, seed=7)
-    x, g = random_input(b, L, d, seed=8), random_input(b, L, d, seed=9)
-    block = mojolearn.Mamba2Block(w)
-    zeros = [np.zeros(s) for s in block._state_shapes(b).values()]
-    checks.assert_reference_equals(state_grads(w, x, g, *zeros, *zeros, s=0),
-                                   grad_reference(w, x, g), GRAD_NAMES)
+    checks.check_reference_at_zero_state(
+        mamba2_weights, 32, lambda w: mojolearn.Mamba2Block(w)._state_shapes(2).values(),
+        functools.partial(state_grads, s=0), grad_reference, GRAD_NAMES)
 
 
 # --------------------------------------------------------------------------- cases
@@ -323,30 +319,20 @@ def test_ragged_rows_match_each_row_alone():
     its own tokens (values equal; padding x gradients +0.0, NaN padding
     never read); weight gradients are the sum over rows, checked against
     float64 autograd of the rows alone."""
-    d, b, l = 32, 3, 300
-    w = mamba2_weights(d, seed=50)
-    block = mojolearn.Mamba2Block(w)
-    x, g = random_input(b, l, d, seed=51), random_input(b, l, d, seed=52)
-    zeros = [np.zeros(s, np.float32) for s in block._state_shapes(1).values()]
-    checks.check_ragged_rows(
-        block, w, x, g, [300, 5, 258],
-        lambda ww, xx, gg: state_grads(ww, xx, gg, *zeros, *zeros, s=0), GRAD_NAMES[1:],
-        nan_padding=True)
+    def reference_of(block):
+        zeros = [np.zeros(s, np.float32) for s in block._state_shapes(1).values()]
+        return lambda w, x, g: state_grads(w, x, g, *zeros, *zeros, s=0)
+    checks.check_ragged_rows(mojolearn.Mamba2Block, mamba2_weights, [300, 5, 258], reference_of,
+                             GRAD_NAMES[1:], nan_padding=True)
 
 
 # --------------------------------------------------------------------------- intake
 def test_clear_errors_and_nothing_changed():
-    d, b, l = 32, 2, 6
-    block = mojolearn.Mamba2Block(mamba2_weights(d, seed=60))
-    x, g = random_input(b, l, d, seed=61), random_input(b, l, d, seed=62)
-    state = make_state(block, b, 5, 63)
-    before = [a.tobytes() for a in state_arrays(state)]
     from mojolearn.reference.weights import mamba3_weights
-    checks.check_state_intake_errors(
-        block, x, g, state, mojolearn.Mamba3Block(mamba3_weights(32, 1)).allocate_state(b),
-        "Mamba2State")
-    with raises_naming(TypeError, "grad_state['conv_window']"):
-        block.backward(x, g, state, grad_state={"conv_window": np.zeros((b, 320, 4))})
+    block, x, g, state = checks.intake_case(mojolearn.Mamba2Block, mamba2_weights, make_state,
+                                            "Mamba2State", mojolearn.Mamba3Block, mamba3_weights)
+    b = x.shape[0]
+    before = [a.tobytes() for a in state_arrays(state)]
     # row 10 < the final buffered_tokens (11): read; the rows past it are not
     checks.check_buffer_cotangent_rows(block, x, g, state, "buffer_xbc", (b, CHUNK, 320),
                                        nan_at=(1, 10, 5), rows_read=11)
@@ -359,7 +345,7 @@ def test_clear_errors_and_nothing_changed():
     block.backward(x, g, st3)
     assert [a.tobytes() for a in state_arrays(state)] == before
     with pytest.raises(NotImplementedError):
-        mojolearn.Mamba2BlockInference(mamba2_weights(d, seed=60)).backward(x, g, state)
+        mojolearn.Mamba2BlockInference(mamba2_weights(32, seed=60)).backward(x, g, state)
 
 
 def test_read_only_state_is_accepted():
@@ -388,10 +374,6 @@ def test_staged_run_gives_the_direct_bytes():
     """A device binary stages every buffer (outputs start as NaN bytes,
     tests/test_device_staging.py): the state gradients' every byte is
     written, so the emulated staging gives the direct run's bytes."""
-    d, b, l = 32, 2, 70
-    block = mojolearn.Mamba2Block(mamba2_weights(d, seed=70))
-    x, g = random_input(b, l, d, seed=71), random_input(b, l, d, seed=72)
-    state = make_state(block, b, 200, 73)
-    direct, staged = checks.direct_and_staged(block, x, g, state, make_cotangents(block, b, 74))
-    for n in NAMES:
-        assert np.asarray(direct[n]).tobytes() == np.asarray(staged[n]).tobytes(), n
+    checks.check_staged_gives_direct_bytes(
+        mojolearn.Mamba2Block, mamba2_weights, lambda block, b: [make_state(block, b, 200, 73)],
+        make_cotangents, NAMES)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from mojolearn.mamba import Mamba3Block, Mamba3State
-from mojolearn.reference.weights import mamba3_weights, random_input
-from tests.contract.cases import as_bytes, fails, filled_state, numpy_state
+from mojolearn.reference.weights import mamba3_weights
+from tests.contract.cases import (as_bytes, fails, family_fixtures, filled_state,
+                                  numpy_state)
 from tests.errors import raises_naming
 
 D = 64            # H = 2 heads
@@ -22,19 +23,7 @@ H = 2
 B, L = 2, 5
 
 
-@pytest.fixture(scope="module")
-def weights():
-    return mamba3_weights(D, seed=3)
-
-
-@pytest.fixture(scope="module")
-def block(weights):
-    return Mamba3Block(weights)
-
-
-@pytest.fixture
-def x():
-    return random_input(B, L, D, seed=11)
+weights, block, x = family_fixtures(mamba3_weights, Mamba3Block, D, B, L)
 
 
 def _input_states(k_value=0.0, v_value=0.0):

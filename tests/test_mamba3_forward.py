@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mojolearn
-from tests import tolerance
+from tests import block_cases, tolerance
 from mojolearn.reference.weights import mamba3_dims, mamba3_weights, random_input
 from mojolearn.reference.mamba3 import mamba3_numpy
 
@@ -91,11 +91,7 @@ def test_forward_matches_float64_recurrence(d, L, B):
 
 
 def test_continuation_and_decode_match_reference():
-    d, B = 64, 2
-    w = mamba3_weights(d, seed=7)
-    x = random_input(B, 100, d, seed=8)
-    block = mojolearn.Mamba3Block(w)
-    state = block.allocate_state(B)
+    w, x, block, state = block_cases.continuation_case(mojolearn.Mamba3Block, mamba3_weights, 100)
     parts = [np.asarray(block.forward(x[:, :50], state))]
     parts += [np.asarray(block.step(x[:, t], state)) for t in range(50, 70)]
     parts.append(np.asarray(block.forward(x[:, 70:], state)))
@@ -191,12 +187,7 @@ def test_saturated_gates():
 
 def test_reference_mismatch_is_detected():
     """Negative control: a perturbed weight must fail the tolerance."""
-    d = 32
-    w = mamba3_weights(d, seed=1)
-    x = random_input(1, 9, d, seed=2)
-    ref, _ = mamba3_numpy(w, x)
-    w2 = dict(w)
-    w2["out_proj.weight"] = w["out_proj.weight"] * np.float32(1.001)
+    w, x, ref, w2 = block_cases.perturbed_out_proj(mamba3_weights, mamba3_numpy, 32)
     with pytest.raises(AssertionError):
         _check(mojolearn.Mamba3Block(w2).forward(x), ref, "perturbed", x, strict_cap=1e9)
     with pytest.raises(AssertionError):

@@ -273,27 +273,17 @@ def test_ragged_rows_match_each_row_alone():
     """lengths (no state): a row's gradient is that of the row alone over its
     own tokens (values equal; padding x gradients +0.0); weight gradients are
     the sum over rows, checked against float64 autograd of the rows alone."""
-    d, b, l = 32, 3, 70
-    w = mamba3_weights(d, seed=50)
-    block = mojolearn.Mamba3Block(w)
-    x, g = random_input(b, l, d, seed=51), random_input(b, l, d, seed=52)
-    checks.check_ragged_rows(block, w, x, g, [70, 5, 66], mamba3_grads, GRAD_NAMES[1:],
-                             nan_padding=False)
+    checks.check_ragged_rows(mojolearn.Mamba3Block, mamba3_weights, [70, 5, 66],
+                             lambda block: mamba3_grads, GRAD_NAMES[1:], nan_padding=False)
 
 
 # --------------------------------------------------------------------------- intake
 def test_clear_errors_and_nothing_changed():
-    d, b, l = 32, 2, 6
-    block = mojolearn.Mamba3Block(mamba3_weights(d, seed=60))
-    x, g = random_input(b, l, d, seed=61), random_input(b, l, d, seed=62)
-    state = make_state(block, b, 5, 63)
-    before = [a.tobytes() for a in state_arrays(state)]
     from mojolearn.reference.weights import mamba2_weights
-    checks.check_state_intake_errors(
-        block, x, g, state, mojolearn.Mamba2Block(mamba2_weights(32, 1)).allocate_state(b),
-        "Mamba3State")
-    with raises_naming(TypeError, "grad_state['theta']"):
-        block.backward(x, g, state, grad_state={"theta": np.zeros((b, 1, 32), np.float64)})
+    block, x, g, state = checks.intake_case(mojolearn.Mamba3Block, mamba3_weights, make_state,
+                                            "Mamba3State", mojolearn.Mamba2Block, mamba2_weights)
+    b = x.shape[0]
+    before = [a.tobytes() for a in state_arrays(state)]
     nh = block.nheads
     # rows past the final buffered_tokens (11) are not read
     checks.check_buffer_cotangent_rows(block, x, g, state, "buffer_v", (b, 64, nh, 64),
@@ -304,20 +294,15 @@ def test_clear_errors_and_nothing_changed():
         block.backward(x, g, st3)
     assert [a.tobytes() for a in state_arrays(state)] == before
     with pytest.raises(NotImplementedError):
-        mojolearn.Mamba3BlockInference(mamba3_weights(d, seed=60)).backward(x, g, state)
+        mojolearn.Mamba3BlockInference(mamba3_weights(32, seed=60)).backward(x, g, state)
 
 
 def test_staged_run_gives_the_direct_bytes():
     """A device binary stages every buffer (outputs start as NaN bytes,
     tests/test_device_staging.py): the state gradients' every byte is
     written, so the emulated staging gives the direct run's bytes."""
-    d, b, l = 32, 2, 70
-    block = mojolearn.Mamba3Block(mamba3_weights(d, seed=70))
-    x, g = random_input(b, l, d, seed=71), random_input(b, l, d, seed=72)
-    for n0, pending in ((5, False), (0, True)):
-        state = make_state(block, b, n0, 73, pending)
-        direct, staged = checks.direct_and_staged(block, x, g, state,
-                                                  make_cotangents(block, b, 74))
-        assert sorted(direct) == sorted(staged) == sorted(NAMES)
-        for n in NAMES:
-            assert np.asarray(direct[n]).tobytes() == np.asarray(staged[n]).tobytes(), (n0, n)
+    checks.check_staged_gives_direct_bytes(
+        mojolearn.Mamba3Block, mamba3_weights,
+        lambda block, b: [make_state(block, b, n0, 73, pending)
+                          for n0, pending in ((5, False), (0, True))],
+        make_cotangents, NAMES)

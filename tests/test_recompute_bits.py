@@ -105,20 +105,35 @@ def _moved(x, shift):
     return x if shift is None else x + shift * random_input(*x.shape, seed=5)
 
 
+def _controls_of(pairs_fn, d, B, L, probe):
+    """_controls of pairs_fn(d, B, L, probe, x, x_fwd) on one x (seed L)."""
+    x = random_input(B, L, d, seed=L)
+    return _controls(lambda shift: pairs_fn(d, B, L, probe, x=x, x_fwd=_moved(x, shift)))
+
+
+def _backward_case(block_cls, make_weights, d, B, L, probe, x, x_fwd, chunk):
+    """The start of every *_pairs: (weights (seed d + 1), the block, the
+    forwards' input (x_fwd, default x), the backward's run on x (seed L
+    unless given) and g (seed L + 1), the tokens of its first recomputed
+    chunk, checked to be min(chunk, L))."""
+    w = make_weights(d, seed=d + 1)
+    x = random_input(B, L, d, seed=L) if x is None else x
+    g = random_input(B, L, d, seed=L + 1)
+    blk = block_cls(w)
+    bw = _backward(blk, x, g, probe)
+    n = bw.tokens()
+    assert n == min(chunk, L)
+    return w, blk, x if x_fwd is None else x_fwd, bw, n
+
+
 # --------------------------------------------------------------------------- Mamba-1
 def m1_pairs(d, B, L, probe, x=None, x_fwd=None):
     """(what, backward's values, forward's values) of every compared array
     (x_fwd: the forwards' input, default x). Chunk 0 (32 tokens): in_proj's,
     the conv's, x_proj's and dt's outputs and the gated scan output; at
     every later chunk start: the conv window and h."""
-    w = mamba1_weights(d, seed=d + 1)
-    x = random_input(B, L, d, seed=L) if x is None else x
-    x_fwd = x if x_fwd is None else x_fwd
-    g = random_input(B, L, d, seed=L + 1)
-    blk = mojolearn.Mamba1Block(w)
-    bw = _backward(blk, x, g, probe)
-    tc = bw.tokens()
-    assert tc == min(32, L)
+    _, blk, x_fwd, bw, tc = _backward_case(mojolearn.Mamba1Block, mamba1_weights, d, B, L, probe,
+                                           x, x_fwd, 32)
     fw = _forward(blk, _head(x_fwd, tc), probe)
     assert fw.tokens() == tc  # one forward chunk: the same (b, t) row order
     di, rows = blk.d_inner, B * tc
@@ -141,10 +156,7 @@ def test_mamba1_recompute_has_the_forward_bits(d, B, L, probe):
 
 
 def test_mamba1_recompute_check_can_fail(probe):
-    d, B, L = 16, 2, 70
-    x = random_input(B, L, d, seed=L)
-    pairs = _controls(lambda shift: m1_pairs(d, B, L, probe, x=x, x_fwd=_moved(x, shift)))
-    assert len(pairs) == 5 + 2 * 2
+    assert len(_controls_of(m1_pairs, 16, 2, 70, probe)) == 5 + 2 * 2
 
 
 # --------------------------------------------------------------------------- Mamba-3
@@ -155,16 +167,10 @@ def m3_pairs(d, B, L, probe, x=None, x_fwd=None):
     and v of the chunk before (a forward's state over the tokens before it;
     h after one more token, as the forward folds a full chunk only when the
     next token arrives)."""
-    w = mamba3_weights(d, seed=d + 1)
-    x = random_input(B, L, d, seed=L) if x is None else x
-    x_fwd = x if x_fwd is None else x_fwd
-    g = random_input(B, L, d, seed=L + 1)
-    blk = mojolearn.Mamba3Block(w)
+    w, blk, x_fwd, bw, n = _backward_case(mojolearn.Mamba3Block, mamba3_weights, d, B, L, probe,
+                                          x, x_fwd, 64)
     nh, di = blk.nheads, 2 * d
     npj = w["in_proj.weight"].shape[0]  # z | v | B | C | dt | A | trap | angles
-    bw = _backward(blk, x, g, probe)
-    n = bw.tokens()
-    assert n == min(64, L)
     st = blk.allocate_state(B)
     fw = _forward(blk, _head(x_fwd, n), probe, st)
     assert fw.tokens() == n
@@ -203,10 +209,7 @@ def test_mamba3_recompute_has_the_forward_bits(d, B, L, probe):
 
 
 def test_mamba3_recompute_check_can_fail(probe):
-    d, B, L = 32, 2, 150
-    x = random_input(B, L, d, seed=L)
-    pairs = _controls(lambda shift: m3_pairs(d, B, L, probe, x=x, x_fwd=_moved(x, shift)))
-    assert len(pairs) == 5 + 2 * 4
+    assert len(_controls_of(m3_pairs, 32, 2, 150, probe)) == 5 + 2 * 4
 
 
 # --------------------------------------------------------------------------- Mamba-2
@@ -215,17 +218,11 @@ def m2_pairs(d, B, L, probe, x=None, x_fwd=None):
     forward ran the chunk as one group (B = 1), also in_proj's output, CB
     (j <= i) and the gated norm's output. At every later chunk start: h (a
     forward over the tokens before it)."""
-    w = mamba2_weights(d, seed=d + 1)
-    x = random_input(B, L, d, seed=L) if x is None else x
-    x_fwd = x if x_fwd is None else x_fwd
-    g = random_input(B, L, d, seed=L + 1)
-    blk = mojolearn.Mamba2Block(w)
+    w, blk, x_fwd, bw, n = _backward_case(mojolearn.Mamba2Block, mamba2_weights, d, B, L, probe,
+                                          x, x_fwd, 256)
     di = 2 * d
     nh, npj = di // 64, w["in_proj.weight"].shape[0]
     cd = di + 256
-    bw = _backward(blk, x, g, probe)
-    n = bw.tokens()
-    assert n == min(256, L)
     fw = _forward(blk, _head(x_fwd, n), probe)
     rows = B * n
     out = [("chunk 0 xBC", bw.at(PR_U, rows * cd), fw.at(PR_U, rows * cd))]
@@ -253,7 +250,4 @@ def test_mamba2_recompute_has_the_forward_bits(d, B, L, probe):
 
 
 def test_mamba2_recompute_check_can_fail(probe):
-    d, B, L = 32, 1, 600
-    x = random_input(B, L, d, seed=L)
-    pairs = _controls(lambda shift: m2_pairs(d, B, L, probe, x=x, x_fwd=_moved(x, shift)))
-    assert len(pairs) == 6 + 2
+    assert len(_controls_of(m2_pairs, 32, 1, 600, probe)) == 6 + 2

@@ -151,6 +151,17 @@ def assert_within(got, ref, scale, what, c=C):
     return worst
 
 
+def assert_mixed_bound(got, ref, label, atol, rtol, worst):
+    """The plain mixed bound |got - ref| <= atol + rtol |ref| elementwise
+    (got widened to float64), not condition-scaled; records (max |err|,
+    worst err / bound) as worst[label] and returns that ratio."""
+    err = np.abs(np.asarray(got, dtype=np.float64) - ref)
+    ratio = float((err / (atol + rtol * np.abs(ref))).max())
+    worst[label] = (float(err.max()), ratio)
+    assert ratio <= 1.0, f"{label}: max |err| {err.max():.3g}, worst err/bound {ratio:.3g}"
+    return ratio
+
+
 def report_all(*checks):
     """Generator for a module-scoped fixture: every GradientCheck's report
     of the worst ratios, printed at the end of the module."""

@@ -214,6 +214,26 @@ def fails(exc, fn, *args, keep=(), match=(), **kwargs):
     return msg
 
 
+def family_fixtures(make_weights, block_cls, d, batch, length):
+    """The module fixtures of a family's own error tests, to assign as
+    ``weights, block, x = family_fixtures(...)``: weights (make_weights(d,
+    seed=3)) and block (block_cls of them), module-scoped, and x ((batch,
+    length, d), seed 11)."""
+    @pytest.fixture(scope="module", name="weights")
+    def weights_fixture():
+        return make_weights(d, seed=3)
+
+    @pytest.fixture(scope="module", name="block")
+    def block_fixture(weights):
+        return block_cls(weights)
+
+    @pytest.fixture(name="x")
+    def x_fixture():
+        return random_input(batch, length, d, seed=11)
+
+    return weights_fixture, block_fixture, x_fixture
+
+
 def filled_state(block, batch=B, tokens=3, seed=5):
     """A state with non-zero contents: allocate_state after a prefill."""
     st = block.allocate_state(batch)

@@ -4,7 +4,9 @@ Mamba3Block.backward).
 
 Same math as mojolearn.reference.mamba3 (the float64 NumPy reference; checked
 against it by tests/test_mamba3_backward.py), written with torch ops so that
-``torch.autograd`` gives the vector-Jacobian product:
+``torch.autograd`` gives the vector-Jacobian product (the in_proj split and
+the state fold, plain slicing and arithmetic, are that module's own; the
+kernel's forward is checked against it independently):
 
     S_t = exp(adt_t) S_{t-1} + exp(adt_t) dt_t (1 - sg_t) v_{t-1} k_{t-1}^T
           + dt_t sg_t v_t k_t^T,     y_t = S_t q_t + D v_t,   o = y silu(z)
@@ -24,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from mojolearn.reference.mamba3 import TWO_PI32
+from mojolearn.reference.mamba3 import TWO_PI32, _fold_token, _in_proj_parts
 
 __all__ = ["mamba3_torch", "mamba3_grads", "token_step", "TWO_PI32", "GRAD_NAMES"]
 
@@ -60,18 +62,9 @@ def _rotate(t, cos, sin):
 def token_step(W: dict, xt, theta, mod=TWO_PI32):
     """One token's inputs to the recurrence, from x_t (B, d) and the angles
     before it: (z, v, dt, sg, adt, qr, kr, theta after it)."""
-    Bsz, d = xt.shape
-    di = 2 * d
-    H, P, N, R = di // 64, 64, 128, 32
     floor_a = torch.tensor(-1e-4, dtype=xt.dtype)
-    c = 2 * di
     proj = _rmsnorm(xt, W["block_norm.weight"]) @ W["in_proj.weight"].T
-    z, v = proj[:, :di], proj[:, di:2 * di].reshape(Bsz, H, P)
-    Bp, Cp = proj[:, c:c + N], proj[:, c + N:c + 2 * N]
-    dd_dt = proj[:, c + 2 * N:c + 2 * N + H]
-    dd_A = proj[:, c + 2 * N + H:c + 2 * N + 2 * H]
-    trap = proj[:, c + 2 * N + 2 * H:c + 2 * N + 3 * H]
-    ang = proj[:, c + 2 * N + 3 * H:c + 2 * N + 3 * H + R]
+    z, v, Bp, Cp, dd_dt, dd_A, trap, ang = _in_proj_parts(proj, xt.shape[1] // 32)
     A = torch.minimum(-_phi(dd_A), floor_a)
     dt = _softplus(dd_dt + W["dt_bias"])
     adt = A * dt
@@ -98,11 +91,7 @@ def mamba3_torch(W: dict, x, mod=TWO_PI32):
     for t in range(L):
         xt = x[:, t]
         z, v, dt, sg, adt, qr, kr, theta = token_step(W, xt, theta, mod)
-        alpha = torch.exp(adt)[:, :, None, None]
-        beta = (dt * (1.0 - sg))[:, :, None, None]
-        gamma = (dt * sg)[:, :, None, None]
-        S = (alpha * S + alpha * beta * (vp[:, :, :, None] * kp[:, :, None, :])
-             + gamma * (v[:, :, :, None] * kr[:, :, None, :]))
+        S = _fold_token(S, torch.exp(adt), dt, sg, vp, kp, v, kr)
         y = torch.einsum("bhpn,bhn->bhp", S, qr) + W["D"][None, :, None] * v
         o = y.reshape(Bsz, di) * _silu(z)
         ys.append(xt + o @ W["out_proj.weight"].T)

@@ -16,12 +16,17 @@ from .. import _intake
 from ._state import check_not_held
 
 
-def check_ragged_without_state(state, grad_state, lengths) -> None:
-    """ValueError for ragged lengths together with a state or cotangents
-    (blocks whose backward takes ragged rows only from a zero state)."""
-    if lengths is not None and (state is not None or grad_state is not None):
+def backward_intake(block, x, grad_output, state, grad_state, lengths):
+    """The start of a backward that may take a state: (x, grad_output and
+    lengths as the runner's backward_views gives them, whether a state or
+    cotangents were given). Ragged lengths together with a state or
+    cotangents are a ValueError (ragged rows only from a zero state)."""
+    stated = state is not None or grad_state is not None
+    if lengths is not None and stated:
         raise ValueError("lengths cannot be combined with state or grad_state "
                          "(ragged rows are supported only without a state)")
+    xv, gv, lens = block._runner.backward_views(block, x, grad_output, lengths)
+    return xv, gv, lens, stated
 
 
 def start_state_views(block, state, b: int) -> dict:

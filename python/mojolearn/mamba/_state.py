@@ -56,6 +56,13 @@ class StateBase:
     _ARRAYS: tuple = ()
     _VALUES: tuple = ()
 
+    def _store(self, *arrays):
+        """Keep the given arrays (any buffers, in ``_ARRAYS`` order) as the
+        state's attributes; the state starts held by no session."""
+        for name, value in zip(self._ARRAYS, arrays, strict=True):
+            setattr(self, name, value)
+        self._held_by = None
+
     def _parts(self):
         check_not_held(self)
         arrays = [_as_array(getattr(self, n), f"state.{n}") for n in self._ARRAYS]

@@ -67,12 +67,10 @@ class Mamba1State(StateBase):
                           ("affine_b", affine_b)):
             if val is not None:
                 raise ValueError(f"{name} is not supported by this version; pass None")
-        self.conv_window = conv_window
-        self.h = h
+        self._store(conv_window, h)
         self.profile_id = _intake.as_int(profile_id, "profile_id")
         self.absolute_position = _intake.as_int(absolute_position, "absolute_position")
         self.affine_boundary = self.affine_a = self.affine_b = None
-        self._held_by = None  # an open Mamba1DecodeSession
 
     def __repr__(self):
         shape = getattr(memoryview(self.h), "shape", None)

@@ -127,16 +127,12 @@ class Mamba2State(StateBase):
     _VALUES = ("buffered_tokens",)
 
     def __init__(self, conv_window, h, buffer_xbc, buffer_dtraw, buffered_tokens=0):
-        self.conv_window = conv_window
-        self.h = h
-        self.buffer_xbc = buffer_xbc
-        self.buffer_dtraw = buffer_dtraw
+        self._store(conv_window, h, buffer_xbc, buffer_dtraw)
         bt = _intake.as_int(buffered_tokens, "buffered_tokens")
         if not 0 <= bt < CHUNK:
             raise ValueError(f"buffered_tokens = {bt} is outside [0, {CHUNK})")
         self.buffered_tokens = bt
         self._version = 0  # bumped by every call that updates the state
-        self._held_by = None  # an open Mamba2DecodeSession
 
     def __repr__(self):
         shape = getattr(memoryview(self.h), "shape", None)
@@ -461,10 +457,9 @@ class Mamba2Block(_MambaBase):
     def _backward_through_state(self, x, grad_output, state, grad_state, lengths):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M2_BACKWARD with its state slots; docs/backward.md)."""
-        _grad_state.check_ragged_without_state(state, grad_state, lengths)
-        xv, gv, lens = self._runner.backward_views(self, x, grad_output, lengths)
+        xv, gv, lens, stated = _grad_state.backward_intake(self, x, grad_output, state,
+                                                           grad_state, lengths)
         b, l, d = xv.shape
-        stated = state is not None or grad_state is not None
         named, bt = {}, 0
         if state is not None:
             sv, bt = self._start_state_views(state, b)

@@ -115,22 +115,13 @@ class Mamba3State(StateBase):
     def __init__(self, theta, h, buffer_qrot, buffer_krot, buffer_v, buffer_dt,
                  buffer_sig, buffer_adt, pending_k, pending_v, buffered_tokens=0,
                  pending=False):
-        self.theta = theta
-        self.h = h
-        self.buffer_qrot = buffer_qrot
-        self.buffer_krot = buffer_krot
-        self.buffer_v = buffer_v
-        self.buffer_dt = buffer_dt
-        self.buffer_sig = buffer_sig
-        self.buffer_adt = buffer_adt
-        self.pending_k = pending_k
-        self.pending_v = pending_v
+        self._store(theta, h, buffer_qrot, buffer_krot, buffer_v, buffer_dt, buffer_sig,
+                    buffer_adt, pending_k, pending_v)
         self.buffered_tokens = _intake.as_int(buffered_tokens, "buffered_tokens")
         if not isinstance(pending, bool):
             raise TypeError(f"pending must be a bool, got {type(pending).__name__}")
         self.pending = pending
         self._calls = 0  # advanced by every call that uses the state
-        self._held_by = None  # an open Mamba3DecodeSession
 
     def set_input_states(self, theta, h, k, v):
         """Start from a reference Input_States continuation.
@@ -231,6 +222,11 @@ _SPEC = BlockSpec(
     written_views=_written_views, launch=_launch, position_after=_count_after,
     written_grads=_WRITTEN_GRADS, backward_panels=True)
 
+
+
+def _report_property(key, doc):
+    """The read-only property ``<key>_last_``: the last call's report of key."""
+    return property(lambda block: block._report_value(key), doc=doc)
 
 
 class Mamba3Block(_MambaBase):
@@ -430,25 +426,11 @@ class Mamba3Block(_MambaBase):
             raise AttributeError(f"{key}_last_ is set by forward or step; call one first")
         return rep[key]
 
-    @property
-    def h_last_(self):
-        """State after all tokens of the last call (last token at gamma only)."""
-        return self._report_value("h")
-
-    @property
-    def k_last_(self):
-        """Last token's rotated, bias-added k, (B, H, 128)."""
-        return self._report_value("k")
-
-    @property
-    def v_last_(self):
-        """Last token's v, (B, H, 64)."""
-        return self._report_value("v")
-
-    @property
-    def theta_last_(self):
-        """Angles after the last token, (B, H, 32)."""
-        return self._report_value("theta")
+    h_last_ = _report_property(
+        "h", "State after all tokens of the last call (last token at gamma only).")
+    k_last_ = _report_property("k", "Last token's rotated, bias-added k, (B, H, 128).")
+    v_last_ = _report_property("v", "Last token's v, (B, H, 64).")
+    theta_last_ = _report_property("theta", "Angles after the last token, (B, H, 32).")
 
     def session_info(self):
         """Counters of the prefill session as a dict, or None before the first call."""
@@ -520,10 +502,9 @@ class Mamba3Block(_MambaBase):
         """backward with a state, final-state cotangents or ragged rows (one
         op: OP_M3_BACKWARD with its state slots; docs/backward.md)."""
         from .._array import Array
-        _grad_state.check_ragged_without_state(state, grad_state, lengths)
-        xv, gv, lens = self._runner.backward_views(self, x, grad_output, lengths)
+        xv, gv, lens, stated = _grad_state.backward_intake(self, x, grad_output, state,
+                                                           grad_state, lengths)
         b, l, d = xv.shape
-        stated = state is not None or grad_state is not None
         named, nb, pending = {}, 0, False
         if stated:
             if state is not None:

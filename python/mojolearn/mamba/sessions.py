@@ -16,6 +16,27 @@ from ._base import copy_bytes, workspace_floats
 from ._state import array_view, check_not_held
 
 
+# The Examples section of every session's docstring (the docs run it on the
+# page's block).
+_EXAMPLES = """
+
+    Examples
+    --------
+    >>> state = block.allocate_state(2)
+    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
+    >>> with block.decode_session(state) as session:
+    ...     for x_t in tokens:
+    ...         y_t = session.step(x_t)
+    """
+
+
+def _with_examples(cls):
+    """cls with _EXAMPLES appended to its docstring (none under python -OO)."""
+    if cls.__doc__ is not None:
+        cls.__doc__ = cls.__doc__.rstrip() + _EXAMPLES
+    return cls
+
+
 class DecodeSessionBase:
     """Base of Mamba{1,2,3}DecodeSession (not public).
 
@@ -242,6 +263,7 @@ class _RowPositions:
             mv[i] = after(mv[i])
 
 
+@_with_examples
 class Mamba1DecodeSession(DecodeSessionBase):
     """Token-by-token decoding on one Mamba1Block and one Mamba1State.
 
@@ -252,14 +274,6 @@ class Mamba1DecodeSession(DecodeSessionBase):
     are stale and the block refuses that state; weight edits (set_params)
     after opening are not seen; edits to the state arrays are not seen until
     load_state(). Not thread-safe. Use it as a context manager.
-
-    Examples
-    --------
-    >>> state = block.allocate_state(2)
-    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
-    >>> with block.decode_session(state) as session:
-    ...     for x_t in tokens:
-    ...         y_t = session.step(x_t)
     """
 
     def __init__(self, block, state):
@@ -314,6 +328,7 @@ class Mamba1DecodeSession(DecodeSessionBase):
         self._work = None
 
 
+@_with_examples
 class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
     """Token-by-token decoding on one Mamba2Block and one Mamba2State.
 
@@ -350,14 +365,6 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
         ``cache_bytes``, 2.54 MB per row at d_model = 768). False allocates
         none and steps the way ``block.step`` does. The bits are the same
         either way.
-
-    Examples
-    --------
-    >>> state = block.allocate_state(2)
-    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
-    >>> with block.decode_session(state) as session:
-    ...     for x_t in tokens:
-    ...         y_t = session.step(x_t)
     """
 
     def __init__(self, block, state, *, row_tokens=None, in_place=False, cache=True):
@@ -434,20 +441,17 @@ class Mamba2DecodeSession(_RowPositions, DecodeSessionBase):
         self._arrays = self._work = self._cache = None
 
 
+@_with_examples
 class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
     """Token-by-token decoding on one Mamba3Block and one Mamba3State.
 
-    Made by ``Mamba3Block.decode_session(state)``. Every output is byte for
-    byte what ``Mamba3Block.step`` gives. The session holds its own copies of
-    the state (its steps run on the calling thread's shared workspace), so a
-    step validates only x (the state is validated once, when the session
-    opens or reloads). Until
-    close() or sync_state() the state's arrays, buffered_tokens and pending
-    are stale, and the block refuses that state; weight edits (set_params)
-    after opening are not seen; edits to the state arrays are not seen until
-    load_state(). The block's reports (``h_last_``, ...) and
-    ``session_info()`` are not updated by session steps. Not thread-safe.
-    Use it as a context manager.
+    Made by ``Mamba3Block.decode_session(state)``. It works as
+    Mamba2DecodeSession does, on this block and state: every output is byte
+    for byte what ``Mamba3Block.step`` gives; its own copies of the state,
+    so a step validates only x; until close() or sync_state() the state is
+    stale (its ``pending`` flag as well) and refused by the block. The
+    block's reports (``h_last_``, ...) and ``session_info()`` are not
+    updated by session steps. Not thread-safe. Use it as a context manager.
 
     Parameters
     ----------
@@ -461,14 +465,6 @@ class Mamba3DecodeSession(_RowPositions, DecodeSessionBase):
         Accepted for the same call as Mamba2DecodeSession's; a Mamba-3
         session keeps no speed cache (its state's buffers are already laid
         out for the one-token step), so nothing is allocated either way.
-
-    Examples
-    --------
-    >>> state = block.allocate_state(2)
-    >>> tokens = np.random.default_rng(1).random((8, 2, block.d_model), dtype=np.float32)
-    >>> with block.decode_session(state) as session:
-    ...     for x_t in tokens:
-    ...         y_t = session.step(x_t)
     """
 
     def __init__(self, block, state, *, row_tokens=None, in_place=False, cache=True):

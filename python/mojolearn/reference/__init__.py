@@ -4,7 +4,17 @@ Use these to check your own results (or a build of mojolearn on a new
 machine) against an independent float64 computation of what the kernels
 compute. They are small per-token loops written from the block definitions
 in the docs (numerics.md, mamba2.md, mamba3.md), sharing no code with the
-kernels: fine for hundreds of tokens, not for benchmarks.
+kernels: fine for hundreds of tokens, not for benchmarks. Everything is
+float64: inputs and weights are widened exactly.
+
+How the test suite uses them: for Mamba-1 and Mamba-2 it compares the
+kernel against transformers' block (``MambaBlock``, ``Mamba2Block``) run in
+verified float64 (``tests/reference/hf_mamba.py``), which is itself checked
+equal to the NumPy reference to 1e-10 relative
+(``tests/reference/test_references.py``); each backward
+(``mamba1/backward.mojo``, ``mamba2/backward.mojo``) is checked against
+torch autograd of that float64 block. Mamba-3 has no transformers block:
+see :mod:`mojolearn.reference.mamba3`.
 
 Modules (each needs NumPy; importing :mod:`mojolearn.reference` itself does
 not, NumPy is imported when a function is first used):

@@ -3,15 +3,8 @@
 Reference of the kernel module ``mojo/mojolearn_kernels/mamba1/forward.mojo`` (the
 forward: prefill, continuation and decode). Written from the block's
 definition (docs/numerics.md, "Mamba-1"), token by token, sharing no code
-with the kernel or with transformers. The test suite compares the kernel against transformers'
-``MambaBlock`` run in verified float64 (``tests/reference/hf_mamba.py``),
-which is itself checked equal to this function to 1e-10 relative
-(``tests/reference/test_references.py``); the backward
-(``mamba1/backward.mojo``) is checked against torch autograd of that
-float64 ``MambaBlock``.
-
-Everything is float64: inputs and weights are widened exactly. The loop is
-over tokens in Python: fine for hundreds of tokens, not for benchmarks.
+with the kernel or with transformers; how the test suite uses it (through
+transformers' ``MambaBlock``): :mod:`mojolearn.reference`.
 """
 from __future__ import annotations
 

@@ -9,16 +9,9 @@ forward). It is the exact-arithmetic per-token recurrence of the block
 with n_groups groups of B and C (head h reads group h // (H / n_groups))
 and the gate applied before the gated RMSNorm, which normalises each
 group's d_inner / n_groups channels on its own. It does not
-model the kernel's 256-token chunking, which changes only rounding. The test
-suite compares the kernel against transformers' ``Mamba2Block`` run in
-verified float64 (``tests/reference/hf_mamba.py``), which is itself checked
-equal to this function to 1e-10 relative
-(``tests/reference/test_references.py``); the backward
-(``mamba2/backward.mojo``) is checked against torch autograd of that
-float64 ``Mamba2Block``.
-
-Everything is float64: inputs and weights are widened exactly. The loop is
-over tokens in Python: fine for hundreds of tokens, not for benchmarks.
+model the kernel's 256-token chunking, which changes only rounding. How the
+test suite uses it (through transformers' ``Mamba2Block``):
+:mod:`mojolearn.reference`.
 """
 from __future__ import annotations
 

@@ -32,6 +32,31 @@ __all__ = ["mamba3_numpy", "TWO_PI32"]
 TWO_PI32 = float(np.float32(2 * math.pi))
 
 
+def _in_proj_parts(proj, heads):
+    """in_proj's output (B, rows) cut into its parts, in row order: z (B,
+    2d), v (B, H, 64), B and C (B, 128 each), dd_dt, dd_A, trap (B, H
+    each) and the angles (B, 32). Slicing only, so a NumPy array or a torch
+    tensor alike (the autograd reference of the tests shares it)."""
+    di, n = heads * 64, 128
+    c = 2 * di
+    cuts = [c, c + n, c + 2 * n, c + 2 * n + heads, c + 2 * n + 2 * heads,
+            c + 2 * n + 3 * heads, c + 2 * n + 3 * heads + 32]
+    rest = [proj[:, lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+    return (proj[:, :di], proj[:, di:c].reshape(proj.shape[0], heads, 64), *rest)
+
+
+def _fold_token(S, alpha, dt, sg, v_prev, k_prev, v, k):
+    """S (B, H, 64, 128) after one token, alpha = exp(A dt) given (B, H):
+    alpha S + alpha dt (1 - sg) v_prev k_prev^T + dt sg v k^T. Arithmetic
+    only, so NumPy arrays or torch tensors alike (the autograd reference of
+    the tests shares it)."""
+    a = alpha[:, :, None, None]
+    beta = (dt * (1.0 - sg))[:, :, None, None]
+    gamma = (dt * sg)[:, :, None, None]
+    return (a * S + a * beta * (v_prev[:, :, :, None] * k_prev[:, :, None, :])
+            + gamma * (v[:, :, :, None] * k[:, :, None, :]))
+
+
 def _phi(u):
     return np.where(u >= 0, 1.0 + u, 1.0 / (1.0 - np.minimum(u, 0.0)))
 
@@ -86,16 +111,10 @@ def mamba3_numpy(weights: dict, x, state=None, mod=TWO_PI32, theta_f32=False):
     else:
         theta, S, kp, vp = (np.array(a, dtype=np.float64) for a in state)
     ys = np.empty((Bsz, L, d))
-    c = 2 * di
     for t in range(L):
         xt = x[:, t]
         proj = rmsnorm(xt, W["block_norm.weight"]) @ W["in_proj.weight"].T
-        z, v = proj[:, :di], proj[:, di:2 * di].reshape(Bsz, H, P)
-        Bp, Cp = proj[:, c:c + N], proj[:, c + N:c + 2 * N]
-        dd_dt = proj[:, c + 2 * N:c + 2 * N + H]
-        dd_A = proj[:, c + 2 * N + H:c + 2 * N + 2 * H]
-        trap = proj[:, c + 2 * N + 2 * H:c + 2 * N + 3 * H]
-        ang = proj[:, c + 2 * N + 3 * H:c + 2 * N + 3 * H + R]
+        z, v, Bp, Cp, dd_dt, dd_A, trap, ang = _in_proj_parts(proj, H)
         A = np.minimum(-_phi(dd_A), -1e-4)
         dt = softplus(dd_dt + W["dt_bias"])                          # (B, H)
         adt = A * dt
@@ -108,11 +127,7 @@ def mamba3_numpy(weights: dict, x, state=None, mod=TWO_PI32, theta_f32=False):
             theta = theta.astype(np.float32).astype(np.float64)
         cos, sin = np.cos(theta), np.sin(theta)
         qr, kr = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        alpha = np.exp(adt)[:, :, None, None]
-        beta = (dt * (1.0 - sg))[:, :, None, None]
-        gamma = (dt * sg)[:, :, None, None]
-        S = (alpha * S + alpha * beta * (vp[:, :, :, None] * kp[:, :, None, :])
-             + gamma * (v[:, :, :, None] * kr[:, :, None, :]))
+        S = _fold_token(S, np.exp(adt), dt, sg, vp, kp, v, kr)
         y = np.einsum("bhpn,bhn->bhp", S, qr) + W["D"][None, :, None] * v
         o = y.reshape(Bsz, di) * silu(z)
         ys[:, t] = xt + o @ W["out_proj.weight"].T
