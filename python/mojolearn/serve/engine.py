@@ -16,6 +16,8 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 log = logging.getLogger("mojolearn.serve")
 
@@ -24,6 +26,7 @@ class QueueFull(Exception):
     """The engine's waiting queue is full (the server answers 503)."""
 
 
+@dataclass(eq=False)  # a job is itself: compared and hashed by identity
 class Job:
     """One request in the engine: its Batcher Request once admitted, and the
     sink that receives its tokens.
@@ -35,16 +38,18 @@ class Job:
     quick and must not raise.
     """
 
-    def __init__(self, prompt, params: dict, sink):
-        self.prompt = list(prompt)
-        self.params = params
-        self.sink = sink
-        self.request = None
-        self.cancelled = False
-        self.done = False
-        self.cached_tokens = 0
-        self.stop_set = frozenset()  # the stop token ids (for the text: not shown)
-        self.submitted = time.monotonic()
+    prompt: list
+    params: dict
+    sink: Callable
+    request: object = None  # its Batcher Request once admitted
+    cancelled: bool = False
+    done: bool = False
+    cached_tokens: int = 0
+    stop_set: frozenset = frozenset()  # the stop token ids (for the text: not shown)
+    submitted: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        self.prompt = list(self.prompt)
 
     def cancel(self):
         """Ask the engine to end this job (at its next step); any thread."""
