@@ -14,8 +14,7 @@ reordered, so the bits do not depend on tile shapes or the thread split.
 from std.collections import Array
 from std.sys.intrinsics import prefetch, PrefetchOptions
 from .abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div,
-    round_up,
+    F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, ceil_div, round_up, one_phase_plan,
 )
 from .linear import TileRange, NR, WIDE, packed_floats, pack_panel
 
@@ -172,11 +171,8 @@ struct TPanels(ImplicitlyCopyable):
 def pack_transposed_plan(args: I64Ptr, phase: Int) -> Int:
     var m1 = arg_int(args, PT_M1)
     var m2 = arg_int(args, PT_M2)
-    if phase == PLAN_WORKSPACE:
-        return TPanels(arg_int(args, PT_K1), m1, arg_int(args, PT_K2), m2).floats * 4
-    if phase == 0:
-        return ceil_div(m1, NR) + ceil_div(m2, NR)  # one task per panel
-    return PHASE_END
+    var floats = TPanels(arg_int(args, PT_K1), m1, arg_int(args, PT_K2), m2).floats
+    return one_phase_plan(phase, ceil_div(m1, NR) + ceil_div(m2, NR), floats * 4)  # a task a panel
 
 
 def pack_transposed_task(args: I64Ptr, phase: Int, task: Int):

@@ -8,7 +8,7 @@ opspec.mojo walk that list with a visitor, so after inlining each entry
 point is the if-chain over op ids it was written as before, and no second
 list of ops exists. How to add an op: docs/guide/extending.rst.
 """
-from .abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32
+from .abi import I64Ptr, arg_int, arg_f32, one_phase_plan
 from .opspec import SlotSink
 from . import opspec as sp
 from .checks import first_nonfinite_task
@@ -70,14 +70,6 @@ def visit_ops[V: OpVisitor](mut v: V) -> Bool:
             or v.visit[MathEval]())
 
 
-@always_inline
-def _one_phase(p: Int) -> Int:
-    """The plan of a one-task op without a workspace."""
-    if p == PLAN_WORKSPACE:
-        return 0
-    return 1 if p == 0 else PHASE_END
-
-
 # ---- the ops -----------------------------------------------------------------
 struct FirstNonfinite(Op):
     comptime ID = 1
@@ -85,7 +77,7 @@ struct FirstNonfinite(Op):
     comptime HOST = True  # an index: staging the array would cost more than the scan
 
     @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return _one_phase(p)
+    def plan(args: I64Ptr, p: Int) -> Int: return one_phase_plan(p, 1)
 
     @staticmethod
     def task(args: I64Ptr, p: Int, t: Int): first_nonfinite_task(args)
@@ -100,7 +92,7 @@ struct MathEval(Op):
     comptime HOST = False
 
     @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return _one_phase(p)
+    def plan(args: I64Ptr, p: Int) -> Int: return one_phase_plan(p, 1)
 
     @staticmethod
     def task(args: I64Ptr, p: Int, t: Int):

@@ -29,7 +29,7 @@ a copy, not a conversion, so the panels hold exactly the given values:
         t of a q8_0 block to [t][j].
 """
 from std.memory import Pointer, bitcast
-from .abi import F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, arg_int, arg_f32, ceil_div
+from .abi import F32Ptr, I64Ptr, arg_int, arg_f32, ceil_div, one_phase_plan
 from .linear import (
     NR, WF_F32, WF_BF16, WF_INT8, WF_Q4_0, WF_Q8_0, QBLOCK, panel_floats, panel_floats_wf,
     pack_panels, pack_panel,
@@ -219,11 +219,7 @@ def panels_extract_plan(args: I64Ptr, phase: Int) -> Int:
     var sec = arg_int(args, EX_SECTION)
     if sec < 0 or sec >= MAX_PROJECTIONS or not valid_format(extract_format(args)):
         return -3
-    if phase == PLAN_WORKSPACE:
-        return 0
-    if phase == 0:
-        return ceil_div(arg_int(args, EX_ROWS), NR)
-    return PHASE_END
+    return one_phase_plan(phase, ceil_div(arg_int(args, EX_ROWS), NR))
 
 
 def panels_extract_task(args: I64Ptr, phase: Int, task: Int):
