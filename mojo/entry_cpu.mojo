@@ -9,7 +9,7 @@ from std.sys import get_defined_string
 from mojolearn_kernels.abi import F32Ptr, I64Ptr
 from mojolearn_kernels.exports import SHARED_EXPORTS
 from mojolearn_kernels.math_eval import math_eval
-from mojolearn_kernels.describe import U8Ptr, put_str
+from mojolearn_kernels.describe import U8Ptr, describe_text
 from mojolearn_kernels.probe import workspace_offset
 
 # Naming the shared exports (exports.mojo) is what emits them into this binary.
@@ -28,13 +28,7 @@ def ml_vendor() abi("C") -> Int64:
 def ml_describe(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
     """Writes 'key=value;...' (vendor, arch, features, mode) into buf and
     returns its full length. No heap use: the binary needs no Mojo runtime."""
-    var c = Int(cap)
-    var n = put_str(buf, c, 0, "vendor=cpu;arch=")
-    n = put_str(buf, c, n, ARCH)
-    n = put_str(buf, c, n, ";features=")
-    n = put_str(buf, c, n, FEATURES)
-    n = put_str(buf, c, n, ";mode=identical")
-    return Int64(n)
+    return Int64(describe_text(buf, Int(cap), "cpu", ARCH, FEATURES))
 
 
 @export("ml_math_eval")

@@ -17,7 +17,7 @@ from mojolearn_kernels.abi import I64Ptr, PHASE_END, ceil_div, round_up
 from mojolearn_kernels.exports import SHARED_EXPORTS
 from mojolearn_kernels.dispatch import op_plan, device_op_task
 from mojolearn_kernels.opspec import BUF_IN, BUF_OUT
-from mojolearn_kernels.describe import U8Ptr, put_str
+from mojolearn_kernels.describe import U8Ptr, put_str, describe_text
 
 # Naming the shared exports (exports.mojo) is what emits them into this binary.
 comptime _EMIT_SHARED = SHARED_EXPORTS
@@ -39,13 +39,7 @@ def ml_vendor() abi("C") -> Int64:
 
 @export("ml_describe")
 def ml_describe(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
-    var c = Int(cap)
-    var n = put_str(buf, c, 0, "vendor=")
-    n = put_str(buf, c, n, API)
-    n = put_str(buf, c, n, ";arch=")
-    n = put_str(buf, c, n, ARCH)
-    n = put_str(buf, c, n, ";features=;mode=identical")
-    return Int64(n)
+    return Int64(describe_text(buf, Int(cap), API, ARCH, ""))
 
 
 @export("ml_device_count")
