@@ -165,6 +165,17 @@ def _named[S: SlotSink, //, N: StaticString](mut s: S, slot: Int, dir: Int, floa
     s.slot(N, slot, K_F32, dir, floats * F4)
 
 
+def _forward_head[S: SlotSink](
+    mut s: S, bx: Int, blob_floats: Int, x: Int, y: Int, blob: Int
+):
+    """The slots every block forward starts with: the sizes, x, y and the
+    blob (bx bytes of x and of y)."""
+    _sizes(s)
+    s.slot("x", x, K_F32, BUF_IN, bx)
+    s.slot("y", y, K_F32, BUF_OUT, bx)
+    _f32(s, "blob", blob, BUF_IN, blob_floats)
+
+
 def _backward_head[S: SlotSink](
     mut s: S, bx: Int, blob_floats: Int, x: Int, g: Int, blob: Int, work: Int, dx: Int
 ):
@@ -223,13 +234,10 @@ struct M1ForwardSpec(OpSpec):
         var dm = m1.M1Dims(arg_int(args, m1.FWD_D), blob_formats(arg_f32(args, m1.FWD_BLOB)))
         var di = dm.di
         var flags = arg_int(args, m1.FWD_FLAGS)
-        _sizes(s)
         # A decode session's state transfers (FLAG_NO_TOKENS) read and write no
         # tokens: their x and y are not staged (the session passes 0).
         var bx = 0 if (flags & m1.FLAG_NO_TOKENS) != 0 else _tokens(args)
-        s.slot("x", m1.FWD_X, K_F32, BUF_IN, bx)
-        s.slot("y", m1.FWD_Y, K_F32, BUF_OUT, bx)
-        _f32(s, "blob", m1.FWD_BLOB, BUF_IN, dm.blob)
+        _forward_head(s, bx, dm.blob, m1.FWD_X, m1.FWD_Y, m1.FWD_BLOB)
         var state = 0 if (flags & m1.FLAG_NO_LOAD) != 0 else BUF_IN
         if (flags & m1.FLAG_NO_SAVE) == 0:
             state |= BUF_OUT
@@ -310,10 +318,7 @@ struct M2ForwardSpec(OpSpec):
         var dm = m2.M2Dims(arg_int(args, m2.FWD_D), blob_formats(blob), m2.blob_ngroups(blob))
         var bx = _tokens(args)
         var heads = b * dm.nh * m2.P * m2.N  # h, h_last: (B, H, P, N)
-        _sizes(s)
-        s.slot("x", m2.FWD_X, K_F32, BUF_IN, bx)
-        s.slot("y", m2.FWD_Y, K_F32, BUF_OUT, bx)
-        _f32(s, "blob", m2.FWD_BLOB, BUF_IN, dm.blob)
+        _forward_head(s, bx, dm.blob, m2.FWD_X, m2.FWD_Y, m2.FWD_BLOB)
         _m2_state[""](s, BUF_INOUT, b, dm, m2.FWD_CONV_WINDOW, m2.FWD_H, m2.FWD_BUF_XBC,
                       m2.FWD_BUF_DT)
         _int(s, "buffered_tokens", m2.FWD_S)
@@ -400,10 +405,7 @@ struct M3ForwardSpec(OpSpec):
         var dm = m3.M3Dims(arg_int(args, m3.FWD_D), blob_formats(arg_f32(args, m3.FWD_BLOB)))
         var bh = b * dm.nh
         var bx = _tokens(args)
-        _sizes(s)
-        s.slot("x", m3.FWD_X, K_F32, BUF_IN, bx)
-        s.slot("y", m3.FWD_Y, K_F32, BUF_OUT, bx)
-        _f32(s, "blob", m3.FWD_BLOB, BUF_IN, dm.blob)
+        _forward_head(s, bx, dm.blob, m3.FWD_X, m3.FWD_Y, m3.FWD_BLOB)
         s.slot("lengths", m3.FWD_LENGTHS, K_I64, BUF_IN, b * I8)
         s.slot("work", m3.FWD_WORK, K_WORK, 0, 0)  # scratch: nothing in it outlives a call
         _int(s, "buffered_tokens", m3.FWD_N0)
