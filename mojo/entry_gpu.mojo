@@ -10,22 +10,19 @@ scheduling differs). Buffers are staged per call from the table the host
 layer builds out of ml_buffers (python/native/device.h). Nothing here may
 raise across the C ABI: errors become a status and a message.
 """
-from std.memory import Pointer
 from std.sys import get_defined_string
 from max.gpu import global_idx
 from max.gpu.host import DeviceContext
-from mojolearn_kernels.abi import F32Ptr, I64Ptr, ABI_VERSION, PHASE_END, ceil_div, round_up
-from mojolearn_kernels.dispatch import op_plan, op_task, device_op_task, is_host_op
-from mojolearn_kernels.buffers import op_buffers
+from mojolearn_kernels.abi import I64Ptr, PHASE_END, ceil_div, round_up
+from mojolearn_kernels.exports import SHARED_EXPORTS
+from mojolearn_kernels.dispatch import op_plan, device_op_task
 from mojolearn_kernels.opspec import BUF_IN, BUF_OUT
-from mojolearn_kernels.slot_text import op_spec_text
-from mojolearn_kernels.constants import op_table_text, constants_text
-from mojolearn_kernels.checks import first_nonfinite
-from mojolearn_kernels.describe import U8Ptr, put_str
+from mojolearn_kernels.describe import U8Ptr, put_str, describe_text
 
+# Naming the shared exports (exports.mojo) is what emits them into this binary.
+comptime _EMIT_SHARED = SHARED_EXPORTS
 comptime API = get_defined_string["GPU_API", "cuda"]()
 comptime ARCH = get_defined_string["ML_ARCH", "sm_90"]()
-comptime MODE_IDENTICAL = 0
 comptime THREADS_PER_BLOCK = 32  # tasks are large; spread them over the SMs
 comptime STAGE_ALIGN = 256  # bytes between staged buffers
 comptime GPU_ROW = 4  # table rows from the host: slot, bytes, flags, alias
@@ -34,31 +31,15 @@ comptime GPU_ROW = 4  # table rows from the host: slot, bytes, flags, alias
 comptime VENDOR_ID = 1 if API == "cuda" else (2 if API == "hip" else 3)  # _abi.VENDORS
 
 
-@export("ml_abi_version")
-def ml_abi_version() abi("C") -> Int64:
-    return ABI_VERSION
-
-
 @export("ml_vendor")
 def ml_vendor() abi("C") -> Int64:
     comptime assert API == "cuda" or API == "hip" or API == "metal", "GPU_API must be cuda, hip or metal"
     return Int64(VENDOR_ID)
 
 
-@export("ml_numeric_mode")
-def ml_numeric_mode() abi("C") -> Int64:
-    return MODE_IDENTICAL
-
-
 @export("ml_describe")
 def ml_describe(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
-    var c = Int(cap)
-    var n = put_str(buf, c, 0, "vendor=")
-    n = put_str(buf, c, n, API)
-    n = put_str(buf, c, n, ";arch=")
-    n = put_str(buf, c, n, ARCH)
-    n = put_str(buf, c, n, ";features=;mode=identical")
-    return Int64(n)
+    return Int64(describe_text(buf, Int(cap), API, ARCH, ""))
 
 
 @export("ml_device_count")
@@ -78,55 +59,6 @@ def ml_device_arch(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
         return Int64(put_str(buf, Int(cap), 0, ctx.arch_name()))
     except:
         return 0
-
-
-@export("ml_plan")
-def ml_plan(op: Int64, args: I64Ptr, phase: Int64) abi("C") -> Int64:
-    return Int64(op_plan(Int(op), args, Int(phase)))
-
-
-@export("ml_task")
-def ml_task(op: Int64, args: I64Ptr, phase: Int64, task: Int64) abi("C") -> Int64:
-    """A task on the host (the input checks run there)."""
-    return Int64(op_task(Int(op), args, Int(phase), Int(task)))
-
-
-@export("ml_host_op")
-def ml_host_op(op: Int64) abi("C") -> Int64:
-    """1 if a device binary runs op on the host (dispatch.is_host_op)."""
-    return 1 if is_host_op(Int(op)) else 0
-
-
-@export("ml_op_spec")
-def ml_op_spec(op: Int64, buf: U8Ptr, cap: Int64) abi("C") -> Int64:
-    """Every argument slot of op as text (slot_text.mojo): name, slot, kind,
-    direction. Returns the full length (write again with a larger buf if it
-    exceeds cap), or -2 for an unknown op."""
-    return Int64(op_spec_text(Int(op), buf, Int(cap)))
-
-
-@export("ml_op_table")
-def ml_op_table(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
-    """The op table as text (constants.mojo): `name=id,host|device;` per op.
-    Returns the full length (write again with a larger buf if it exceeds cap)."""
-    return Int64(op_table_text(buf, Int(cap)))
-
-
-@export("ml_constants")
-def ml_constants(buf: U8Ptr, cap: Int64) abi("C") -> Int64:
-    """Every number shared with the Python layer as `NAME=value;` text
-    (constants.mojo); the full length, as ml_op_table."""
-    return Int64(constants_text(buf, Int(cap)))
-
-
-@export("ml_buffers")
-def ml_buffers(op: Int64, args: I64Ptr, rows: I64Ptr, cap: Int64) abi("C") -> Int64:
-    return Int64(op_buffers(Int(op), args, rows, Int(cap)))
-
-
-@export("ml_first_nonfinite")
-def ml_first_nonfinite(p: F32Ptr, n: Int64) abi("C") -> Int64:
-    return Int64(first_nonfinite(p, Int(n)))
 
 
 def task_kernel(op: Int64, args: I64Ptr, phase: Int64, ntasks: Int64):

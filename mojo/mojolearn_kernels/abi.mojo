@@ -61,3 +61,12 @@ def round_up(n: Int, m: Int) -> Int:
 @always_inline
 def ceil_div(n: Int, m: Int) -> Int:
     return (n + m - 1) // m
+
+
+@always_inline
+def one_phase_plan(phase: Int, ntasks: Int, workspace_bytes: Int = 0) -> Int:
+    """The plan of an op with one phase of ntasks tasks: workspace_bytes for
+    PLAN_WORKSPACE, ntasks for phase 0, PHASE_END after it."""
+    if phase == PLAN_WORKSPACE:
+        return workspace_bytes
+    return ntasks if phase == 0 else PHASE_END

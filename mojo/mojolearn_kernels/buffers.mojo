@@ -19,23 +19,14 @@ comptime BUF_ROW = 3  # Int64s per table row
 
 
 @fieldwise_init
-struct BufTable(SlotSink):
-    """Collects the buffer rows of one call (a SlotSink); n counts them."""
+struct _Rows:
+    """Rows (slot, bytes, flags) written into the caller's table as far as
+    cap allows; n counts them all."""
     var rows: I64Ptr
     var cap: Int
-    var op: Int
-    var args: I64Ptr
     var n: Int
 
-    def slot(mut self, name: StaticString, slot: Int, kind: Int, dir: Int, bytes: Int):
-        """A row for a buffer slot unless it holds a null pointer or no bytes."""
-        if kind == K_INT:
-            return
-        var nbytes = bytes
-        if kind == K_WORK:
-            nbytes = op_plan(self.op, self.args, PLAN_WORKSPACE)
-        if arg_int(self.args, slot) == 0 or nbytes <= 0:
-            return
+    def add(mut self, slot: Int, nbytes: Int, dir: Int):
         if self.n < self.cap:
             var r = self.rows.unsafe_offset(self.n * BUF_ROW)
             r[unsafe_offset=0] = Int64(slot)
@@ -44,12 +35,29 @@ struct BufTable(SlotSink):
         self.n += 1
 
 
+@fieldwise_init
+struct BufTable(SlotSink):
+    """Collects the buffer rows of one call (a SlotSink)."""
+    var out: _Rows
+    var args: I64Ptr
+    var work_bytes: Int  # the op's workspace, planned once before the slots
+
+    def slot(mut self, name: StaticString, slot: Int, kind: Int, dir: Int, bytes: Int):
+        """A row for a buffer slot unless it holds a null pointer or no bytes."""
+        if kind == K_INT:
+            return
+        var nbytes = self.work_bytes if kind == K_WORK else bytes
+        if arg_int(self.args, slot) == 0 or nbytes <= 0:
+            return
+        self.out.add(slot, nbytes, dir)
+
+
 def op_buffers(op: Int, args: I64Ptr, rows: I64Ptr, cap: Int) -> Int:
     """Rows (slot, bytes, flags) of op's buffers; -2 for an unknown op or
     one that runs on the host (dispatch.is_host_op)."""
     if is_host_op(op):
         return -2
-    var t = BufTable(rows, cap, op, args, 0)
+    var t = BufTable(_Rows(rows, cap, 0), args, op_plan(op, args, PLAN_WORKSPACE))
     if not op_spec(op, args, t):
         return -2
-    return t.n
+    return t.out.n

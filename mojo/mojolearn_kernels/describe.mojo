@@ -30,6 +30,20 @@ def put_int(buf: U8Ptr, cap: Int, pos: Int, v: Int) -> Int:
     return n
 
 
+def describe_text(
+    buf: U8Ptr, cap: Int, vendor: StringSlice, arch: StringSlice, features: StringSlice
+) -> Int:
+    """A binary's `ml_describe` text, `vendor=..;arch=..;features=..;mode=identical`,
+    into buf (as far as cap allows); returns its full length."""
+    var n = put_str(buf, cap, 0, "vendor=")
+    n = put_str(buf, cap, n, vendor)
+    n = put_str(buf, cap, n, ";arch=")
+    n = put_str(buf, cap, n, arch)
+    n = put_str(buf, cap, n, ";features=")
+    n = put_str(buf, cap, n, features)
+    return put_str(buf, cap, n, ";mode=identical")
+
+
 struct TextBuf:
     """Text written into a caller's buffer as far as cap allows; n counts
     the full length, so a caller can ask again with a larger buffer."""

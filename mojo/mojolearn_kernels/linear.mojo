@@ -39,7 +39,7 @@ from std.collections import Array
 from std.memory import bitcast
 from std.sys import get_defined_string
 from std.sys.intrinsics import prefetch, PrefetchOptions
-from std.memory import stack_allocation
+from std.memory import Pointer, stack_allocation
 from .abi import F32Ptr, ceil_div, round_up, ALIGN_FLOATS
 
 comptime NR = 16
@@ -194,17 +194,29 @@ def _part_end[WF: Int, H: Int](k0: Int, k1: Int) -> Int:
     return k1
 
 
+@always_inline
+def pack_panel[T: DType](
+    src: Pointer[Scalar[T], MutUntrackedOrigin], m: Int, k: Int, rs: Int, cs: Int, p: Int,
+    dst: Pointer[Scalar[T], MutUntrackedOrigin],
+):
+    """Panel p of an (m, k) matrix of T read as src[row * rs + kk * cs]
+    (rs = k, cs = 1: row-major; rs = 1, cs = m: the transpose of a row-major
+    (k, m) matrix) into dst, k-major: dst[kk * NR + j] = row p * NR + j, zero
+    past m. Every format's panels (float32, bf16 bits, int8 codes) are laid
+    out this way."""
+    for kk in range(k):
+        for j in range(NR):
+            var row = p * NR + j
+            var v: Scalar[T] = 0
+            if row < m:
+                v = src[unsafe_offset=row * rs + kk * cs]
+            dst[unsafe_offset=kk * NR + j] = v
+
+
 def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
     """Pack row-major W (m, k) into NR-row panels, k-major, zero padded."""
     for p in range(ceil_div(m, NR)):
-        var base = p * k * NR
-        for kk in range(k):
-            for j in range(NR):
-                var row = p * NR + j
-                var v: Float32 = 0.0
-                if row < m:
-                    v = w[unsafe_offset=row * k + kk]
-                dst[unsafe_offset=base + kk * NR + j] = v
+        pack_panel(w, m, k, k, 1, p, dst.unsafe_offset(p * k * NR))
 
 
 @always_inline

@@ -14,10 +14,9 @@ reordered, so the bits do not depend on tile shapes or the thread split.
 from std.collections import Array
 from std.sys.intrinsics import prefetch, PrefetchOptions
 from .abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div,
-    round_up,
+    F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, ceil_div, round_up, one_phase_plan,
 )
-from .linear import TileRange, NR, WIDE, packed_floats
+from .linear import TileRange, NR, WIDE, packed_floats, pack_panel
 
 comptime GW = 16
 comptime GV = SIMD[DType.float32, GW]
@@ -142,15 +141,7 @@ def pack_panels_t(w: F32Ptr, k: Int, m: Int, dst: F32Ptr, p: Int):
     the (m, k) matrix W^T: dst[p, kk, j] = W[kk, p * NR + j] (zero past m).
     Then x @ W runs on linear.matmul_block: per element the same fma chain
     over kk ascending from +0.0 as gemm_block's, at the forward's speed."""
-    var base = p * k * NR
-    var c0 = p * NR
-    var nc = min(NR, m - c0)
-    for kk in range(k):
-        for j in range(NR):
-            var v: Float32 = 0.0
-            if j < nc:
-                v = w[unsafe_offset=kk * m + c0 + j]
-            dst[unsafe_offset=base + kk * NR + j] = v
+    pack_panel(w, m, k, 1, m, p, dst.unsafe_offset(p * k * NR))
 
 
 # OP_PACK_TRANSPOSED: the transposes of two row-major matrices W1 (k1, m1)
@@ -180,11 +171,8 @@ struct TPanels(ImplicitlyCopyable):
 def pack_transposed_plan(args: I64Ptr, phase: Int) -> Int:
     var m1 = arg_int(args, PT_M1)
     var m2 = arg_int(args, PT_M2)
-    if phase == PLAN_WORKSPACE:
-        return TPanels(arg_int(args, PT_K1), m1, arg_int(args, PT_K2), m2).floats * 4
-    if phase == 0:
-        return ceil_div(m1, NR) + ceil_div(m2, NR)  # one task per panel
-    return PHASE_END
+    var floats = TPanels(arg_int(args, PT_K1), m1, arg_int(args, PT_K2), m2).floats
+    return one_phase_plan(phase, ceil_div(m1, NR) + ceil_div(m2, NR), floats * 4)  # a task a panel
 
 
 def pack_transposed_task(args: I64Ptr, phase: Int, task: Int):

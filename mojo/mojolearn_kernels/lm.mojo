@@ -33,7 +33,7 @@ Canonical order (identical mode):
 from std.memory import Pointer, bitcast
 from .abi import (
     F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, ALIGN_FLOATS, arg_int, arg_f32, arg_i64,
-    ceil_div, round_up,
+    ceil_div, round_up, one_phase_plan,
 )
 from .linear import (
     NR, WF_F32, WF_BF16, WF_INT8, WF_Q4_0, WF_Q8_0, QBLOCK, packed_floats,
@@ -160,11 +160,8 @@ def lm_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     if not _valid_lm_formats(wfs, tied) or row0 % NR != 0 or n < 0 \
             or row0 + n > arg_int(args, LMP_V):
         return -3
-    if phase == PLAN_WORKSPACE:
-        return LMDims(arg_int(args, LMP_D), arg_int(args, LMP_V), wfs, tied).blob * 4
-    if phase == 0:
-        return 3
-    return PHASE_END
+    var dm = LMDims(arg_int(args, LMP_D), arg_int(args, LMP_V), wfs, tied)
+    return one_phase_plan(phase, 3, dm.blob * 4)
 
 
 def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
@@ -198,11 +195,7 @@ def lm_prepare_task(args: I64Ptr, phase: Int, task: Int):
 def lm_embed_plan(args: I64Ptr, phase: Int) -> Int:
     if not valid_formats(blob_formats(arg_f32(args, LME_BLOB)), 2):
         return -3
-    if phase == PLAN_WORKSPACE:
-        return 0
-    if phase == 0:
-        return ceil_div(arg_int(args, LME_N), EMBED_ROWS_PER_TASK)
-    return PHASE_END
+    return one_phase_plan(phase, ceil_div(arg_int(args, LME_N), EMBED_ROWS_PER_TASK))
 
 
 def lm_embed_task(args: I64Ptr, phase: Int, task: Int):
@@ -289,11 +282,8 @@ def lm_logits_task(args: I64Ptr, phase: Int, task: Int):
 
 
 def lm_next_plan(args: I64Ptr, phase: Int) -> Int:
-    if phase == PLAN_WORKSPACE:
-        return arg_int(args, LMN_R) * arg_int(args, LMN_V) * 4
-    if phase == 0:
-        return arg_int(args, LMN_R)
-    return PHASE_END
+    var r = arg_int(args, LMN_R)
+    return one_phase_plan(phase, r, r * arg_int(args, LMN_V) * 4)
 
 
 @always_inline

@@ -39,7 +39,7 @@ the block's largest value (else -1), so the caller can refuse it.
 """
 from std.memory import Pointer, bitcast
 from .linear import f16_widen
-from .abi import F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, arg_int, arg_f32, ceil_div
+from .abi import F32Ptr, I64Ptr, arg_int, arg_f32, ceil_div, one_phase_plan
 
 comptime U16Ptr = Pointer[UInt16, MutUntrackedOrigin]
 comptime I8Ptr = Pointer[Int8, MutUntrackedOrigin]
@@ -320,39 +320,37 @@ def _unpack_rows(args: I64Ptr, r0: Int, r1: Int):
                 dst[unsafe_offset=r * cols + c] = Float32(v)  # representable: exact
 
 
+def _rows_plan(args: I64Ptr, phase: Int, fmt_slot: Int, rows_slot: Int, cols_slot: Int) -> Int:
+    """The plan of OP_LOWBIT_PACK / _UNPACK: one phase of row blocks."""
+    var fmt = arg_int(args, fmt_slot)
+    var ntasks = ceil_div(arg_int(args, rows_slot), _rows_per_task(arg_int(args, cols_slot)))
+    if fmt != FMT_BF16 and fmt != FMT_INT8 and not is_block_format(fmt):
+        ntasks = -3
+    return one_phase_plan(phase, ntasks)
+
+
+@always_inline
+def _task_rows(args: I64Ptr, task: Int, rows_slot: Int, cols_slot: Int) -> Tuple[Int, Int]:
+    """Rows [r0, r1) of task `task` (_rows_plan's blocks)."""
+    var rows = arg_int(args, rows_slot)
+    var rpt = _rows_per_task(arg_int(args, cols_slot))
+    var r0 = task * rpt
+    return (r0, r0 + rpt if r0 + rpt < rows else rows)
+
+
 def lowbit_pack_plan(args: I64Ptr, phase: Int) -> Int:
-    if phase == PLAN_WORKSPACE:
-        return 0
-    if phase == 0:
-        var fmt = arg_int(args, PK_FMT)
-        if fmt != FMT_BF16 and fmt != FMT_INT8 and not is_block_format(fmt):
-            return -3
-        return ceil_div(arg_int(args, PK_ROWS), _rows_per_task(arg_int(args, PK_COLS)))
-    return PHASE_END
+    return _rows_plan(args, phase, PK_FMT, PK_ROWS, PK_COLS)
 
 
 def lowbit_pack_task(args: I64Ptr, phase: Int, task: Int):
-    var rows = arg_int(args, PK_ROWS)
-    var rpt = _rows_per_task(arg_int(args, PK_COLS))
-    var r0 = task * rpt
-    var r1 = r0 + rpt if r0 + rpt < rows else rows
-    _pack_rows(args, r0, r1)
+    var r = _task_rows(args, task, PK_ROWS, PK_COLS)
+    _pack_rows(args, r[0], r[1])
 
 
 def lowbit_unpack_plan(args: I64Ptr, phase: Int) -> Int:
-    if phase == PLAN_WORKSPACE:
-        return 0
-    if phase == 0:
-        var fmt = arg_int(args, UP_FMT)
-        if fmt != FMT_BF16 and fmt != FMT_INT8 and not is_block_format(fmt):
-            return -3
-        return ceil_div(arg_int(args, UP_ROWS), _rows_per_task(arg_int(args, UP_COLS)))
-    return PHASE_END
+    return _rows_plan(args, phase, UP_FMT, UP_ROWS, UP_COLS)
 
 
 def lowbit_unpack_task(args: I64Ptr, phase: Int, task: Int):
-    var rows = arg_int(args, UP_ROWS)
-    var rpt = _rows_per_task(arg_int(args, UP_COLS))
-    var r0 = task * rpt
-    var r1 = r0 + rpt if r0 + rpt < rows else rows
-    _unpack_rows(args, r0, r1)
+    var r = _task_rows(args, task, UP_ROWS, UP_COLS)
+    _unpack_rows(args, r[0], r[1])

@@ -66,6 +66,19 @@ def rmsnorm_row(v: F32Ptr, n: Int, w: F32Ptr, dst: F32Ptr):
     scale_row(v, n, rms_scale(v, n), w, dst)
 
 
+@always_inline
+def rms_vjp_coef(v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr) -> Tuple[Float32, Float32]:
+    """(r, coef) of the RMSNorm VJP of one row: r = rms_scale(v, n), dot =
+    fma chain over j of (dout_j w_j) v_j from +0.0, coef = (dot ((r r) r))
+    / n (rmsnorm_row_vjp and Mamba-2's gated norm apply it)."""
+    var rs = rms_scale(v, n)
+    var dot: Float32 = 0.0
+    for j in range(n):
+        var gx = dout[unsafe_offset=j] * w[unsafe_offset=j]
+        dot = gx.fma(v[unsafe_offset=j], dot)
+    return (rs, (dot * ((rs * rs) * rs)) / Float32(n))
+
+
 def rmsnorm_row_vjp[ADD_G: Bool](v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr, g: F32Ptr,
                                  dv: F32Ptr, pw: F32Ptr):
     """VJP of rmsnorm_row for one row (every backward's, one definition):
@@ -73,12 +86,9 @@ def rmsnorm_row_vjp[ADD_G: Bool](v: F32Ptr, n: Int, w: F32Ptr, dout: F32Ptr, g: 
     coef = (dot ((r r) r)) / n; dv_j = fma(-v_j, coef, r gx_j), plus g_j
     (g_j + that) if ADD_G (a residual's gradient); pw_j = dout_j (v_j r),
     the weight's per-row terms."""
-    var rs = rms_scale(v, n)
-    var dot: Float32 = 0.0
-    for j in range(n):
-        var gx = dout[unsafe_offset=j] * w[unsafe_offset=j]
-        dot = gx.fma(v[unsafe_offset=j], dot)
-    var coef = (dot * ((rs * rs) * rs)) / Float32(n)
+    var rc = rms_vjp_coef(v, n, w, dout)
+    var rs = rc[0]
+    var coef = rc[1]
     for j in range(n):
         var vj = v[unsafe_offset=j]
         var gxn = dout[unsafe_offset=j]

@@ -325,6 +325,48 @@ def log1p_f32[W: Int](x: SIMD[F32, W]) -> SIMD[F32, W]:
     return _is_nan[W](x).select(x, res)
 
 
+@fieldwise_init
+struct _OnePlusExp[W: Int](TrivialRegisterPassable):
+    """1 + e^-a as d + dl (Fast2Sum), with the pieces the sigmoid, silu and
+    softplus cores reuse: e^-a = 2^k (ph + pl), 2^k = s1 * s2, e = the
+    rounded e^-a."""
+    var ph: SIMD[F32, Self.W]
+    var pl: SIMD[F32, Self.W]
+    var s1: SIMD[F32, Self.W]
+    var s2: SIMD[F32, Self.W]
+    var e: SIMD[F32, Self.W]
+    var d: SIMD[F32, Self.W]
+    var dl: SIMD[F32, Self.W]
+
+
+@always_inline
+def _one_plus_exp_neg[W: Int, FAST: Bool](a: SIMD[F32, W]) -> _OnePlusExp[W]:
+    """1 + e^-a for a in [0, 104] (FAST: 2^k applies in one step,
+    _scale_split)."""
+    comptime V = SIMD[F32, W]
+    var p = _exp_parts[W](-a)
+    var k1 = _scale_split[W, FAST](p[2])
+    var s1 = _pow2[W](k1)
+    var s2 = _pow2[W](p[2] - k1)
+    var e = (p[0] * s1) * s2
+    var el = (p[1] * s1) * s2
+    var d = V(1.0) + e
+    var dl = (e - (d - V(1.0))) + el
+    return _OnePlusExp[W](p[0], p[1], s1, s2, e, d, dl)
+
+
+@always_inline
+def _quotient[W: Int](
+    nh: SIMD[F32, W], nl: SIMD[F32, W], x: _OnePlusExp[W], neg: SIMD[DType.bool, W]
+) -> SIMD[F32, W]:
+    """(nh + nl) / (d + dl) with one correction step (exact remainder by
+    fma), times 2^k where neg (the numerator then holds the unscaled e^-a)."""
+    var q = nh / x.d
+    var rem = (-q).fma(x.d, nh)
+    q = q + ((rem + nl) - q * x.dl) / x.d
+    return neg.select((q * x.s1) * x.s2, q)
+
+
 def sigmoid_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
     """1 / (1 + e^-v), evaluated as n / (1 + e) with e = e^-|v| (never overflows).
 
@@ -347,21 +389,10 @@ def _sigmoid_core[W: Int, FAST: Bool](vd: SIMD[F32, W], a: SIMD[F32, W]) -> SIMD
     one step)."""
     comptime V = SIMD[F32, W]
     var neg = vd.lt(V(0.0))
-    var p = _exp_parts[W](-a)
-    var k1 = _scale_split[W, FAST](p[2])
-    var s1 = _pow2[W](k1)
-    var s2 = _pow2[W](p[2] - k1)
-    var e = (p[0] * s1) * s2
-    var el = (p[1] * s1) * s2
-    var d = V(1.0) + e
-    var dl = (e - (d - V(1.0))) + el
-    var nh = neg.select(p[0], V(1.0))
-    var nl = neg.select(p[1], V(0.0))
-    var q = nh / d
-    var rem = (-q).fma(d, nh)
-    q = q + ((rem + nl) - q * dl) / d
-    var res = neg.select((q * s1) * s2, q)
-    return _ftz[W](res)
+    var x = _one_plus_exp_neg[W, FAST](a)
+    var nh = neg.select(x.ph, V(1.0))
+    var nl = neg.select(x.pl, V(0.0))
+    return _ftz[W](_quotient[W](nh, nl, x, neg))
 
 
 def silu_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
@@ -386,24 +417,12 @@ def _silu_core[W: Int, FAST: Bool](vd: SIMD[F32, W], vc: SIMD[F32, W]) -> SIMD[F
     vc = vd in [FAST_LO, 20], so 2^k applies in one step (_scale_split)."""
     comptime V = SIMD[F32, W]
     var neg = vc.lt(V(0.0))
-    var a = _abs[W](vc)
-    var p = _exp_parts[W](-a)
-    var k1 = _scale_split[W, FAST](p[2])
-    var s1 = _pow2[W](k1)
-    var s2 = _pow2[W](p[2] - k1)
-    var e = (p[0] * s1) * s2
-    var el = (p[1] * s1) * s2
-    var d = V(1.0) + e
-    var dl = (e - (d - V(1.0))) + el
-    var m = neg.select(p[0], V(1.0))
-    var ml = neg.select(p[1], V(0.0))
+    var x = _one_plus_exp_neg[W, FAST](_abs[W](vc))
+    var m = neg.select(x.ph, V(1.0))
+    var ml = neg.select(x.pl, V(0.0))
     var nh = vc * m
     var nl = vc.fma(m, -nh) + vc * ml
-    var q = nh / d
-    var rem = (-q).fma(d, nh)
-    q = q + ((rem + nl) - q * dl) / d
-    var res = neg.select((q * s1) * s2, q)
-    res = _ftz[W](res)
+    var res = _ftz[W](_quotient[W](nh, nl, x, neg))
     return _is_zero[W](vd).select(vd, res)
 
 
@@ -428,16 +447,9 @@ def softplus_f32[W: Int](v: SIMD[F32, W]) -> SIMD[F32, W]:
 def _softplus_core[W: Int, FAST: Bool](vc: SIMD[F32, W]) -> SIMD[F32, W]:
     """softplus of vc in [-104, 20] (FAST: in [FAST_LO, 20], 2^k in one step)."""
     comptime V = SIMD[F32, W]
-    var a = _abs[W](vc)
-    var p = _exp_parts[W](-a)
-    var k1 = _scale_split[W, FAST](p[2])
-    var s1 = _pow2[W](k1)
-    var s2 = _pow2[W](p[2] - k1)
-    var e = (p[0] * s1) * s2
-    var el = (p[1] * s1) * s2
-    var u = V(1.0) + e
-    var t = (e - (u - V(1.0))) + el
-    var lg = _log_parts[W](u, t / u)
+    var x = _one_plus_exp_neg[W, FAST](_abs[W](vc))
+    var e = x.e
+    var lg = _log_parts[W](x.d, x.dl / x.d)
     var sh = vc + lg[0]
     var bb = sh - vc
     var err = (vc - (sh - bb)) + (lg[0] - bb)
@@ -445,8 +457,8 @@ def _softplus_core[W: Int, FAST: Bool](vc: SIMD[F32, W]) -> SIMD[F32, W]:
     # v < -6.9 (e < 2^-10): log1p(e) = e (1 - e/2 + e^2/3) (rel. error < 2^-32),
     # summed on the unscaled ph + pl and scaled by 2^k last (the log core would
     # round u = 1 + e first; the scaled low part could be subnormal).
-    var series = (p[0] * e).fma(V(0.3333333432674408).fma(e, V(-0.5)), p[1])
-    var small = ((p[0] + series) * s1) * s2
+    var series = (x.ph * e).fma(V(0.3333333432674408).fma(e, V(-0.5)), x.pl)
+    var small = ((x.ph + series) * x.s1) * x.s2
     var negr = e.lt(V(0.0009765625)).select(small, lg[0] + lg[1])
     var res = vc.gt(V(0.0)).select(pos, negr)
     return _ftz[W](res)

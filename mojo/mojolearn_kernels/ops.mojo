@@ -1,15 +1,16 @@
 """The op table: every op of the C ABI declared once.
 
-An op is a struct with its id (the number Python passes to `ml_plan` and
+An op is a `TableOp`: its id (the number Python passes to `ml_plan` and
 `ml_task`), its name (what `ml_op_table` exports, so Python never copies the
-id), whether a GPU binary runs it on the host, and its plan, task and slot
-declaration (opspec.mojo). `visit_ops` lists the structs; dispatch.mojo and
-opspec.mojo walk that list with a visitor, so after inlining each entry
-point is the if-chain over op ids it was written as before, and no second
-list of ops exists. How to add an op: docs/guide/extending.rst.
+id), whether a GPU binary runs it on the host, its plan and task functions
+and its slot declaration (an OpSpec of opspec.mojo), all compile-time
+parameters. `visit_ops` lists the ops; dispatch.mojo walks that list with a
+visitor, so after inlining each entry point is the if-chain over op ids it
+was written as before, and no second list of ops exists. How to add an op:
+docs/guide/extending.rst.
 """
-from .abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32
-from .opspec import SlotSink
+from .abi import I64Ptr, arg_int, arg_f32, one_phase_plan
+from .opspec import SlotSink, OpSpec
 from . import opspec as sp
 from .checks import first_nonfinite_task
 from .math_eval import math_eval, ME_FN, ME_SRC, ME_DST, ME_N, ME_WIDTH
@@ -52,6 +53,36 @@ trait Op:
         ...
 
 
+comptime PlanFn = def(I64Ptr, Int) thin -> Int
+comptime TaskFn = def(I64Ptr, Int, Int) thin -> None
+
+
+struct TableOp[
+    id: Int, name: StaticString, host: Bool, plan_fn: PlanFn, task_fn: TaskFn, Spec: OpSpec
+](Op):
+    """The op `name` with id `id` (unused by any other op, never reused):
+    plan_fn and task_fn run it, Spec declares its slots."""
+
+    comptime ID = Self.id
+    comptime NAME = Self.name
+    comptime HOST = Self.host
+
+    @staticmethod
+    @always_inline
+    def plan(args: I64Ptr, p: Int) -> Int:
+        return Self.plan_fn(args, p)
+
+    @staticmethod
+    @always_inline
+    def task(args: I64Ptr, p: Int, t: Int):
+        Self.task_fn(args, p, t)
+
+    @staticmethod
+    @always_inline
+    def spec[S: SlotSink](args: I64Ptr, mut s: S):
+        Self.Spec.spec(args, s)
+
+
 trait OpVisitor:
     def visit[O: Op](mut self) -> Bool:
         """Called for each op in table order until one returns True."""
@@ -70,300 +101,60 @@ def visit_ops[V: OpVisitor](mut v: V) -> Bool:
             or v.visit[MathEval]())
 
 
-@always_inline
-def _one_phase(p: Int) -> Int:
-    """The plan of a one-task op without a workspace."""
-    if p == PLAN_WORKSPACE:
-        return 0
-    return 1 if p == 0 else PHASE_END
-
-
 # ---- the ops -----------------------------------------------------------------
-struct FirstNonfinite(Op):
-    comptime ID = 1
-    comptime NAME = "first_nonfinite"
-    comptime HOST = True  # an index: staging the array would cost more than the scan
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return _one_phase(p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): first_nonfinite_task(args)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.first_nonfinite_spec(args, s)
-
-
-struct MathEval(Op):
-    comptime ID = 2
-    comptime NAME = "math_eval"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return _one_phase(p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int):
-        math_eval(arg_int(args, ME_FN), arg_f32(args, ME_SRC), arg_f32(args, ME_DST),
-                  arg_int(args, ME_N), arg_int(args, ME_WIDTH))
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.math_eval_spec(args, s)
-
-
-struct M1Prepare(Op):
-    comptime ID = 10
-    comptime NAME = "m1_prepare"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m1f.m1_prepare_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m1f.m1_prepare_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m1_prepare_spec(s)
-
-
-struct M1Forward(Op):
-    comptime ID = 11
-    comptime NAME = "m1_forward"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m1f.m1_forward_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m1f.m1_forward_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m1_forward_spec(args, s)
-
-
-struct M1Backward(Op):
-    comptime ID = 12
-    comptime NAME = "m1_backward"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m1b.m1_backward_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m1b.m1_backward_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m1_backward_spec(args, s)
-
-
-struct M2Prepare(Op):
-    comptime ID = 20
-    comptime NAME = "m2_prepare"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m2f.m2_prepare_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m2f.m2_prepare_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m2_prepare_spec(s)
-
-
-struct M2Forward(Op):
-    comptime ID = 21
-    comptime NAME = "m2_forward"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m2f.m2_forward_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m2f.m2_forward_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m2_forward_spec(args, s)
-
-
-struct M2Backward(Op):
-    comptime ID = 22
-    comptime NAME = "m2_backward"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m2b.m2_backward_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m2b.m2_backward_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m2_backward_spec(args, s)
-
-
-struct M3Prepare(Op):
-    comptime ID = 30
-    comptime NAME = "m3_prepare"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m3f.m3_prepare_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m3f.m3_prepare_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m3_prepare_spec(s)
-
-
-struct M3Forward(Op):
-    comptime ID = 31
-    comptime NAME = "m3_forward"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m3f.m3_forward_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m3f.m3_forward_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m3_forward_spec(args, s)
-
-
-struct M3Backward(Op):
-    comptime ID = 32
-    comptime NAME = "m3_backward"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return m3b.m3_backward_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): m3b.m3_backward_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.m3_backward_spec(args, s)
-
-
-struct PackTransposed(Op):
-    """Weight transposes for backward (linear_grad)."""
-    comptime ID = 33
-    comptime NAME = "pack_transposed"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return lg.pack_transposed_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): lg.pack_transposed_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.pack_transposed_spec(args, s)
-
-
-struct LowbitPack(Op):
-    comptime ID = 40
-    comptime NAME = "lowbit_pack"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return lb.lowbit_pack_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): lb.lowbit_pack_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.lowbit_pack_spec(args, s)
-
-
-struct LowbitUnpack(Op):
-    comptime ID = 41
-    comptime NAME = "lowbit_unpack"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return lb.lowbit_unpack_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): lb.lowbit_unpack_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.lowbit_unpack_spec(args, s)
-
-
-struct PanelsExtract(Op):
-    """Packed codes back out of a prepared blob."""
-    comptime ID = 42
-    comptime NAME = "panels_extract"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return wp.panels_extract_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): wp.panels_extract_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.panels_extract_spec(args, s)
-
-
-struct LmPrepare(Op):
-    """A language model's vocabulary ends (lm.mojo)."""
-    comptime ID = 50
-    comptime NAME = "lm_prepare"
-    comptime HOST = True
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return lm.lm_prepare_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): lm.lm_prepare_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.lm_prepare_spec(s)
-
-
-struct LmEmbed(Op):
-    comptime ID = 51
-    comptime NAME = "lm_embed"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return lm.lm_embed_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): lm.lm_embed_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.lm_embed_spec(args, s)
-
-
-struct LmLogits(Op):
-    comptime ID = 52
-    comptime NAME = "lm_logits"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return lm.lm_logits_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): lm.lm_logits_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.lm_logits_spec(args, s)
-
-
-struct LmNext(Op):
-    comptime ID = 53
-    comptime NAME = "lm_next"
-    comptime HOST = False
-
-    @staticmethod
-    def plan(args: I64Ptr, p: Int) -> Int: return lm.lm_next_plan(args, p)
-
-    @staticmethod
-    def task(args: I64Ptr, p: Int, t: Int): lm.lm_next_task(args, p, t)
-
-    @staticmethod
-    def spec[S: SlotSink](args: I64Ptr, mut s: S): sp.lm_next_spec(args, s)
+def _one_task_plan(args: I64Ptr, p: Int) -> Int:
+    """The plan of a one-task op without a workspace."""
+    return one_phase_plan(p, 1)
+
+
+def _first_nonfinite_task(args: I64Ptr, p: Int, t: Int):
+    first_nonfinite_task(args)
+
+
+def _math_eval_task(args: I64Ptr, p: Int, t: Int):
+    math_eval(arg_int(args, ME_FN), arg_f32(args, ME_SRC), arg_f32(args, ME_DST),
+              arg_int(args, ME_N), arg_int(args, ME_WIDTH))
+
+
+# HOST True for first_nonfinite: an index; staging the array would cost more than the scan.
+comptime FirstNonfinite = TableOp[
+    1, "first_nonfinite", True, _one_task_plan, _first_nonfinite_task, sp.FirstNonfiniteSpec]
+comptime MathEval = TableOp[2, "math_eval", False, _one_task_plan, _math_eval_task, sp.MathEvalSpec]
+comptime M1Prepare = TableOp[
+    10, "m1_prepare", True, m1f.m1_prepare_plan, m1f.m1_prepare_task, sp.M1PrepareSpec]
+comptime M1Forward = TableOp[
+    11, "m1_forward", False, m1f.m1_forward_plan, m1f.m1_forward_task, sp.M1ForwardSpec]
+comptime M1Backward = TableOp[
+    12, "m1_backward", False, m1b.m1_backward_plan, m1b.m1_backward_task, sp.M1BackwardSpec]
+comptime M2Prepare = TableOp[
+    20, "m2_prepare", True, m2f.m2_prepare_plan, m2f.m2_prepare_task, sp.M2PrepareSpec]
+comptime M2Forward = TableOp[
+    21, "m2_forward", False, m2f.m2_forward_plan, m2f.m2_forward_task, sp.M2ForwardSpec]
+comptime M2Backward = TableOp[
+    22, "m2_backward", False, m2b.m2_backward_plan, m2b.m2_backward_task, sp.M2BackwardSpec]
+comptime M3Prepare = TableOp[
+    30, "m3_prepare", True, m3f.m3_prepare_plan, m3f.m3_prepare_task, sp.M3PrepareSpec]
+comptime M3Forward = TableOp[
+    31, "m3_forward", False, m3f.m3_forward_plan, m3f.m3_forward_task, sp.M3ForwardSpec]
+comptime M3Backward = TableOp[
+    32, "m3_backward", False, m3b.m3_backward_plan, m3b.m3_backward_task, sp.M3BackwardSpec]
+# Weight transposes for backward (linear_grad).
+comptime PackTransposed = TableOp[
+    33, "pack_transposed", True, lg.pack_transposed_plan, lg.pack_transposed_task,
+    sp.PackTransposedSpec]
+comptime LowbitPack = TableOp[
+    40, "lowbit_pack", True, lb.lowbit_pack_plan, lb.lowbit_pack_task, sp.LowbitPackSpec]
+comptime LowbitUnpack = TableOp[
+    41, "lowbit_unpack", True, lb.lowbit_unpack_plan, lb.lowbit_unpack_task, sp.LowbitUnpackSpec]
+# Packed codes back out of a prepared blob.
+comptime PanelsExtract = TableOp[
+    42, "panels_extract", True, wp.panels_extract_plan, wp.panels_extract_task,
+    sp.PanelsExtractSpec]
+# A language model's vocabulary ends (lm.mojo).
+comptime LmPrepare = TableOp[
+    50, "lm_prepare", True, lm.lm_prepare_plan, lm.lm_prepare_task, sp.LmPrepareSpec]
+comptime LmEmbed = TableOp[
+    51, "lm_embed", False, lm.lm_embed_plan, lm.lm_embed_task, sp.LmEmbedSpec]
+comptime LmLogits = TableOp[
+    52, "lm_logits", False, lm.lm_logits_plan, lm.lm_logits_task, sp.LmLogitsSpec]
+comptime LmNext = TableOp[53, "lm_next", False, lm.lm_next_plan, lm.lm_next_task, sp.LmNextSpec]

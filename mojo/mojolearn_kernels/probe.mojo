@@ -7,6 +7,7 @@ bytes. The offsets come from the ops' own layout structs, built from the
 op's own argument record, so no test restates a layout or a slot number.
 No op calls this.
 """
+from std.collections import Array
 from .abi import I64Ptr, arg_int, arg_f32
 from .ops import M1Forward, M1Backward, M2Forward, M2Backward, M3Forward, M3Backward
 from .mamba1.forward import M1Work, forward_dims as m1_forward_dims, dims_of_blob as m1_dims_of_blob
@@ -41,48 +42,34 @@ comptime PR_THETA = 13  # Mamba-3 angles at each chunk start
 comptime PR_KLAST = 14  # Mamba-3 previous chunk's last rotated k, per chunk
 comptime PR_VLAST = 15  # Mamba-3 previous chunk's last v, per chunk
 comptime PR_ROWS = 16  # Mamba-3 rows per head of the qkr array
+comptime NPR = 17  # names in all
 
 
 def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
     """Float offset of activation `which` in op's workspace; -1 if none."""
     if op == M1Forward.ID:
         var wk = M1Work(m1_forward_dims(args), arg_int(args, M1_FWD_B), arg_int(args, M1_FWD_L))
-        if which == PR_TOKENS:
-            return wk.tc
-        return _pick(which, -1, wk.o_hg, wk.o_u, wk.o_dbc, wk.o_dl, wk.o_yg, wk.o_win, wk.o_ht)
+        return _pick(which, tokens=wk.tc, hg=wk.o_hg, u=wk.o_u, dbc=wk.o_dbc, dl=wk.o_dl,
+                     yg=wk.o_yg, win=wk.o_win, h=wk.o_ht)
     if op == M1Backward.ID:
         var bw = BWork(m1_dims_of_blob(arg_int(args, M1_BW_D), arg_f32(args, M1_BW_BLOB)),
                        arg_int(args, M1_BW_B),
                        arg_int(args, M1_BW_L))
-        if which == PR_TOKENS:
-            return bw.tc
-        return _pick(which, bw.o_xn, bw.o_hg, bw.o_u, bw.o_dbc, bw.o_dl, bw.o_yg, bw.o_ckw,
-                     bw.o_ckh)
+        return _pick(which, tokens=bw.tc, xn=bw.o_xn, hg=bw.o_hg, u=bw.o_u, dbc=bw.o_dbc,
+                     dl=bw.o_dl, yg=bw.o_yg, win=bw.o_ckw, h=bw.o_ckh)
     if op == M2Forward.ID:
         var cl = M2Call(args)
         var wk = cl.wk
-        if which == PR_TOKENS:
-            return wk.g  # tokens per row of one group
-        if which == PR_DA:
-            return wk.o_da
-        if which == PR_CB:
-            return wk.o_cb
-        return _pick(which, -1, wk.o_zx, wk.o_cx, -1, wk.o_dt, wk.o_yg, -1,
-                     wk.o_h if not cl.has_state else -1)
+        # tokens: per row of one group
+        return _pick(which, tokens=wk.g, hg=wk.o_zx, u=wk.o_cx, dl=wk.o_dt, yg=wk.o_yg,
+                     h=wk.o_h if not cl.has_state else -1, da=wk.o_da, cb=wk.o_cb)
     if op == M2Backward.ID:
         var bw = BW2(args)
-        if which == PR_TOKENS:
-            return bw.nc(0)
-        if which == PR_DA:
-            return bw.o_da
-        if which == PR_CB:
-            return bw.o_cb
-        return _pick(which, bw.o_xn, bw.o_zx, bw.o_cx, -1, bw.o_dt, bw.o_g, -1, bw.o_ckh)
+        return _pick(which, tokens=bw.nc(0), xn=bw.o_xn, hg=bw.o_zx, u=bw.o_cx, dl=bw.o_dt,
+                     yg=bw.o_g, h=bw.o_ckh, da=bw.o_da, cb=bw.o_cb)
     if op == M3Forward.ID:
         var wk = M3Work(m3_forward_dims(args), arg_int(args, M3_FWD_B), arg_int(args, M3_FWD_L))
-        if which == PR_TOKENS:
-            return wk.tc
-        return _pick(which, -1, wk.o_proj, -1, -1, -1, wk.o_proj, -1, -1)
+        return _pick(which, tokens=wk.tc, hg=wk.o_proj, yg=wk.o_proj)
     if op == M3Backward.ID:
         var dims = M3Dims(arg_int(args, M3_BW_D))
         var bw = BW3(dims, arg_int(args, M3_BW_B), arg_int(args, M3_BW_L))
@@ -90,40 +77,21 @@ def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
             bw.use_store(0, dims.d, dims.np, dims.di)
         if bw.kept(0):
             bw.use_kept(0, dims.d, dims.np)
-        if which == PR_TOKENS:
-            return bw.chunk_tokens(0)
-        if which == PR_BCN:
-            return bw.o_bcn
-        if which == PR_QKR:
-            return bw.o_qkr
-        if which == PR_THETA:
-            return bw.o_ckt
-        if which == PR_KLAST:
-            return bw.o_ckk
-        if which == PR_VLAST:
-            return bw.o_ckv
-        if which == PR_ROWS:
-            return bw.rmax
-        return _pick(which, bw.o_xn, bw.o_proj, -1, -1, -1, bw.o_o, -1, bw.o_ckh)
+        return _pick(which, tokens=bw.chunk_tokens(0), xn=bw.o_xn, hg=bw.o_proj, yg=bw.o_o,
+                     h=bw.o_ckh, bcn=bw.o_bcn, qkr=bw.o_qkr, theta=bw.o_ckt, klast=bw.o_ckk,
+                     vlast=bw.o_ckv, rows=bw.rmax)
     return -1
 
 
-def _pick(which: Int, xn: Int, hg: Int, u: Int, dbc: Int, dl: Int, yg: Int, win: Int,
-          h: Int) -> Int:
-    if which == PR_XN:
-        return xn
-    if which == PR_HG:
-        return hg
-    if which == PR_U:
-        return u
-    if which == PR_DBC:
-        return dbc
-    if which == PR_DL:
-        return dl
-    if which == PR_YG:
-        return yg
-    if which == PR_WIN:
-        return win
-    if which == PR_H:
-        return h
-    return -1
+def _pick(
+    which: Int, tokens: Int = -1, xn: Int = -1, hg: Int = -1, u: Int = -1, dbc: Int = -1,
+    dl: Int = -1, yg: Int = -1, win: Int = -1, h: Int = -1, da: Int = -1, cb: Int = -1,
+    bcn: Int = -1, qkr: Int = -1, theta: Int = -1, klast: Int = -1, vlast: Int = -1,
+    rows: Int = -1,
+) -> Int:
+    """Activation `which` of an op that names its own (-1: one it lacks)."""
+    comptime assert PR_TOKENS == 0 and PR_ROWS == NPR - 1, "PR_* number 0 .. NPR - 1"
+    var at: Array[Int, NPR] = [
+        tokens, xn, hg, u, dbc, dl, yg, win, h, da, cb, bcn, qkr, theta, klast, vlast, rows
+    ]
+    return at[which] if 0 <= which < NPR else -1

@@ -4,6 +4,7 @@ The text is `name=slot,kind,direction;` per slot, in declaration order, for
 example `x=3,f32,in;work=9,work,inout;flags=10,int,-;`. Written without heap
 use, so the CPU binary needs no Mojo runtime.
 """
+from std.collections import Array
 from std.memory import stack_allocation
 from .abi import I64Ptr
 from .describe import U8Ptr, TextBuf
@@ -32,29 +33,17 @@ struct SlotText(SlotSink):
 
 
 def _kind_name(kind: Int) -> StaticString:
-    if kind == K_INT:
-        return "int"
-    if kind == K_F32:
-        return "f32"
-    if kind == K_I64:
-        return "i64"
-    if kind == K_I32:
-        return "i32"
-    if kind == K_CODES:
-        return "codes"
-    return "work"
+    comptime assert K_INT == 0 and K_F32 == 1 and K_I64 == 2 and K_I32 == 3 and K_CODES == 4
+    var names: Array[StaticString, K_WORK + 1] = ["int", "f32", "i64", "i32", "codes", "work"]
+    return names[kind] if 0 <= kind <= K_WORK else "work"
 
 
 def _dir_name(kind: Int, dir: Int) -> StaticString:
+    comptime assert BUF_IN == 1 and BUF_OUT == 2 and BUF_INOUT == 3
     if kind == K_INT:
         return "-"
-    if dir == BUF_IN:
-        return "in"
-    if dir == BUF_OUT:
-        return "out"
-    if dir == BUF_INOUT:
-        return "inout"
-    return "scratch"
+    var names: Array[StaticString, 4] = ["scratch", "in", "out", "inout"]
+    return names[dir] if 0 <= dir <= BUF_INOUT else "scratch"
 
 
 def op_spec_text(op: Int, buf: U8Ptr, cap: Int) -> Int:

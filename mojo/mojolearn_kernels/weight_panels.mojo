@@ -29,10 +29,10 @@ a copy, not a conversion, so the panels hold exactly the given values:
         t of a q8_0 block to [t][j].
 """
 from std.memory import Pointer, bitcast
-from .abi import F32Ptr, I64Ptr, PLAN_WORKSPACE, PHASE_END, arg_int, arg_f32, ceil_div
+from .abi import F32Ptr, I64Ptr, arg_int, arg_f32, ceil_div, one_phase_plan
 from .linear import (
     NR, WF_F32, WF_BF16, WF_INT8, WF_Q4_0, WF_Q8_0, QBLOCK, panel_floats, panel_floats_wf,
-    pack_panels,
+    pack_panels, pack_panel,
 )
 
 comptime U8Ptr = Pointer[UInt8, MutUntrackedOrigin]
@@ -177,34 +177,20 @@ def _blocks_panels(wf: Int, src: U8Ptr, m: Int, k: Int, dst: F32Ptr, to_panels: 
 def _pack_bf16(src: U16Ptr, m: Int, k: Int, dst: F32Ptr):
     var ps = panel_floats[WF_BF16](k)
     for p in range(ceil_div(m, NR)):
-        var d16 = dst.unsafe_offset(p * ps).unsafe_bitcast[UInt16]()
-        for kk in range(k):
-            for j in range(NR):
-                var row = p * NR + j
-                var v: UInt16 = 0
-                if row < m:
-                    v = src[unsafe_offset=row * k + kk]
-                d16[unsafe_offset=kk * NR + j] = v
+        pack_panel(src, m, k, k, 1, p, dst.unsafe_offset(p * ps).unsafe_bitcast[UInt16]())
 
 
 def _pack_int8(src: I8Ptr, exps: I32Ptr, m: Int, k: Int, dst: F32Ptr):
     var ps = panel_floats[WF_INT8](k)
     for p in range(ceil_div(m, NR)):
         var panel = dst.unsafe_offset(p * ps)
-        var codes = panel.unsafe_offset(NR).unsafe_bitcast[Int8]()
         for j in range(NR):
             var row = p * NR + j
             var s: Float32 = 1.0
             if row < m:
                 s = pow2_f32(Int(exps[unsafe_offset=row]))
             panel[unsafe_offset=j] = s
-        for kk in range(k):
-            for j in range(NR):
-                var row = p * NR + j
-                var v: Int8 = 0
-                if row < m:
-                    v = src[unsafe_offset=row * k + kk]
-                codes[unsafe_offset=kk * NR + j] = v
+        pack_panel(src, m, k, k, 1, p, panel.unsafe_offset(NR).unsafe_bitcast[Int8]())
 
 
 def pack_weight_panels(wf: Int, src: Int, exps: Int, m: Int, k: Int, dst: F32Ptr):
@@ -233,11 +219,7 @@ def panels_extract_plan(args: I64Ptr, phase: Int) -> Int:
     var sec = arg_int(args, EX_SECTION)
     if sec < 0 or sec >= MAX_PROJECTIONS or not valid_format(extract_format(args)):
         return -3
-    if phase == PLAN_WORKSPACE:
-        return 0
-    if phase == 0:
-        return ceil_div(arg_int(args, EX_ROWS), NR)
-    return PHASE_END
+    return one_phase_plan(phase, ceil_div(arg_int(args, EX_ROWS), NR))
 
 
 def panels_extract_task(args: I64Ptr, phase: Int, task: Int):

@@ -39,7 +39,7 @@ Reference: torch autograd of transformers' MambaBlock run in float64
 from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task, NR, WF_F32
 from ..weight_panels import blob_formats, ALL_F32
-from ..linear_grad import gemm_ntasks, gemm_task
+from ..linear_grad import gemm_ntasks, gemm_task, pack_panels_t
 from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
 from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK, dims_of_blob
@@ -182,14 +182,7 @@ def _pack_t(w: F32Ptr, k: Int, n: Int, dst: F32Ptr):
     """Row-major W (k, n) as the panels of W^T (n outputs, k inputs) that
     linear.matmul_task reads: dst[p, kk, j] = W[kk, p * NR + j] (zero past n)."""
     for p in range(ceil_div(n, NR)):
-        var base = p * k * NR
-        for kk in range(k):
-            for j in range(NR):
-                var col = p * NR + j
-                var v: Float32 = 0.0
-                if col < n:
-                    v = w[unsafe_offset=kk * n + col]
-                dst[unsafe_offset=base + kk * NR + j] = v
+        pack_panels_t(w, k, n, dst, p)
 
 
 def _pack_transposed(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr, which: Int):

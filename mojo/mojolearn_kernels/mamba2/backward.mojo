@@ -42,7 +42,7 @@ from ..abi import (
 from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale, block_norm_vjp_row
+from ..norms import rmsnorm_row, rms_vjp_coef, block_norm_vjp_row
 from ..numerics import silu_f32, silu_grad_f32
 from .layout import P, N, Q, KCONV, M2Dims
 from .backward_layout import (
@@ -273,12 +273,9 @@ def _gate_backward(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: Int):
             var w = blob.unsafe_offset(dims.o_gnorm + g * gs)
             var v = work.unsafe_offset(bw.o_yg + o)
             var dg = work.unsafe_offset(bw.o_dg + o)
-            var rs = rms_scale(v, gs)
-            var dot: Float32 = 0.0
-            for j in range(gs):
-                var gx = dg[unsafe_offset=j] * w[unsafe_offset=j]
-                dot = gx.fma(v[unsafe_offset=j], dot)
-            var coef = (dot * ((rs * rs) * rs)) / Float32(gs)
+            var rc = rms_vjp_coef(v, gs, w, dg)
+            var rs = rc[0]
+            var coef = rc[1]
             var j = 0
             while j < gs:
                 var vj = v.unsafe_load[width=LANES](j)
