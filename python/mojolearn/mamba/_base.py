@@ -156,6 +156,17 @@ class _MambaBase:
     # format (a mix: weight_format 'mixed'; the blob header records one
     # format per projection). The small weights (norms, biases, ...) are
     # kept as float32 copies.
+    @property
+    def weight_format(self) -> str:
+        """Format the projection weights were given in ('float32',
+        'bfloat16', 'int8', 'q4_0', 'q8_0', or 'mixed' when they differ)."""
+        return self._weight_format
+
+    @property
+    def weight_formats(self) -> dict:
+        """Each projection weight's format, by name (a new dict each read)."""
+        return dict(self._weight_formats)
+
     def _keep_weights(self, views) -> dict:
         """Keep private float32 copies of the small weights in self._weights;
         return the weights for the prepare op (the projections as given, or
@@ -168,9 +179,9 @@ class _MambaBase:
             if name not in projections:
                 raise ValueError(f"weight {name} is packed; only the projection weights "
                                  f"{list(projections)} may be (give it as float32)")
-        self.weight_formats = {n: views.packed[n].format if n in views.packed else "float32"
-                               for n in projections}
-        self.weight_format = _common_format(self.weight_formats)
+        self._weight_formats = {n: views.packed[n].format if n in views.packed else "float32"
+                                for n in projections}
+        self._weight_format = _common_format(self._weight_formats)
         self._weight_names = tuple(views.keys())
         self._weights = {}
         self._packed_shapes = {}
@@ -197,7 +208,7 @@ class _MambaBase:
         from .._array import Array
         from ..lowbit import BLOCK, BLOCK_BYTES, PackedWeight
         rows, cols = self._packed_shapes[name]
-        fmt = self.weight_formats[name]
+        fmt = self._weight_formats[name]
         if fmt in BLOCK_BYTES:  # the blocks' bytes (lowbit)
             data = Array((rows, -(-cols // BLOCK) * BLOCK_BYTES[fmt]), "uint8", zero=False)
         else:
@@ -255,7 +266,7 @@ class _MambaBase:
         w = dict(self._weights)
         for n in self._packed_shapes:
             p = self._projection(n)
-            w[n] = p if self.weight_formats[n] == "float32" else p.to_float32()
+            w[n] = p if self._weight_formats[n] == "float32" else p.to_float32()
         return w
 
     def _session_cache_bytes(self, batch_size: int) -> int:

@@ -186,11 +186,6 @@ class Mamba1Block(_MambaBase):
         Inner dimension, 2 * d_model.
     dt_rank : int
         Rank of the dt projection, ceil(d_model / 16).
-    weight_format : str
-        Format the projection weights were given in ('float32', 'bfloat16',
-        'int8', 'q4_0', 'q8_0', or 'mixed' when they differ).
-    weight_formats : dict of str to str
-        Each projection weight's format, by name.
     bcdt_rms_eps : float or None
         The B/C/dt norms' eps as given (None: no such norms).
 

@@ -269,11 +269,6 @@ class Mamba2Block(_MambaBase):
         Convolution channels CD, d_inner + 256 G.
     dt_limit : tuple of float
         The dt clamp (lo, hi), rounded to float32.
-    weight_format : str
-        Format the projection weights were given in ('float32', 'bfloat16',
-        'int8', 'q4_0', 'q8_0', or 'mixed' when they differ).
-    weight_formats : dict of str to str
-        Each projection weight's format, by name.
     h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128)
         After every forward/step: the SSM state after all tokens so far (a
         report: on a chunk boundary it equals state.h bitwise; mid-chunk it

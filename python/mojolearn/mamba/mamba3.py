@@ -269,11 +269,6 @@ class Mamba3Block(_MambaBase):
         Number of heads H, d_inner / 64.
     d_in_proj : int
         Rows of in_proj.weight.
-    weight_format : str
-        Format the projection weights were given in ('float32', 'bfloat16',
-        'int8', 'q4_0', 'q8_0', or 'mixed' when they differ).
-    weight_formats : dict of str to str
-        Each projection weight's format, by name.
     h_last_ : float32 mojolearn.Array, shape (B, H, 64, 128)
         Report of the last call: the state after all its tokens (the last
         token at gamma only). Computed on first access from the state that
