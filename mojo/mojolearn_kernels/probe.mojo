@@ -89,7 +89,7 @@ def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
         if bw.defer:  # where pass B of chunk 0 (the last it runs) left its rows
             bw.use_store(0, dims.d, dims.np, dims.di)
         if bw.kept(0):
-            bw.use_kept(0, dims.d, dims.np)
+            bw.use_kept(0, dims.d)
         if which == PR_TOKENS:
             return bw.chunk_tokens(0)
         if which == PR_BCN:

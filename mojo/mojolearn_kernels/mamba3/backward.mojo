@@ -182,7 +182,7 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     if wk.defer:
         wk.use_store(c, dims.d, dims.np, dims.di)
     if kept:
-        wk.use_kept(c, dims.d, dims.np)
+        wk.use_kept(c, dims.d)
     if stage == F_NORM:
         _norm_rows(args, dims, wk, c, nc, task, True, not kept)
     elif stage == F_INPROJ:
@@ -299,8 +299,8 @@ def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
     var r0 = task * ROWS_PER_TASK
     var r1 = min(wk.b * nt, r0 + ROWS_PER_TASK)
     var kx = wk.keep_xn(c, d)
-    var kp = wk.keep_proj(c, d)
-    var kb = wk.keep_bcn(c, d, npj)
+    var kp = wk.keep_proj(c)
+    var kb = wk.keep_bcn(c)
     for r in range(r0, r1):
         var src = (r // nt) * (nt + 1) + r % nt
         copy_floats(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)

@@ -198,6 +198,8 @@ struct BW3(ImplicitlyCopyable):
     var o_sv: Int  # (B, H, SV) v | dv rows of chunk 0 (state path with n0 > 0)
     var nkeep: Int  # pass-A chunks n-1-nkeep .. n-2 are kept
     var keep_slot: Int  # floats per kept chunk: xn | proj | bcn, B * 64 rows each
+    var keep_at_proj: Int  # where proj and bcn start in a keep slot
+    var keep_at_bcn: Int
     var o_keep: Int
     var defer: Bool  # weight gradients once at the end (DEFER_MAX_BYTES)
     var o_sdp: Int  # (B L, np) dproj rows, processing order (defer only)
@@ -246,23 +248,31 @@ struct BW3(ImplicitlyCopyable):
         self.o_dxn = regions.take(r * d)
         self.o_scr = regions.take_exact(bh * SCR)
         self.o_sv = regions.take_exact(bh * SV if n0 > 0 else 0)
+        # a kept chunk's slot: xn | proj | bcn rows, B * 64 of each
         var kr = b * QC
-        self.keep_slot = (round_up(kr * d, ALIGN_FLOATS) + round_up(kr * dims.np, ALIGN_FLOATS)
-                          + round_up(kr * 2 * NST, ALIGN_FLOATS))
+        var slot = Regions()
+        _ = slot.take(kr * d)
+        self.keep_at_proj = slot.take(kr * dims.np)
+        self.keep_at_bcn = slot.take(kr * 2 * NST)
+        self.keep_slot = slot.end
         self.nkeep = min(self.nchunks - 1, KEEP_MAX_BYTES // (4 * self.keep_slot))
         self.o_keep = regions.take_exact(self.nkeep * self.keep_slot)
+        # the deferred rows' store: dproj | xn | grad_output | o rows, B L of each
         var tot = b * l
-        var sfl = (round_up(tot * dims.np, ALIGN_FLOATS) + 2 * round_up(tot * d, ALIGN_FLOATS)
-                   + round_up(tot * di, ALIGN_FLOATS))
-        self.defer = sfl * 4 <= DEFER_MAX_BYTES
-        self.o_sdp = regions.take_exact(sfl if self.defer else 0)
+        var store = Regions()
+        _ = store.take(tot * dims.np)
+        var at_xn = store.take(tot * d)
+        var at_gc = store.take(tot * d)
+        var at_o = store.take(tot * di)
+        self.defer = store.end * 4 <= DEFER_MAX_BYTES
+        self.o_sdp = regions.take_exact(store.end if self.defer else 0)
         self.o_sxn = self.o_sdp
         self.o_sgc = self.o_sdp
         self.o_so = self.o_sdp
         if self.defer:
-            self.o_sxn = self.o_sdp + round_up(tot * dims.np, ALIGN_FLOATS)
-            self.o_sgc = self.o_sxn + round_up(tot * d, ALIGN_FLOATS)
-            self.o_so = self.o_sgc + round_up(tot * d, ALIGN_FLOATS)
+            self.o_sxn = self.o_sdp + at_xn
+            self.o_sgc = self.o_sdp + at_gc
+            self.o_so = self.o_sdp + at_o
         self.floats = regions.end
 
     def chunk_tokens(self, c: Int) -> Int:
@@ -305,11 +315,11 @@ struct BW3(ImplicitlyCopyable):
             return self.o_sxn + self.srow(c) * d
         return self.keep_base(c)
 
-    def keep_proj(self, c: Int, d: Int) -> Int:
-        return self.keep_base(c) + round_up(self.b * QC * d, ALIGN_FLOATS)
+    def keep_proj(self, c: Int) -> Int:
+        return self.keep_base(c) + self.keep_at_proj
 
-    def keep_bcn(self, c: Int, d: Int, np: Int) -> Int:
-        return self.keep_proj(c, d) + round_up(self.b * QC * np, ALIGN_FLOATS)
+    def keep_bcn(self, c: Int) -> Int:
+        return self.keep_base(c) + self.keep_at_bcn
 
     def srow(self, c: Int) -> Int:
         """Store rows before chunk c: B x the tokens of the chunks after it
@@ -328,11 +338,11 @@ struct BW3(ImplicitlyCopyable):
         self.o_gch = self.o_sgc + r * d
         self.o_o = self.o_so + r * di
 
-    def use_kept(mut self, c: Int, d: Int, np: Int):
+    def use_kept(mut self, c: Int, d: Int):
         """Pass B of a kept chunk reads xn, proj, bcn where pass A left them."""
         var xn = self.keep_xn(c, d)
-        var pj = self.keep_proj(c, d)
-        var bc = self.keep_bcn(c, d, np)
+        var pj = self.keep_proj(c)
+        var bc = self.keep_bcn(c)
         self.o_xn = xn
         self.o_proj = pj
         self.o_bcn = bc
