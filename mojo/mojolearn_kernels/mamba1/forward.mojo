@@ -36,14 +36,12 @@ from ..weight_panels import (
 from ..numerics import exp_f32
 from ..lanes import copy_floats, transpose_in, transpose_out
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_FWD
+from ..block_slots import PREP_D, PREP_NORM, PREP_IN, FWD_B, FWD_L, FWD_D, FWD_X, FWD_Y, FWD_BLOB
 
 comptime NSTATE = 16
 comptime KCONV = 4
 
-# OP_M1_PREPARE argument slots.
-comptime PREP_D = 0
-comptime PREP_NORM = 1
-comptime PREP_IN = 2
+# OP_M1_PREPARE argument slots (after block_slots' PREP_D, PREP_NORM, PREP_IN).
 comptime PREP_CONVW = 3
 comptime PREP_CONVB = 4
 comptime PREP_X = 5
@@ -69,13 +67,7 @@ comptime SEC_DT = 2
 comptime SEC_OUT = 3
 comptime NPROJ = 4
 
-# OP_M1_FORWARD argument slots.
-comptime FWD_B = 0
-comptime FWD_L = 1
-comptime FWD_D = 2
-comptime FWD_X = 3
-comptime FWD_Y = 4
-comptime FWD_BLOB = 5
+# OP_M1_FORWARD argument slots (after block_slots' FWD_B ... FWD_BLOB).
 comptime FWD_CONV_WINDOW = 6  # 0: start from zeros, do not save
 comptime FWD_H = 7  # 0: start from zeros, do not save
 comptime FWD_LENGTHS = 8  # 0: every row has length L

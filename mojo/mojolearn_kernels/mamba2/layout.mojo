@@ -7,6 +7,7 @@ from ..abi import (
 from ..regions import Regions
 from ..linear import packed_floats
 from ..weight_panels import blob_formats, section_format, blob_option_int, ALL_F32
+from ..block_slots import PREP_D, PREP_NORM, PREP_IN, FWD_B, FWD_L, FWD_D, FWD_X, FWD_Y, FWD_BLOB
 
 comptime P = 64  # head dim
 comptime N = 128  # state size
@@ -15,10 +16,7 @@ comptime KCONV = 4
 comptime VW = 16
 comptime V = SIMD[DType.float32, VW]
 
-# OP_M2_PREPARE argument slots.
-comptime PREP_D = 0
-comptime PREP_NORM = 1
-comptime PREP_IN = 2
+# OP_M2_PREPARE argument slots (after block_slots' PREP_D, PREP_NORM, PREP_IN).
 comptime PREP_CONVW = 3
 comptime PREP_CONVB = 4
 comptime PREP_DTB = 5
@@ -43,13 +41,8 @@ comptime SEC_IN = 0
 comptime SEC_OUT = 1
 comptime NPROJ = 2
 
-# OP_M2_FORWARD argument slots.
-comptime FWD_B = 0
-comptime FWD_L = 1  # 0: no new token (the h_last report of a state)
-comptime FWD_D = 2
-comptime FWD_X = 3
-comptime FWD_Y = 4
-comptime FWD_BLOB = 5
+# OP_M2_FORWARD argument slots (after block_slots' FWD_B ... FWD_BLOB).
+# (FWD_L may be 0: no new token, the h_last report of a state)
 comptime FWD_CONV_WINDOW = 6
 comptime FWD_H = 7  # 0: no state (zeros, nothing saved)
 comptime FWD_BUF_XBC = 8

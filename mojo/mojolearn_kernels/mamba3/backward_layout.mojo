@@ -16,17 +16,9 @@ from ..numerics import (
 )
 from ..trig import sin_f32, cos_f32, mod2pi_f32
 from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from ..block_slots import BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX
 
-# OP_M3_BACKWARD argument slots.
-
-comptime BW_B = 0
-comptime BW_L = 1
-comptime BW_D = 2
-comptime BW_X = 3
-comptime BW_G = 4  # grad_output (B, L, d)
-comptime BW_BLOB = 5  # prepared forward blob (M3Dims layout)
-comptime BW_WORK = 6
-comptime BW_DX = 7
+# OP_M3_BACKWARD argument slots (after block_slots' BW_B ... BW_DX).
 comptime BW_W_IN = 8  # row-major in_proj.weight (np, d)
 comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
 comptime BW_G_NORM = 10  # gradient outputs, constructor layouts; zero on entry
