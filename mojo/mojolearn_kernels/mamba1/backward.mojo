@@ -42,6 +42,7 @@ from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task
 from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
+from ..block_backward import BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, PHASE_FINISH
 from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK, dims_of_blob
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
 from .backward_layout import (
@@ -95,19 +96,12 @@ def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
     var wk = BWork(dims, b, arg_int(args, BW_L))
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NF, NB, 1)
+    if ph.kind == PHASE_INIT:
         return b + 4  # per-row init, and the four transposed weight packs
-    var na = (wk.nchunks - 1) * NF
-    var p = phase - 1
-    if p < na:
-        var c = p // NF
-        return _counts(dims, wk, p % NF, wk.chunk_tokens(c))
-    p -= na
-    if p < wk.nchunks * NB:
-        var c = wk.nchunks - 1 - p // NB
-        return _counts(dims, wk, p % NB, wk.chunk_tokens(c))
-    p -= wk.nchunks * NB
-    if p == 0:  # dA_log = dA * A; the start state's gradients per row
+    if ph.kind == PHASE_A or ph.kind == PHASE_B:
+        return _counts(dims, wk, ph.stage, wk.chunk_tokens(ph.chunk))
+    if ph.kind == PHASE_FINISH:  # dA_log = dA * A; the start state's gradients per row
         return wk.nblk + (b if _wants_state_grads(args) else 0)
     return PHASE_END
 
@@ -125,25 +119,21 @@ def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
     var b = arg_int(args, BW_B)
     var wk = BWork(dims, b, arg_int(args, BW_L))
     var work = arg_f32(args, BW_WORK)
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NF, NB, 1)
+    if ph.kind == PHASE_INIT:
         if task < b:
             _init_row(args, dims, wk, work, task)
         else:
             _pack_transposed(args, dims, wk, work, task - b)
         return
-    var na = (wk.nchunks - 1) * NF
-    var p = phase - 1
-    if p < na:
-        _forward_stage(args, dims, wk, p // NF, p % NF, task, False)
+    if ph.kind == PHASE_A:
+        _forward_stage(args, dims, wk, ph.chunk, ph.stage, task, False)
         return
-    p -= na
-    if p < wk.nchunks * NB:
-        var c = wk.nchunks - 1 - p // NB
-        var stage = p % NB
-        if stage < NF:
-            _forward_stage(args, dims, wk, c, stage, task, True)
+    if ph.kind == PHASE_B:
+        if ph.stage < NF:
+            _forward_stage(args, dims, wk, ph.chunk, ph.stage, task, True)
         else:
-            _backward_stage(args, dims, wk, c, stage, task)
+            _backward_stage(args, dims, wk, ph.chunk, ph.stage, task)
         return
     if task < wk.nblk:
         _finish_alog(args, dims, wk, task)

@@ -42,7 +42,8 @@ from ..abi import (
 from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale, block_norm_vjp_row
+from ..norms import rmsnorm_row, rms_scale
+from ..block_backward import BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, PHASE_FINISH, norm_backward_rows
 from ..numerics import silu_f32, silu_grad_f32
 from .layout import P, N, Q, KCONV, M2Dims
 from .backward_layout import (
@@ -108,45 +109,34 @@ def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
         return -3  # ragged rows only without a state
     if phase == PLAN_WORKSPACE:
         return bw.floats * 4
-    if phase == 0:
+    var ph = BackwardPhase(phase, bw.nch, NAS, NBS, 1)
+    if ph.kind == PHASE_INIT:
         return bw.b
-    var na = (bw.nch - 1) * NAS
-    var p = phase - 1
-    if p < na:
-        var stage = p % NAS
-        if stage == NAS - 1:
+    if ph.kind == PHASE_A:
+        if ph.stage == NAS - 1:
             return bw.b * bw.dims.nh  # fold
-        return _counts(bw, p // NAS, stage, False)
-    p -= na
-    if p < bw.nch * NBS:
-        var c = bw.nch - 1 - p // NBS
-        return _counts(bw, c, p % NBS, True)
-    p -= bw.nch * NBS
-    if p == 0:
+        return _counts(bw, ph.chunk, ph.stage, False)
+    if ph.kind == PHASE_B:
+        return _counts(bw, ph.chunk, ph.stage, True)
+    if ph.kind == PHASE_FINISH:
         return 1  # d A_log = dA * A
     return PHASE_END
 
 
 def m2_backward_task(args: I64Ptr, phase: Int, task: Int):
     var bw = BW2(args)
-    if phase == 0:
+    var ph = BackwardPhase(phase, bw.nch, NAS, NBS, 1)
+    if ph.kind == PHASE_INIT:
         _init_row(args, bw, task)
-        return
-    var na = (bw.nch - 1) * NAS
-    var p = phase - 1
-    if p < na:
-        var c = p // NAS
-        var stage = p % NAS
-        if stage == NAS - 1:
-            _fold(args, bw, c, task // bw.dims.nh, task % bw.dims.nh)
+    elif ph.kind == PHASE_A:
+        if ph.stage == NAS - 1:
+            _fold(args, bw, ph.chunk, task // bw.dims.nh, task % bw.dims.nh)
         else:
-            _stage(args, bw, c, stage, task, False)
-        return
-    p -= na
-    if p < bw.nch * NBS:
-        _stage(args, bw, bw.nch - 1 - p // NBS, p % NBS, task, True)
-        return
-    _finish_alog(args, bw)
+            _stage(args, bw, ph.chunk, ph.stage, task, False)
+    elif ph.kind == PHASE_B:
+        _stage(args, bw, ph.chunk, ph.stage, task, True)
+    else:
+        _finish_alog(args, bw)
 
 
 def _init_row(args: I64Ptr, bw: BW2, bb: Int):
@@ -378,19 +368,11 @@ def _norm_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
     """dx = grad_out + RMSNorm VJP of dxn; pn = the norm weight's terms
     (norms.rmsnorm_row_vjp). Padding tokens of ragged rows: dx = +0.0 and
     no norm weight terms (x there is never read)."""
-    var d = bw.dims.d
     var nt = bw.nt(c)
-    var x = arg_f32(args, BW_X)
-    var g = arg_f32(args, BW_G)
-    var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
-    for r in range(r0, min(bw.b * nt, r0 + ROWS_PER_TASK)):
-        var t = bw.tok0(c) + r % nt
-        var off = ((r // nt) * bw.l + t) * d
-        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
-                           blob.unsafe_offset(bw.dims.o_norm),
-                           work.unsafe_offset(bw.o_dxn + r * d),
-                           work.unsafe_offset(bw.o_pn + r * d), d, bw.pad(r // nt, t))
+    norm_backward_rows(args, bw.l, bw.dims.d, bw.tok0(c), nt, bw.lens, r0,
+                       min(bw.b * nt, r0 + ROWS_PER_TASK), blob.unsafe_offset(bw.dims.o_norm),
+                       work.unsafe_offset(bw.o_dxn), work.unsafe_offset(bw.o_pn))
 
 
 def _column_sums(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int):

@@ -39,7 +39,8 @@ from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task, NR, WF_F32, KSEG
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row_vjp, block_norm_vjp_row
+from ..norms import rmsnorm_row_vjp
+from ..block_backward import BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, norm_backward_rows
 from .layout import M3Dims, NST, HP, NANG, QC
 from ..lanes import copy_floats
 from .stages import norm_rows, bc_norm_rows
@@ -131,17 +132,13 @@ def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
     var wk = bw3_of(args, dims)
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NA, NB, 0)
+    if ph.kind == PHASE_INIT:
         return b * dims.nh
-    var na = (wk.nchunks - 1) * NA
-    var p = phase - 1
-    if p < na:
-        var c = p // NA
-        return _counts(dims, wk, c, p % NA, wk.chunk_tokens(c) + 1, False)
-    p -= na
-    if p < wk.nchunks * NB:
-        var c = wk.nchunks - 1 - p // NB
-        return _counts(dims, wk, c, p % NB, wk.chunk_tokens(c), True)
+    if ph.kind == PHASE_A:
+        return _counts(dims, wk, ph.chunk, ph.stage, wk.chunk_tokens(ph.chunk) + 1, False)
+    if ph.kind == PHASE_B:
+        return _counts(dims, wk, ph.chunk, ph.stage, wk.chunk_tokens(ph.chunk), True)
     return PHASE_END
 
 
@@ -151,14 +148,13 @@ def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
 def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     var dims = M3Dims(arg_int(args, BW_D))
     var wk = bw3_of(args, dims)
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NA, NB, 0)
+    if ph.kind == PHASE_INIT:
         _init(args, dims, wk, task)
         return
-    var na = (wk.nchunks - 1) * NA
-    var p = phase - 1
-    if p < na:
-        var c = p // NA
-        var stage = p % NA
+    var c = ph.chunk
+    var stage = ph.stage
+    if ph.kind == PHASE_A:
         var nr = wk.chunk_tokens(c) + 1
         if stage == A_NORM:
             _norm_rows(args, dims, wk, c, nr, task, False, True)
@@ -174,9 +170,6 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
         else:
             _keep_rows(args, dims, wk, c, task)
         return
-    p -= na
-    var c = wk.nchunks - 1 - p // NB
-    var stage = p % NB
     var nc = wk.chunk_tokens(c)
     var kept = wk.kept(c)
     if wk.defer:
@@ -451,23 +444,11 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
 def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     """dx = g + RMSNorm VJP of dxn; pn = block norm weight terms."""
     var work = arg_f32(args, BW_WORK)
-    var blob = arg_f32(args, BW_BLOB)
-    var l = wk.l
-    var d = dims.d
-    var x = arg_f32(args, BW_X)
-    var g = arg_f32(args, BW_G)
-    var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nc, r0 + ROWS_PER_TASK)
-    var t0 = wk.tok0(c)
-    var lens = arg_int(args, BW_LENGTHS)
-    for r in range(r0, r1):
-        var off = ((r // nc) * l + t0 + r % nc) * d
-        var pad = lens != 0 and t0 + r % nc >= Int(I64Ptr(unsafe_from_address=lens)[
-            unsafe_offset=r // nc])
-        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
-                           blob.unsafe_offset(dims.o_norm), work.unsafe_offset(wk.o_dxn + r * d),
-                           work.unsafe_offset(wk.o_pn + r * d), d, pad)
+    norm_backward_rows(args, wk.l, dims.d, wk.tok0(c), nc, arg_int(args, BW_LENGTHS), r0,
+                       min(wk.b * nc, r0 + ROWS_PER_TASK),
+                       arg_f32(args, BW_BLOB).unsafe_offset(dims.o_norm),
+                       work.unsafe_offset(wk.o_dxn), work.unsafe_offset(wk.o_pn))
 
 
 def _normw(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):
