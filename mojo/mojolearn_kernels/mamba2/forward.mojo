@@ -167,7 +167,7 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     var work = cl.work
     var blob = cl.blob
     if stage == ST_NORM:
-        _norm_rows(cl, gp, task)
+        _norm_rows[False](cl, gp, task)
     elif stage == ST_INPROJ:
         _ = matmul_task_wf(dims.wf_in, task, work.unsafe_offset(wk.o_xn), dims.d, rows,
                            blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
@@ -179,7 +179,7 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == ST_SSD:
         ssd_task(cl, gp, task // dims.nh, task % dims.nh, task)
     elif stage == ST_GNORM:
-        _gnorm_rows(cl, gp, task)
+        _norm_rows[True](cl, gp, task)
     else:
         var t = matmul_task_wf(dims.wf_out, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, dims.d,
@@ -191,41 +191,34 @@ def _is_pad(cl: M2Call, bb: Int, t: Int) -> Bool:
     return cl.ragged and t >= Int(cl.lens[unsafe_offset=bb])
 
 
-def _norm_rows(cl: M2Call, gp: M2Group, task: Int):
-    var d = cl.dims.d
+def _norm_rows[GATED: Bool](cl: M2Call, gp: M2Group, task: Int):
+    """RMSNorm of the task's rows of the group: the block norm (x -> xn,
+    padding rows +0.0 whatever x holds) or, GATED, the gated norm of yg in
+    place, over each B/C group's gs channels of d_inner on its own (one
+    norm over d_inner for one group; padding rows stay +0.0)."""
     var gn = gp.gn
-    var xn = cl.work.unsafe_offset(cl.wk.o_xn)
-    var w = cl.blob.unsafe_offset(cl.dims.o_norm)
     var r0 = task * NORM_ROWS_PER_TASK
     var r1 = min(cl.wk.b * gn, r0 + NORM_ROWS_PER_TASK)
     for r in range(r0, r1):
         var bb = r // gn
         var t = gp.t0 + r % gn
-        var dst = xn.unsafe_offset(r * d)
-        if _is_pad(cl, bb, t):
-            for j in range(d):  # padding reads as +0.0, whatever it holds
-                dst[unsafe_offset=j] = 0.0
+        var pad = _is_pad(cl, bb, t)
+        comptime if GATED:
+            var gs = cl.dims.gs
+            var w = cl.blob.unsafe_offset(cl.dims.o_gnorm)
+            if not pad:
+                for g in range(cl.dims.ng):
+                    var row = cl.work.unsafe_offset(cl.wk.o_yg + r * cl.dims.di + g * gs)
+                    rmsnorm_row(row, gs, w.unsafe_offset(g * gs), row)
         else:
-            rmsnorm_row(cl.x.unsafe_offset((bb * cl.wk.l + t) * d), d, w, dst)
-
-
-def _gnorm_rows(cl: M2Call, gp: M2Group, task: Int):
-    """The gated RMSNorm of the group's rows, over each B/C group's gs
-    channels of d_inner on its own (one norm over d_inner for one group)."""
-    var di = cl.dims.di
-    var gs = cl.dims.gs
-    var gn = gp.gn
-    var yg = cl.work.unsafe_offset(cl.wk.o_yg)
-    var w = cl.blob.unsafe_offset(cl.dims.o_gnorm)
-    var r0 = task * NORM_ROWS_PER_TASK
-    var r1 = min(cl.wk.b * gn, r0 + NORM_ROWS_PER_TASK)
-    for r in range(r0, r1):
-        var bb = r // gn
-        var t = gp.t0 + r % gn
-        if not _is_pad(cl, bb, t):  # padding rows stay +0.0
-            for g in range(cl.dims.ng):
-                var row = yg.unsafe_offset(r * di + g * gs)
-                rmsnorm_row(row, gs, w.unsafe_offset(g * gs), row)
+            var d = cl.dims.d
+            var dst = cl.work.unsafe_offset(cl.wk.o_xn + r * d)
+            if pad:
+                for j in range(d):
+                    dst[unsafe_offset=j] = 0.0
+            else:
+                rmsnorm_row(cl.x.unsafe_offset((bb * cl.wk.l + t) * d), d,
+                            cl.blob.unsafe_offset(cl.dims.o_norm), dst)
 
 
 def _residual(cl: M2Call, gp: M2Group, r0: Int, r1: Int, c0: Int, c1: Int):
