@@ -36,9 +36,8 @@ recurrence); tests compare against transformers' Mamba2Block run in float64
 from std.memory import bitcast
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
-from ..weight_panels import (
-    pack_weight_panels, set_blob_formats, set_blob_section, set_blob_option, valid_formats,
-)
+from ..weight_panels import set_blob_option
+from ..block_prepare import prepare_plan, pack_projection, set_blob_header
 from ..norms import rmsnorm_row
 from ..residual import add_residual_tile
 from ..conv import causal_conv_silu
@@ -58,27 +57,20 @@ from .ssd import dt_rows, cb_task, ssd_task
 # ---------------------------------------------------------------- prepare
 
 
-def _f32_bits(v: Int) -> Float32:
-    return bitcast[DType.float32, 1](Int32(v))
-
-
 def _prep_dims(args: I64Ptr) -> M2Dims:
     return M2Dims(arg_int(args, PREP_D), arg_int(args, PREP_WFMT), arg_int(args, PREP_NGROUPS))
 
 
+def _f32_bits(v: Int) -> Float32:
+    return bitcast[DType.float32, 1](Int32(v))
+
+
 def m2_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    var wfs = arg_int(args, PREP_WFMT)
-    if not valid_formats(wfs, NPROJ):
-        return -3
     var ng = arg_int(args, PREP_NGROUPS)
     var nh = 2 * arg_int(args, PREP_D) // P
     if ng < 0 or (ng > 1 and nh % ng != 0):
         return -3  # heads split evenly over the groups
-    if phase == PLAN_WORKSPACE:
-        return _prep_dims(args).blob * 4
-    if phase == 0:
-        return 4
-    return PHASE_END
+    return prepare_plan(phase, arg_int(args, PREP_WFMT), NPROJ, _prep_dims(args).blob, NPROJ + 2)
 
 
 def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
@@ -86,21 +78,15 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var dims = _prep_dims(args)
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
-    if task == 0:
-        pack_weight_panels(dims.wf_in, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
-                           dims.npj, d, blob.unsafe_offset(dims.o_in))
-    elif task == 1:
-        pack_weight_panels(dims.wf_out, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
-                           d, dims.di, blob.unsafe_offset(dims.o_out))
-    elif task == 2:
+    if task < NPROJ:
+        pack_projection(args, dims, task, blob)
+    elif task == NPROJ:
         var cw = arg_f32(args, PREP_CONVW)
         for c in range(dims.cd):
             for k in range(KCONV):
                 blob[unsafe_offset=dims.o_convw + k * dims.cd + c] = cw[unsafe_offset=c * KCONV + k]
     else:
-        set_blob_formats(blob, wfs)
-        set_blob_section(blob, SEC_IN, dims.o_in)
-        set_blob_section(blob, SEC_OUT, dims.o_out)
+        set_blob_header(blob, wfs, dims, NPROJ)
         set_blob_option(blob, arg_int(args, PREP_NGROUPS))
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)

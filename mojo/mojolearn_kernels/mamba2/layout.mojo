@@ -6,6 +6,7 @@ from ..abi import (
 )
 from ..regions import Regions
 from ..linear import packed_floats
+from ..block_prepare import Projection, PreparedBlob
 from ..weight_panels import blob_formats, section_format, blob_option_int, ALL_F32
 from ..block_slots import PREP_D, PREP_NORM, PREP_IN, FWD_B, FWD_L, FWD_D, FWD_X, FWD_Y, FWD_BLOB
 
@@ -116,7 +117,7 @@ def blob_ngroups(blob: F32Ptr) -> Int:
     return max(1, blob_option_int(blob))
 
 
-struct M2Dims(ImplicitlyCopyable):
+struct M2Dims(ImplicitlyCopyable, PreparedBlob):
     """Sizes of a Mamba-2 block and the layout of its prepared weight blob."""
     var d: Int
     var di: Int
@@ -165,6 +166,12 @@ struct M2Dims(ImplicitlyCopyable):
         self.o_out = regions.take_exact(packed_floats(d, self.di, self.wf_out))
         self.o_lim = regions.take(2)
         self.blob = regions.end
+
+    def projection(self, sec: Int) -> Projection:
+        """Projection sec (SEC_*) as the prepare op packs it."""
+        if sec == SEC_IN:
+            return Projection(PREP_IN, PREP_IN_EXP, self.npj, self.d, self.wf_in, self.o_in)
+        return Projection(PREP_OUT, PREP_OUT_EXP, self.d, self.di, self.wf_out, self.o_out)
 
     @always_inline
     def group(self, hh: Int) -> Int:

@@ -5,6 +5,7 @@ from std.sys import is_defined
 from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
 from ..regions import Regions
 from ..linear import packed_floats
+from ..block_prepare import Projection, PreparedBlob
 from ..weight_panels import section_format, ALL_F32
 from ..block_slots import PREP_D, PREP_NORM, PREP_IN, FWD_B, FWD_L, FWD_D, FWD_X, FWD_Y, FWD_BLOB
 
@@ -109,7 +110,7 @@ comptime CHUNK_COPY = QC * (NST + HP + 3)
 comptime V16 = SIMD[DType.float32, 16]
 
 
-struct M3Dims(ImplicitlyCopyable):
+struct M3Dims(ImplicitlyCopyable, PreparedBlob):
     var d: Int
     var di: Int
     var nh: Int
@@ -161,6 +162,12 @@ struct M3Dims(ImplicitlyCopyable):
         self.o_cb = regions.take_exact(self.nh * NST)
         self.o_dskip = regions.take(self.nh)
         self.blob = regions.end
+
+    def projection(self, sec: Int) -> Projection:
+        """Projection sec (SEC_*) as the prepare op packs it."""
+        if sec == SEC_IN:
+            return Projection(PREP_IN, PREP_IN_EXP, self.np, self.d, self.wf_in, self.o_in)
+        return Projection(PREP_OUT, PREP_OUT_EXP, self.d, self.di, self.wf_out, self.o_out)
 
 
 struct M3Work(ImplicitlyCopyable):
