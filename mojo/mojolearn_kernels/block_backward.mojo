@@ -1,6 +1,7 @@
 """The parts of a block's backward op that Mamba-1, -2 and -3 share: the
-phase schedule (BackwardPhase) and the block norm's backward over a task's
-token rows (norm_backward_rows).
+phase schedule (BackwardPhase), a projection's backward as tasks
+(linear_vjp_task) and the block norm's backward over a task's token rows
+(norm_backward_rows).
 
 Every block backward checkpoints its state by running the forward again:
 phase 0 prepares (per-row init), pass A runs chunks 0 .. n-2 in order to
@@ -11,6 +12,8 @@ finishing phases follow.
 from .abi import F32Ptr, I64Ptr, arg_f32
 from .block_slots import BW_X, BW_G, BW_DX
 from .norms import block_norm_vjp_row
+from .linear import matmul_ntasks, matmul_task
+from .linear_grad import gemm_task
 
 # BackwardPhase.kind
 comptime PHASE_INIT = 0
@@ -71,3 +74,18 @@ def norm_backward_rows(args: I64Ptr, l: Int, d: Int, t0: Int, nt: Int, lens: Int
         var pad = lens != 0 and t >= Int(I64Ptr(unsafe_from_address=lens)[unsafe_offset=bb])
         block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off), w,
                            dxn.unsafe_offset(r * d), pn.unsafe_offset(r * d), d, pad)
+
+
+@always_inline
+def linear_vjp_task(task: Int, dy: F32Ptr, ny: Int, rows: Int, wt: F32Ptr, nx: Int,
+                    dx: F32Ptr, ldx: Int, x: F32Ptr, ld_x: Int, gw: F32Ptr, accumulate: Bool):
+    """Task `task` of the backward of a projection y = W x (W (ny, nx)) over
+    `rows` rows of dy (ny apart): the first matmul_ntasks(rows, nx) tasks
+    dx = dy W on W^T's panels wt (the forward's matmul kernel, so the same
+    fma chain as a strided product), the others gw += dy^T x
+    (linear_grad.gemm_task; from +0.0 unless accumulate)."""
+    var n1 = matmul_ntasks(rows, nx)
+    if task < n1:
+        _ = matmul_task(task, dy, ny, rows, wt, ny, nx, dx, ldx)
+    else:
+        _ = gemm_task(task - n1, dy, 1, ny, x, ld_x, rows, gw, nx, ny, nx, accumulate)

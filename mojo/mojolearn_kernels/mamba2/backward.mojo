@@ -43,7 +43,10 @@ from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale
-from ..block_backward import BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, PHASE_FINISH, norm_backward_rows
+from ..block_backward import (
+    BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, PHASE_FINISH, norm_backward_rows,
+    linear_vjp_task,
+)
 from ..numerics import silu_f32, silu_grad_f32
 from .layout import P, N, Q, KCONV, M2Dims
 from .backward_layout import (
@@ -200,18 +203,11 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
                 rmsnorm_row(work.unsafe_offset(bw.o_yg + o), gs,
                             blob.unsafe_offset(dims.o_gnorm + g * gs), work.unsafe_offset(bw.o_g + o))
     elif stage == S_OUT:
-        var n1 = matmul_ntasks(rows, di)
-        if task < n1:  # dg[r, k] = sum_o gout[r, o] W_out[o, k]
-            # on W_out^T's panels (made once per block): the same fma chain
-            # as a strided product, on the forward's matmul kernel
-            var wt = arg_f32(args, BW_PANELS).unsafe_offset(
-                TPanels(dims.npj, d, d, di).o2)
-            _ = matmul_task(task, work.unsafe_offset(bw.o_gch), d, rows, wt, d, di,
-                            work.unsafe_offset(bw.o_dg), di)
-        else:  # dW_out[o, k] += sum_r gout[r, o] g[r, k]
-            _ = gemm_task(task - n1, work.unsafe_offset(bw.o_gch), 1, d,
-                          work.unsafe_offset(bw.o_g), di, rows,
-                          arg_f32(args, BW_G_OUT), di, d, di, c < bw.nch - 1)
+        # dg = gout W_out on W_out^T's panels (made once per block); dW_out += gout^T g
+        linear_vjp_task(task, work.unsafe_offset(bw.o_gch), d, rows,
+                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o2), di,
+                        work.unsafe_offset(bw.o_dg), di, work.unsafe_offset(bw.o_g), di,
+                        arg_f32(args, BW_G_OUT), c < bw.nch - 1)
     elif stage == S_GATE:
         _gate_backward(bw, work, blob, c, task)
     elif stage == S_SSD1:
@@ -226,16 +222,11 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     elif stage == S_CONVB:
         _conv_backward(args, bw, work, blob, c, task)
     elif stage == S_INB:
-        var n1 = matmul_ntasks(rows, d)
-        if task < n1:  # dxn[r, i] = sum_j dzx[r, j] W_in[j, i], on W_in^T's panels
-            var wt = arg_f32(args, BW_PANELS).unsafe_offset(
-                TPanels(npj, d, d, di).o1)
-            _ = matmul_task(task, work.unsafe_offset(bw.o_dzx), npj, rows, wt, npj, d,
-                            work.unsafe_offset(bw.o_dxn), d)
-        else:  # dW_in[j, i] += sum_r dzx[r, j] xn[r, i]
-            _ = gemm_task(task - n1, work.unsafe_offset(bw.o_dzx), 1, npj,
-                          work.unsafe_offset(bw.o_xn), d, rows,
-                          arg_f32(args, BW_G_IN), d, npj, d, c < bw.nch - 1)
+        # dxn = dzx W_in on W_in^T's panels; dW_in += dzx^T xn
+        linear_vjp_task(task, work.unsafe_offset(bw.o_dzx), npj, rows,
+                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o1), d,
+                        work.unsafe_offset(bw.o_dxn), d, work.unsafe_offset(bw.o_xn), d,
+                        arg_f32(args, BW_G_IN), c < bw.nch - 1)
     elif stage == S_NORMB:
         _norm_backward(args, bw, work, blob, c, task)
     else:
