@@ -275,6 +275,23 @@ def dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
                         (gij * e) * work[unsafe_offset=bw.o_dt + o + j])
 
 
+comptime NV = N // LANES  # LV vectors of one (N) row
+
+
+@always_inline
+def _add_head_term(e: Float32, v: F32Ptr, m: F32Ptr, mut acc: Array[LV, NV]):
+    """A head's term of a dB or dC row: t[n] = fma chain over p of v[p]
+    m[p][n] from +0.0 (m: a (P, N) state matrix), then acc = fma(e, t, acc)."""
+    var t = Array[LV, NV](fill=LV(0.0))
+    for p in range(P):
+        var vp = LV(v[unsafe_offset=p])
+        comptime for q in range(NV):
+            t[q] = vp.fma(m.unsafe_load[width=LANES](p * N + q * LANES), t[q])
+    var ev = LV(e)
+    comptime for q in range(NV):
+        acc[q] = ev.fma(t[q], acc[q])
+
+
 def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
     """For each B/C group g (its heads h): dC_i[n] = fma chain over j =
     0..i of dCB_ij B_j[n], then for the heads ascending fma(e_i, t[n], .)
@@ -284,7 +301,6 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
     p of x_j[p] dh_end[p][n]. A state row has no output: its dC is +0.0 and
     its dB sums over the token rows i2 only; the h_end terms run as in
     ssd_head_backward."""
-    comptime NV = N // LANES
     var dims = bw.dims
     var di = dims.di
     var cd = dims.cd
@@ -313,14 +329,7 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
                 for hh in range(h_lo, h_hi):
                     var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
                     var dyp = work.unsafe_offset(bw.o_dy + (bb * bw.nt(c) + i - s0) * di + hh * P)
-                    var t = Array[LV, NV](fill=LV(0.0))
-                    for p in range(P):
-                        var dp = LV(dyp[unsafe_offset=p])
-                        comptime for q in range(NV):
-                            t[q] = dp.fma(h0.unsafe_load[width=LANES](p * N + q * LANES), t[q])
-                    var eo = LV(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i])
-                    comptime for q in range(NV):
-                        acc[q] = eo.fma(t[q], acc[q])
+                    _add_head_term(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i], dyp, h0, acc)
             comptime for q in range(NV):
                 work.unsafe_store(bw.o_dcx + r * cd + ccol + q * LANES, acc[q])
             var bacc = Array[LV, NV](fill=LV(0.0))
@@ -332,14 +341,7 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
             if fold_terms:
                 for hh in range(h_lo, h_hi):
                     var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + (bb * nh + hh) * P * N)
-                    var xp = row.unsafe_offset(hh * P)
-                    var t = Array[LV, NV](fill=LV(0.0))
-                    for p in range(P):
-                        var xv = LV(xp[unsafe_offset=p])
-                        comptime for q in range(NV):
-                            t[q] = xv.fma(dhe.unsafe_load[width=LANES](p * N + q * LANES), t[q])
-                    var el = LV(work[unsafe_offset=bw.o_elast + bw.hq(bb, hh) + i])
-                    comptime for q in range(NV):
-                        bacc[q] = el.fma(t[q], bacc[q])
+                    _add_head_term(work[unsafe_offset=bw.o_elast + bw.hq(bb, hh) + i],
+                                   row.unsafe_offset(hh * P), dhe, bacc)
             comptime for q in range(NV):
                 work.unsafe_store(bw.o_dcx + r * cd + bcol + q * LANES, bacc[q])
