@@ -338,3 +338,27 @@ struct BW3(ImplicitlyCopyable):
         self.o_xn = xn
         self.o_proj = pj
         self.o_bcn = bc
+
+
+struct HeadChunk(ImplicitlyCopyable):
+    """One (row bb, head hh) task of the scan passes over chunk c: its s0
+    state rows and nt tokens (n = s0 + nt scan rows) and where it sits in
+    the per-(row, head) arrays."""
+    var bh: Int  # bb * H + hh
+    var nbh: Int  # B * H
+    var s0: Int
+    var nt: Int
+    var n: Int
+
+    def __init__(out self, wk: BW3, c: Int, bb: Int, hh: Int):
+        self.nbh = wk.b * wk.nh
+        self.bh = bb * wk.nh + hh
+        self.s0 = wk.s0(c)
+        self.nt = wk.chunk_tokens(c)
+        self.n = self.s0 + self.nt
+
+    @always_inline
+    def ckpt(self, k: Int) -> Int:
+        """Index of chunk k's entry for this row and head in the
+        (nchunks, B, H, ...) checkpoint arrays."""
+        return k * self.nbh + self.bh
