@@ -32,6 +32,20 @@ def _dot_tree(a: F32Ptr, b: F32Ptr) -> Float32:
     return s2[0] + s2[1]
 
 
+@always_inline
+def _row_times_ht(v: F32Ptr, ht: F32Ptr, dst: F32Ptr):
+    """dst[p] = fma chain over n of v[n] ht[n][p] from +0.0: a B or C row
+    (N) times a transposed (N, P) state matrix."""
+    comptime PV = P // LANES
+    var acc = Array[LV, PV](fill=LV(0.0))
+    for n in range(N):
+        var vn = LV(v[unsafe_offset=n])
+        comptime for q in range(PV):
+            acc[q] = vn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), acc[q])
+    comptime for q in range(PV):
+        dst.unsafe_store(q * LANES, acc[q])
+
+
 def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int,
                        hh: Int, task: Int):
     """Head hh of row bb over chunk c: dx (x part of d xBC), d dtraw, the
@@ -136,13 +150,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             trow[unsafe_offset=j] = uj * g
         # Yoff: yo[p] = C_i . h0[p]; T_i,-1 = e_i * (dy_i . yo)
         var crow = _cx(bw, work, bb, nc, i).unsafe_offset(ccol)
-        var yov = Array[LV, 4](fill=LV(0.0))
-        for n in range(N):
-            var cn = LV(crow[unsafe_offset=n])
-            comptime for q in range(4):
-                yov[q] = cn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), yov[q])
-        comptime for q in range(4):
-            yo.unsafe_store(q * LANES, yov[q])
+        _row_times_ht(crow, ht, yo)
         var racc = eo * _dot_tree(dyp, yo)
         dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
         for kk in range(1, i + 1):
@@ -171,19 +179,13 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             var eld = el * dts[unsafe_offset=j]
             work[unsafe_offset=bw.o_elast + o + j] = eld
             var row = _cx(bw, work, bb, nc, j)
-            var br = row.unsafe_offset(bcol)
-            var qv = Array[LV, 4](fill=LV(0.0))
-            for n in range(N):
-                var bn = LV(br[unsafe_offset=n])
-                comptime for q in range(4):
-                    qv[q] = bn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), qv[q])
-            comptime for q in range(4):
-                yo.unsafe_store(q * LANES, qv[q])
+            _row_times_ht(row.unsafe_offset(bcol), ht, yo)
             var xj = row.unsafe_offset(hh * P)
             var sxq = _dot_tree(xj, yo)
             var ac = dxacc.unsafe_offset(j * P)
             comptime for q in range(4):
-                ac.unsafe_store(q * LANES, LV(eld).fma(qv[q], ac.unsafe_load[width=LANES](q * LANES)))
+                ac.unsafe_store(q * LANES, LV(eld).fma(yo.unsafe_load[width=LANES](q * LANES),
+                                                       ac.unsafe_load[width=LANES](q * LANES)))
             ddt[unsafe_offset=j] = el.fma(sxq, ddt[unsafe_offset=j])
             trow[unsafe_offset=j] = eld * sxq
         dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
