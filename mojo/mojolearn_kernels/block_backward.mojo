@@ -15,44 +15,43 @@ from .norms import block_norm_vjp_row
 from .linear import matmul_ntasks, matmul_task
 from .linear_grad import gemm_task
 
-# BackwardPhase.kind
-comptime PHASE_INIT = 0
-comptime PHASE_A = 1
-comptime PHASE_B = 2
-comptime PHASE_FINISH = 3
-comptime PHASE_DONE = 4
-
-
 struct BackwardPhase(ImplicitlyCopyable):
     """Where phase `phase` falls in the schedule of a backward over
     `nchunks` chunks with na stages per chunk in pass A, nb in pass B and
-    nfinish finishing phases: its kind, chunk and stage (for PHASE_FINISH,
-    the index of the finishing phase)."""
-    var kind: Int
+    nfinish finishing phases: which part of the schedule it is in (none
+    past the last phase), its chunk and its stage (in a finishing phase,
+    the index of that phase)."""
+    var init: Bool  # phase 0
+    var pass_a: Bool
+    var pass_b: Bool
+    var finish: Bool
     var chunk: Int
     var stage: Int
 
     def __init__(out self, phase: Int, nchunks: Int, na: Int, nb: Int, nfinish: Int):
+        self.init = phase == 0
+        self.pass_a = False
+        self.pass_b = False
+        self.finish = False
         self.chunk = 0
         self.stage = 0
-        if phase == 0:
-            self.kind = PHASE_INIT
+        if self.init:
             return
         var p = phase - 1
         var pa = (nchunks - 1) * na
         if p < pa:
-            self.kind = PHASE_A
+            self.pass_a = True
             self.chunk = p // na
             self.stage = p % na
             return
         p -= pa
         if p < nchunks * nb:
-            self.kind = PHASE_B
+            self.pass_b = True
             self.chunk = nchunks - 1 - p // nb
             self.stage = p % nb
             return
         p -= nchunks * nb
-        self.kind = PHASE_FINISH if p < nfinish else PHASE_DONE
+        self.finish = p < nfinish
         self.stage = p
 
 

@@ -42,9 +42,7 @@ from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task
 from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
-from ..block_backward import (
-    BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, PHASE_FINISH, linear_vjp_task,
-)
+from ..block_backward import BackwardPhase, linear_vjp_task
 from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK, dims_of_blob
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
 from .backward_layout import (
@@ -99,11 +97,11 @@ def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
     var ph = BackwardPhase(phase, wk.nchunks, NF, NB, 1)
-    if ph.kind == PHASE_INIT:
+    if ph.init:
         return b + 4  # per-row init, and the four transposed weight packs
-    if ph.kind == PHASE_A or ph.kind == PHASE_B:
+    if ph.pass_a or ph.pass_b:
         return _counts(dims, wk, ph.stage, wk.chunk_tokens(ph.chunk))
-    if ph.kind == PHASE_FINISH:  # dA_log = dA * A; the start state's gradients per row
+    if ph.finish:  # dA_log = dA * A; the start state's gradients per row
         return wk.nblk + (b if _wants_state_grads(args) else 0)
     return PHASE_END
 
@@ -122,16 +120,16 @@ def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
     var wk = BWork(dims, b, arg_int(args, BW_L))
     var work = arg_f32(args, BW_WORK)
     var ph = BackwardPhase(phase, wk.nchunks, NF, NB, 1)
-    if ph.kind == PHASE_INIT:
+    if ph.init:
         if task < b:
             _init_row(args, dims, wk, work, task)
         else:
             _pack_transposed(args, dims, wk, work, task - b)
         return
-    if ph.kind == PHASE_A:
+    if ph.pass_a:
         _forward_stage(args, dims, wk, ph.chunk, ph.stage, task, False)
         return
-    if ph.kind == PHASE_B:
+    if ph.pass_b:
         if ph.stage < NF:
             _forward_stage(args, dims, wk, ph.chunk, ph.stage, task, True)
         else:

@@ -43,10 +43,7 @@ from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row, rms_scale
-from ..block_backward import (
-    BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, PHASE_FINISH, norm_backward_rows,
-    linear_vjp_task,
-)
+from ..block_backward import BackwardPhase, norm_backward_rows, linear_vjp_task
 from ..numerics import silu_f32, silu_grad_f32
 from .layout import P, N, Q, KCONV, M2Dims
 from .backward_layout import (
@@ -113,15 +110,15 @@ def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
     if phase == PLAN_WORKSPACE:
         return bw.floats * 4
     var ph = BackwardPhase(phase, bw.nch, NAS, NBS, 1)
-    if ph.kind == PHASE_INIT:
+    if ph.init:
         return bw.b
-    if ph.kind == PHASE_A:
+    if ph.pass_a:
         if ph.stage == NAS - 1:
             return bw.b * bw.dims.nh  # fold
         return _counts(bw, ph.chunk, ph.stage, False)
-    if ph.kind == PHASE_B:
+    if ph.pass_b:
         return _counts(bw, ph.chunk, ph.stage, True)
-    if ph.kind == PHASE_FINISH:
+    if ph.finish:
         return 1  # d A_log = dA * A
     return PHASE_END
 
@@ -129,14 +126,14 @@ def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
 def m2_backward_task(args: I64Ptr, phase: Int, task: Int):
     var bw = BW2(args)
     var ph = BackwardPhase(phase, bw.nch, NAS, NBS, 1)
-    if ph.kind == PHASE_INIT:
+    if ph.init:
         _init_row(args, bw, task)
-    elif ph.kind == PHASE_A:
+    elif ph.pass_a:
         if ph.stage == NAS - 1:
             _fold(args, bw, ph.chunk, task // bw.dims.nh, task % bw.dims.nh)
         else:
             _stage(args, bw, ph.chunk, ph.stage, task, False)
-    elif ph.kind == PHASE_B:
+    elif ph.pass_b:
         _stage(args, bw, ph.chunk, ph.stage, task, True)
     else:
         _finish_alog(args, bw)

@@ -40,7 +40,7 @@ from ..linear import matmul_ntasks, matmul_task, NR, WF_F32, KSEG
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
 from ..norms import rmsnorm_row_vjp
-from ..block_backward import BackwardPhase, PHASE_INIT, PHASE_A, PHASE_B, norm_backward_rows
+from ..block_backward import BackwardPhase, norm_backward_rows
 from .layout import M3Dims, NST, HP, NANG, QC
 from ..lanes import copy_floats
 from .stages import norm_rows, bc_norm_rows
@@ -133,11 +133,11 @@ def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
     var ph = BackwardPhase(phase, wk.nchunks, NA, NB, 0)
-    if ph.kind == PHASE_INIT:
+    if ph.init:
         return b * dims.nh
-    if ph.kind == PHASE_A:
+    if ph.pass_a:
         return _counts(dims, wk, ph.chunk, ph.stage, wk.chunk_tokens(ph.chunk) + 1, False)
-    if ph.kind == PHASE_B:
+    if ph.pass_b:
         return _counts(dims, wk, ph.chunk, ph.stage, wk.chunk_tokens(ph.chunk), True)
     return PHASE_END
 
@@ -149,12 +149,12 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     var dims = M3Dims(arg_int(args, BW_D))
     var wk = bw3_of(args, dims)
     var ph = BackwardPhase(phase, wk.nchunks, NA, NB, 0)
-    if ph.kind == PHASE_INIT:
+    if ph.init:
         _init(args, dims, wk, task)
         return
     var c = ph.chunk
     var stage = ph.stage
-    if ph.kind == PHASE_A:
+    if ph.pass_a:
         var nr = wk.chunk_tokens(c) + 1
         if stage == A_NORM:
             _norm_rows(args, dims, wk, c, nr, task, False, True)
