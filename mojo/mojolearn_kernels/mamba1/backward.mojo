@@ -37,7 +37,7 @@ Reference: torch autograd of transformers' MambaBlock run in float64
 (float64 NumPy) to 1e-10.
 """
 from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
-from ..linear import matmul_ntasks, matmul_task, NR, WF_F32
+from ..linear import matmul_ntasks, matmul_task, NR
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task
 from ..numerics import silu_grad_f32

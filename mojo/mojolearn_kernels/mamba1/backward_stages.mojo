@@ -12,8 +12,7 @@ from ..numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
 from ..lanes import ld16, st16
 from .forward import M1Dims, NSTATE, KCONV
 from .backward_layout import (
-    BW_X, BW_G, BW_DX, BW_G_CONVW, BW_G_CONVB, BW_G_DTB,
-    BW_G_ALOG, BW_G_D, LANES, LV, ROWS_PER_TASK, CH_PER_TASK,
+    BW_G_CONVW, BW_G_CONVB, BW_G_DTB, BW_G_ALOG, BW_G_D, LANES, LV, ROWS_PER_TASK, CH_PER_TASK,
     BWork, BW_GS_CONV, BW_LENGTHS, row_length,
 )
 

@@ -23,8 +23,7 @@ against transformers' MambaBlock run in float64 (tests/reference/hf_mamba.py),
 itself checked equal to it to 1e-10.
 """
 from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, arg_i64, round_up, ceil_div,
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,
 )
 from ..residual import add_residual_tile
 from ..regions import Regions

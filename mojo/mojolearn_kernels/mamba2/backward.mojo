@@ -35,22 +35,19 @@ Reference: torch autograd of transformers' Mamba2Block run in float64
 (float64 NumPy) to 1e-10.
 """
 from std.collections import Array
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
+from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_f32, ceil_div
 from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_formats, ALL_F32
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
+from ..linear_grad import gemm_ntasks, TPanels
 from ..norms import rmsnorm_row, rms_scale
 from ..block_backward import BackwardPhase, norm_backward_rows, linear_vjp_task
 from ..numerics import silu_f32, silu_grad_f32
-from .layout import P, N, Q, KCONV, M2Dims
+from .layout import P, N, Q, KCONV
 from .backward_layout import (
-    BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB,
-    BW_G_DTB, BW_G_ALOG, BW_G_D, BW_G_GNORM, BW_G_OUT, BW_PANELS, BW_C_BX, LANES, LV,
-    ROWS_PER_TASK, CH_PER_TASK, S_NORM, S_INPROJ, S_CONV, S_CB, S_SSD, S_GNORM,
-    S_OUT, S_GATE, S_SSD1, S_SSD3, S_CONVB, S_INB, S_NORMB, S_COLS, NBS, NAS, BW2,
+    BW_BLOB, BW_WORK, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB, BW_G_DTB, BW_G_ALOG, BW_G_D,
+    BW_G_GNORM, BW_G_OUT, BW_PANELS, BW_C_BX, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, S_NORM,
+    S_INPROJ, S_CONV, S_CB, S_SSD, S_GNORM, S_OUT, S_GATE, S_SSD1, S_SSD3, S_CONVB, S_INB, S_NORMB,
+    S_COLS, NBS, NAS, BW2,
 )
 from .backward_recompute import (
     _norm_rows, _conv_fwd, _dt_rows, _cb_rows, _ssd_fwd, _fold,

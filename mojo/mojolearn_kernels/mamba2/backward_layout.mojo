@@ -1,17 +1,8 @@
 """Mamba-2 backward: argument slots, stage ids and the workspace layout
 (BW2). The algorithm is described in mamba2/backward.mojo."""
-from std.collections import Array
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
+from ..abi import I64Ptr, arg_int, arg_f32, ceil_div
 from ..regions import Regions
-from ..weight_panels import blob_formats
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale
-from ..numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
-from .layout import P, N, Q, KCONV, M2Dims, blob_ngroups
-from .ssd import seg_row
+from .layout import P, N, Q, M2Dims, blob_ngroups
 from ..block_slots import BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX
 
 # OP_M2_BACKWARD argument slots (after block_slots' BW_B ... BW_DX).

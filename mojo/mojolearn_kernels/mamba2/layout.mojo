@@ -1,9 +1,7 @@
 """Mamba-2 kernel layout: sizes, argument slots, the prepared weight blob,
 the per-call workspace and the decoded arguments of one forward call.
 Mirrored in python/mojolearn/mamba/mamba2.py (slot numbers)."""
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
-)
+from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, ceil_div
 from ..regions import Regions
 from ..linear import packed_floats
 from ..block_prepare import Projection, PreparedBlob

@@ -45,12 +45,11 @@ from .layout import M3Dims, NST, HP, NANG, QC
 from ..lanes import copy_floats
 from .stages import norm_rows, bc_norm_rows
 from .backward_layout import (
-    BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN,
-    BW_G_DTB, BW_G_BNW, BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, BW_N0,
-    BW_PENDING, BW_STATED, BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV,
-    BW_C_THETA, ROWS_PER_TASK, A_NORM, A_INPROJ, A_BCNORM, A_SCAN, A_KEEP, NA, F_NORM,
-    F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ, B_NORM, B_NORMW, NB,
-    BW3,
+    BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_G_NORM, BW_G_IN, BW_G_DTB, BW_G_BNW,
+    BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, BW_N0, BW_PENDING, BW_STATED,
+    BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV, BW_C_THETA, ROWS_PER_TASK, A_NORM, A_INPROJ,
+    A_BCNORM, A_SCAN, A_KEEP, NA, F_NORM, F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ,
+    B_NORM, B_NORMW, NB, BW3,
 )
 from .backward_scan import apply_pending
 from .backward_scan import _scan_bwd

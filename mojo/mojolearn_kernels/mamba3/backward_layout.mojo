@@ -1,21 +1,10 @@
 """Mamba-3 backward: argument slots, stage ids and the workspace layout
 (BW3). The algorithm is described in mamba3/backward.mojo."""
-from std.collections import Array
 from std.sys import get_defined_int
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
+from ..abi import ceil_div
 from ..regions import Regions
-from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
-from ..weight_panels import blob_formats
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale
-from ..numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32,
-)
-from ..trig import sin_f32, cos_f32, mod2pi_f32
-from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from ..linear import WIDE
+from .layout import M3Dims, NST, HP, NANG, QC
 from ..block_slots import BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX
 
 # OP_M3_BACKWARD argument slots (after block_slots' BW_B ... BW_DX).

@@ -2,22 +2,11 @@
 one chunk (_scan_bwd), with its dot-product helpers. Canonical order in
 mamba3/backward.mojo and docs/backward.md."""
 from std.collections import Array
-from std.sys import get_defined_int
 from ..lane_tree import tree16  # the one fixed 16-lane halving tree
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
-from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
-from ..weight_panels import blob_formats
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale
-from ..numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32,
-)
-from ..trig import sin_f32, cos_f32, mod2pi_f32
+from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32
+from ..numerics import sigmoid_f32, silu_f32, tanh_f32
 from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
-from ..dot128 import V4, dot128, dots128x4, dots128_block, lane_dot, lane_dots_x4
+from ..dot128 import V4, dot128, dots128x4, lane_dot, lane_dots_x4
 
 from ..lanes import copy_floats
 from .backward_layout import (

@@ -24,9 +24,7 @@ Dot products over N = 128 use a fixed 16-lane split (lane l sums n = l, l+16,
 Reference: mojolearn.reference.mamba3 (float64 NumPy, the unchunked
 recurrence); tests/test_mamba3_forward.py compares against it.
 """
-from ..abi import (
-    F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,
-)
+from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div
 from ..residual import add_residual_tile
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import blob_formats
