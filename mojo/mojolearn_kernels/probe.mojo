@@ -76,7 +76,7 @@ def workspace_offset(op: Int, args: I64Ptr, which: Int) -> Int:
         if bw.defer:  # where pass B of chunk 0 (the last it runs) left its rows
             bw.use_store(0, dims.d, dims.np, dims.di)
         if bw.kept(0):
-            bw.use_kept(0, dims.d, dims.np)
+            bw.use_kept(0, dims.d)
         return _pick(which, tokens=bw.chunk_tokens(0), xn=bw.o_xn, hg=bw.o_proj, yg=bw.o_o,
                      h=bw.o_ckh, bcn=bw.o_bcn, qkr=bw.o_qkr, theta=bw.o_ckt, klast=bw.o_ckk,
                      vlast=bw.o_ckv, rows=bw.rmax)

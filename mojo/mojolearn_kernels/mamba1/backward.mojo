@@ -37,11 +37,12 @@ Reference: torch autograd of transformers' MambaBlock run in float64
 (float64 NumPy) to 1e-10.
 """
 from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
-from ..linear import matmul_ntasks, matmul_task, NR, WF_F32
+from ..linear import matmul_ntasks, matmul_task, NR
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, pack_panels_t
 from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
+from ..block_backward import BackwardPhase, linear_vjp_task
 from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK, dims_of_blob
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
 from .backward_layout import (
@@ -95,19 +96,12 @@ def m1_backward_plan(args: I64Ptr, phase: Int) -> Int:
     var wk = BWork(dims, b, arg_int(args, BW_L))
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NF, NB, 1)
+    if ph.init:
         return b + 4  # per-row init, and the four transposed weight packs
-    var na = (wk.nchunks - 1) * NF
-    var p = phase - 1
-    if p < na:
-        var c = p // NF
-        return _counts(dims, wk, p % NF, wk.chunk_tokens(c))
-    p -= na
-    if p < wk.nchunks * NB:
-        var c = wk.nchunks - 1 - p // NB
-        return _counts(dims, wk, p % NB, wk.chunk_tokens(c))
-    p -= wk.nchunks * NB
-    if p == 0:  # dA_log = dA * A; the start state's gradients per row
+    if ph.pass_a or ph.pass_b:
+        return _counts(dims, wk, ph.stage, wk.chunk_tokens(ph.chunk))
+    if ph.finish:  # dA_log = dA * A; the start state's gradients per row
         return wk.nblk + (b if _wants_state_grads(args) else 0)
     return PHASE_END
 
@@ -125,25 +119,21 @@ def m1_backward_task(args: I64Ptr, phase: Int, task: Int):
     var b = arg_int(args, BW_B)
     var wk = BWork(dims, b, arg_int(args, BW_L))
     var work = arg_f32(args, BW_WORK)
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NF, NB, 1)
+    if ph.init:
         if task < b:
             _init_row(args, dims, wk, work, task)
         else:
             _pack_transposed(args, dims, wk, work, task - b)
         return
-    var na = (wk.nchunks - 1) * NF
-    var p = phase - 1
-    if p < na:
-        _forward_stage(args, dims, wk, p // NF, p % NF, task, False)
+    if ph.pass_a:
+        _forward_stage(args, dims, wk, ph.chunk, ph.stage, task, False)
         return
-    p -= na
-    if p < wk.nchunks * NB:
-        var c = wk.nchunks - 1 - p // NB
-        var stage = p % NB
-        if stage < NF:
-            _forward_stage(args, dims, wk, c, stage, task, True)
+    if ph.pass_b:
+        if ph.stage < NF:
+            _forward_stage(args, dims, wk, ph.chunk, ph.stage, task, True)
         else:
-            _backward_stage(args, dims, wk, c, stage, task)
+            _backward_stage(args, dims, wk, ph.chunk, ph.stage, task)
         return
     if task < wk.nblk:
         _finish_alog(args, dims, wk, task)
@@ -258,15 +248,10 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
     if stage == B_OUT:
-        var n1 = matmul_ntasks(rows, di)
-        if task < n1:  # dyg[r, c] = sum_o g[r, o] W_out[o, c]
-            _ = matmul_task(task, work.unsafe_offset(wk.o_gch), d, rows,
-                            work.unsafe_offset(wk.o_tout), d, di,
-                            work.unsafe_offset(wk.o_dyg), di)
-        else:  # dW_out[o, c] += sum_r g[r, o] yg[r, c]
-            _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
-                          work.unsafe_offset(wk.o_yg), di, rows,
-                          arg_f32(args, BW_G_OUT), di, d, di, True)
+        # dyg = g W_out; dW_out += g^T yg
+        linear_vjp_task(task, work.unsafe_offset(wk.o_gch), d, rows, work.unsafe_offset(wk.o_tout),
+                        di, work.unsafe_offset(wk.o_dyg), di, work.unsafe_offset(wk.o_yg), di,
+                        arg_f32(args, BW_G_OUT), True)
     elif stage == B_SCAN:
         var bb = task // wk.nblk
         var nreal = min(nc, max(0, row_length(args, bb) - c * wk.tc))
@@ -277,14 +262,10 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
         var n3 = gemm_ntasks(di, r_)
         if task < n1:
             reduce_bc(dims, wk, work, nc, task)
-        elif task < n1 + n2:  # ddtr[r, k] = sum_c dv[r, c] W_dt[c, k]
-            _ = matmul_task(task - n1, work.unsafe_offset(wk.o_dv), di, rows,
-                            work.unsafe_offset(wk.o_tdt), di, r_,
-                            work.unsafe_offset(wk.o_ddbc), nx)
-        elif task < n1 + n2 + n3:  # dW_dt[c, k] += sum_r dv[r, c] dtr[r, k]
-            _ = gemm_task(task - n1 - n2, work.unsafe_offset(wk.o_dv), 1, di,
-                          work.unsafe_offset(wk.o_dbc), nx, rows,
-                          arg_f32(args, BW_G_DT), r_, di, r_, True)
+        elif task < n1 + n2 + n3:  # ddtr = dv W_dt (into ddbc's dt columns); dW_dt += dv^T dtr
+            linear_vjp_task(task - n1, work.unsafe_offset(wk.o_dv), di, rows,
+                            work.unsafe_offset(wk.o_tdt), r_, work.unsafe_offset(wk.o_ddbc), nx,
+                            work.unsafe_offset(wk.o_dbc), nx, arg_f32(args, BW_G_DT), True)
         else:
             column_sums(args, dims, wk, work, nc, task - n1 - n2 - n3)
     elif stage == B_BCDT:
@@ -317,15 +298,10 @@ def _backward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
     elif stage == B_CONV:
         conv_backward(args, dims, wk, work, blob, c, task)
     elif stage == B_INPROJ:
-        var n1 = matmul_ntasks(rows, d)
-        if task < n1:  # dxn[r, i] = sum_j dhg[r, j] W_in[j, i]
-            _ = matmul_task(task, work.unsafe_offset(wk.o_dhg), 2 * di, rows,
-                            work.unsafe_offset(wk.o_tin), 2 * di, d,
-                            work.unsafe_offset(wk.o_dxn), d)
-        else:  # dW_in[j, i] += sum_r dhg[r, j] xn[r, i]
-            _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dhg), 1, 2 * di,
-                          work.unsafe_offset(wk.o_xn), d, rows,
-                          arg_f32(args, BW_G_IN), d, 2 * di, d, True)
+        # dxn = dhg W_in; dW_in += dhg^T xn
+        linear_vjp_task(task, work.unsafe_offset(wk.o_dhg), 2 * di, rows,
+                        work.unsafe_offset(wk.o_tin), d, work.unsafe_offset(wk.o_dxn), d,
+                        work.unsafe_offset(wk.o_xn), d, arg_f32(args, BW_G_IN), True)
     elif stage == B_NORM:
         norm_backward(args, dims, wk, work, blob, c, task)
     else:  # B_NORMW: d norm.weight[j] += pn[r, j], r ascending

@@ -1,27 +1,12 @@
 """Mamba-1 backward: argument slots and the workspace layout (BWork). The
 algorithm is described in mamba1/backward.mojo."""
-from std.collections import Array
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
+from ..abi import I64Ptr, arg_int, ceil_div
 from ..regions import Regions
-from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WF_F32
-from ..weight_panels import blob_formats
-from ..linear_grad import gemm_ntasks, gemm_task
-from ..norms import rmsnorm_row, rms_scale
-from ..numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
+from ..linear import packed_floats
 from .forward import M1Dims, NSTATE, KCONV
+from ..block_slots import BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX
 
-# OP_M1_BACKWARD argument slots.
-comptime BW_B = 0
-comptime BW_L = 1
-comptime BW_D = 2
-comptime BW_X = 3
-comptime BW_G = 4  # grad_output (B, L, d)
-comptime BW_BLOB = 5  # prepared forward blob (M1Dims layout)
-comptime BW_WORK = 6
-comptime BW_DX = 7
+# OP_M1_BACKWARD argument slots (after block_slots' BW_B ... BW_DX).
 comptime BW_W_IN = 8  # row-major in_proj.weight (2di, d)
 comptime BW_W_X = 9  # row-major x_proj.weight (nx, di)
 comptime BW_W_DT = 10  # row-major dt_proj.weight (di, R)

@@ -6,14 +6,14 @@ and docs/backward.md, "Mamba-1").
 from std.collections import Array
 from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32
 from ..lane_tree import tree16  # the one fixed 16-lane halving tree
-from ..norms import rmsnorm_plain_vjp, block_norm_vjp_row
+from ..norms import rmsnorm_plain_vjp
+from ..block_backward import norm_backward_rows
 from ..numerics import exp_f32, silu_f32, silu_grad_f32, softplus_grad_f32
 from ..lanes import ld16, st16
 from .forward import M1Dims, NSTATE, KCONV
 from .backward_layout import (
-    BW_X, BW_G, BW_DX, BW_G_CONVW, BW_G_CONVB, BW_G_DTB,
-    BW_G_ALOG, BW_G_D, LANES, LV, ROWS_PER_TASK, CH_PER_TASK,
-    BWork, BW_GS_CONV, row_length,
+    BW_G_CONVW, BW_G_CONVB, BW_G_DTB, BW_G_ALOG, BW_G_D, LANES, LV, ROWS_PER_TASK, CH_PER_TASK,
+    BWork, BW_GS_CONV, BW_LENGTHS, row_length,
 )
 
 
@@ -262,15 +262,8 @@ def norm_backward(args: I64Ptr, dims: M1Dims, wk: BWork, work: F32Ptr,
                    blob: F32Ptr, c: Int, task: Int):
     """dx = g + RMSNorm VJP of dxn; pn = the norm weight's terms
     (norms.rmsnorm_row_vjp). A ragged row's padding: dx and pn are +0.0."""
-    var d = dims.d
     var nc = wk.chunk_tokens(c)
-    var x = arg_f32(args, BW_X)
-    var g = arg_f32(args, BW_G)
-    var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
-    for r in range(r0, min(wk.b * nc, r0 + ROWS_PER_TASK)):
-        var t = c * wk.tc + r % nc
-        var off = ((r // nc) * wk.l + t) * d
-        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
-                           blob.unsafe_offset(dims.o_norm), work.unsafe_offset(wk.o_dxn + r * d),
-                           work.unsafe_offset(wk.o_pn + r * d), d, t >= row_length(args, r // nc))
+    norm_backward_rows(args, wk.l, dims.d, c * wk.tc, nc, arg_int(args, BW_LENGTHS), r0,
+                       min(wk.b * nc, r0 + ROWS_PER_TASK), blob.unsafe_offset(dims.o_norm),
+                       work.unsafe_offset(wk.o_dxn), work.unsafe_offset(wk.o_pn))

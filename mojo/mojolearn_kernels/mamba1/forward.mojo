@@ -23,27 +23,24 @@ against transformers' MambaBlock run in float64 (tests/reference/hf_mamba.py),
 itself checked equal to it to 1e-10.
 """
 from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, arg_i64, round_up, ceil_div,
+    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,
 )
 from ..residual import add_residual_tile
 from ..regions import Regions
 from ..linear import packed_floats, matmul_ntasks, matmul_task_wf
 from ..weight_panels import (
-    pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
-    section_format, set_blob_option, blob_option_f32, ALL_F32,
+    blob_formats, section_format, set_blob_option, blob_option_f32, ALL_F32,
 )
+from ..block_prepare import Projection, PreparedBlob, prepare_plan, pack_projection, set_blob_header
 from ..numerics import exp_f32
 from ..lanes import copy_floats, transpose_in, transpose_out
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_FWD
+from ..block_slots import PREP_D, PREP_NORM, PREP_IN, FWD_B, FWD_L, FWD_D, FWD_X, FWD_Y, FWD_BLOB
 
 comptime NSTATE = 16
 comptime KCONV = 4
 
-# OP_M1_PREPARE argument slots.
-comptime PREP_D = 0
-comptime PREP_NORM = 1
-comptime PREP_IN = 2
+# OP_M1_PREPARE argument slots (after block_slots' PREP_D, PREP_NORM, PREP_IN).
 comptime PREP_CONVW = 3
 comptime PREP_CONVB = 4
 comptime PREP_X = 5
@@ -69,13 +66,7 @@ comptime SEC_DT = 2
 comptime SEC_OUT = 3
 comptime NPROJ = 4
 
-# OP_M1_FORWARD argument slots.
-comptime FWD_B = 0
-comptime FWD_L = 1
-comptime FWD_D = 2
-comptime FWD_X = 3
-comptime FWD_Y = 4
-comptime FWD_BLOB = 5
+# OP_M1_FORWARD argument slots (after block_slots' FWD_B ... FWD_BLOB).
 comptime FWD_CONV_WINDOW = 6  # 0: start from zeros, do not save
 comptime FWD_H = 7  # 0: start from zeros, do not save
 comptime FWD_LENGTHS = 8  # 0: every row has length L
@@ -105,7 +96,7 @@ comptime SCAN_LANES = 16
 comptime MAX_CHUNK_ROWS = 256
 
 
-struct M1Dims(ImplicitlyCopyable):
+struct M1Dims(ImplicitlyCopyable, PreparedBlob):
     """Sizes of a Mamba-1 block and the layout of its prepared weight blob."""
     var d: Int
     var di: Int
@@ -153,6 +144,16 @@ struct M1Dims(ImplicitlyCopyable):
         self.o_out = regions.take_exact(packed_floats(d, self.di, self.wf_out))
         self.blob = regions.end
 
+    def projection(self, sec: Int) -> Projection:
+        """Projection sec (SEC_*) as the prepare op packs it."""
+        if sec == SEC_IN:
+            return Projection(PREP_IN, PREP_IN_EXP, 2 * self.di, self.d, self.wf_in, self.o_in)
+        if sec == SEC_X:
+            return Projection(PREP_X, PREP_X_EXP, self.nx, self.di, self.wf_x, self.o_x)
+        if sec == SEC_DT:
+            return Projection(PREP_DT, PREP_DT_EXP, self.di, self.r, self.wf_dt, self.o_dt)
+        return Projection(PREP_OUT, PREP_OUT_EXP, self.d, self.di, self.wf_out, self.o_out)
+
 
 struct M1Work(ImplicitlyCopyable):
     """Workspace layout of one forward call over (B, L) tokens."""
@@ -196,13 +197,7 @@ struct M1Work(ImplicitlyCopyable):
 
 def m1_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     var wfs = arg_int(args, PREP_WFMT)
-    if not valid_formats(wfs, NPROJ):
-        return -3
-    if phase == PLAN_WORKSPACE:
-        return M1Dims(arg_int(args, PREP_D), wfs).blob * 4
-    if phase == 0:
-        return 7
-    return PHASE_END
+    return prepare_plan(phase, wfs, NPROJ, M1Dims(arg_int(args, PREP_D), wfs).blob, NPROJ + 3)
 
 
 def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
@@ -211,37 +206,23 @@ def m1_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
     var di = dims.di
-    if task == 0:
-        pack_weight_panels(dims.wf_in, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
-                           2 * di, d, blob.unsafe_offset(dims.o_in))
-    elif task == 1:
-        pack_weight_panels(dims.wf_x, arg_int(args, PREP_X), arg_int(args, PREP_X_EXP),
-                           dims.nx, di, blob.unsafe_offset(dims.o_x))
-    elif task == 2:
-        pack_weight_panels(dims.wf_dt, arg_int(args, PREP_DT), arg_int(args, PREP_DT_EXP),
-                           di, dims.r, blob.unsafe_offset(dims.o_dt))
-    elif task == 3:
-        pack_weight_panels(dims.wf_out, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
-                           d, di, blob.unsafe_offset(dims.o_out))
-    elif task == 4:
+    if task < NPROJ:
+        pack_projection(args, dims, task, blob)
+    elif task == NPROJ:
         var alog = arg_f32(args, PREP_ALOG)
         var given = arg_int(args, PREP_A_GIVEN) != 0
         for c in range(di):
             for n in range(NSTATE):
                 var v = alog[unsafe_offset=c * NSTATE + n]
                 blob[unsafe_offset=dims.o_a + n * di + c] = v if given else -exp_f32[1](v)
-    elif task == 5:
+    elif task == NPROJ + 1:
         var cw = arg_f32(args, PREP_CONVW)
         for c in range(di):
             for k in range(KCONV):
                 blob[unsafe_offset=dims.o_convw + k * di + c] = cw[unsafe_offset=c * KCONV + k]
     else:
-        set_blob_formats(blob, wfs)
+        set_blob_header(blob, wfs, dims, NPROJ)
         set_blob_option(blob, arg_int(args, PREP_BCDT_EPS))
-        set_blob_section(blob, SEC_IN, dims.o_in)
-        set_blob_section(blob, SEC_X, dims.o_x)
-        set_blob_section(blob, SEC_DT, dims.o_dt)
-        set_blob_section(blob, SEC_OUT, dims.o_out)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), di)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), di)

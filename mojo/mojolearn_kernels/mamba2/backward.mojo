@@ -35,21 +35,19 @@ Reference: torch autograd of transformers' Mamba2Block run in float64
 (float64 NumPy) to 1e-10.
 """
 from std.collections import Array
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
+from ..abi import F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_f32, ceil_div
 from ..linear import NR, KSEG, WF_F32, matmul_ntasks, matmul_task, panel_floats
 from ..weight_panels import blob_formats, ALL_F32
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_vjp_coef, block_norm_vjp_row
+from ..linear_grad import gemm_ntasks, TPanels
+from ..norms import rmsnorm_row, rms_vjp_coef
+from ..block_backward import BackwardPhase, norm_backward_rows, linear_vjp_task
 from ..numerics import silu_f32, silu_grad_f32
-from .layout import P, N, Q, KCONV, M2Dims
+from .layout import P, N, Q, KCONV
 from .backward_layout import (
-    BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB,
-    BW_G_DTB, BW_G_ALOG, BW_G_D, BW_G_GNORM, BW_G_OUT, BW_PANELS, BW_C_BX, LANES, LV,
-    ROWS_PER_TASK, CH_PER_TASK, S_NORM, S_INPROJ, S_CONV, S_CB, S_SSD, S_GNORM,
-    S_OUT, S_GATE, S_SSD1, S_SSD3, S_CONVB, S_INB, S_NORMB, S_COLS, NBS, NAS, BW2,
+    BW_BLOB, BW_WORK, BW_G_NORM, BW_G_IN, BW_G_CONVW, BW_G_CONVB, BW_G_DTB, BW_G_ALOG, BW_G_D,
+    BW_G_GNORM, BW_G_OUT, BW_PANELS, BW_C_BX, LANES, LV, ROWS_PER_TASK, CH_PER_TASK, S_NORM,
+    S_INPROJ, S_CONV, S_CB, S_SSD, S_GNORM, S_OUT, S_GATE, S_SSD1, S_SSD3, S_CONVB, S_INB, S_NORMB,
+    S_COLS, NBS, NAS, BW2,
 )
 from .backward_recompute import (
     _norm_rows, _conv_fwd, _dt_rows, _cb_rows, _ssd_fwd, _fold,
@@ -108,45 +106,34 @@ def m2_backward_plan(args: I64Ptr, phase: Int) -> Int:
         return -3  # ragged rows only without a state
     if phase == PLAN_WORKSPACE:
         return bw.floats * 4
-    if phase == 0:
+    var ph = BackwardPhase(phase, bw.nch, NAS, NBS, 1)
+    if ph.init:
         return bw.b
-    var na = (bw.nch - 1) * NAS
-    var p = phase - 1
-    if p < na:
-        var stage = p % NAS
-        if stage == NAS - 1:
+    if ph.pass_a:
+        if ph.stage == NAS - 1:
             return bw.b * bw.dims.nh  # fold
-        return _counts(bw, p // NAS, stage, False)
-    p -= na
-    if p < bw.nch * NBS:
-        var c = bw.nch - 1 - p // NBS
-        return _counts(bw, c, p % NBS, True)
-    p -= bw.nch * NBS
-    if p == 0:
+        return _counts(bw, ph.chunk, ph.stage, False)
+    if ph.pass_b:
+        return _counts(bw, ph.chunk, ph.stage, True)
+    if ph.finish:
         return 1  # d A_log = dA * A
     return PHASE_END
 
 
 def m2_backward_task(args: I64Ptr, phase: Int, task: Int):
     var bw = BW2(args)
-    if phase == 0:
+    var ph = BackwardPhase(phase, bw.nch, NAS, NBS, 1)
+    if ph.init:
         _init_row(args, bw, task)
-        return
-    var na = (bw.nch - 1) * NAS
-    var p = phase - 1
-    if p < na:
-        var c = p // NAS
-        var stage = p % NAS
-        if stage == NAS - 1:
-            _fold(args, bw, c, task // bw.dims.nh, task % bw.dims.nh)
+    elif ph.pass_a:
+        if ph.stage == NAS - 1:
+            _fold(args, bw, ph.chunk, task // bw.dims.nh, task % bw.dims.nh)
         else:
-            _stage(args, bw, c, stage, task, False)
-        return
-    p -= na
-    if p < bw.nch * NBS:
-        _stage(args, bw, bw.nch - 1 - p // NBS, p % NBS, task, True)
-        return
-    _finish_alog(args, bw)
+            _stage(args, bw, ph.chunk, ph.stage, task, False)
+    elif ph.pass_b:
+        _stage(args, bw, ph.chunk, ph.stage, task, True)
+    else:
+        _finish_alog(args, bw)
 
 
 def _init_row(args: I64Ptr, bw: BW2, bb: Int):
@@ -210,18 +197,11 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
                 rmsnorm_row(work.unsafe_offset(bw.o_yg + o), gs,
                             blob.unsafe_offset(dims.o_gnorm + g * gs), work.unsafe_offset(bw.o_g + o))
     elif stage == S_OUT:
-        var n1 = matmul_ntasks(rows, di)
-        if task < n1:  # dg[r, k] = sum_o gout[r, o] W_out[o, k]
-            # on W_out^T's panels (made once per block): the same fma chain
-            # as a strided product, on the forward's matmul kernel
-            var wt = arg_f32(args, BW_PANELS).unsafe_offset(
-                TPanels(dims.npj, d, d, di).o2)
-            _ = matmul_task(task, work.unsafe_offset(bw.o_gch), d, rows, wt, d, di,
-                            work.unsafe_offset(bw.o_dg), di)
-        else:  # dW_out[o, k] += sum_r gout[r, o] g[r, k]
-            _ = gemm_task(task - n1, work.unsafe_offset(bw.o_gch), 1, d,
-                          work.unsafe_offset(bw.o_g), di, rows,
-                          arg_f32(args, BW_G_OUT), di, d, di, c < bw.nch - 1)
+        # dg = gout W_out on W_out^T's panels (made once per block); dW_out += gout^T g
+        linear_vjp_task(task, work.unsafe_offset(bw.o_gch), d, rows,
+                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o2), di,
+                        work.unsafe_offset(bw.o_dg), di, work.unsafe_offset(bw.o_g), di,
+                        arg_f32(args, BW_G_OUT), c < bw.nch - 1)
     elif stage == S_GATE:
         _gate_backward(bw, work, blob, c, task)
     elif stage == S_SSD1:
@@ -236,16 +216,11 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     elif stage == S_CONVB:
         _conv_backward(args, bw, work, blob, c, task)
     elif stage == S_INB:
-        var n1 = matmul_ntasks(rows, d)
-        if task < n1:  # dxn[r, i] = sum_j dzx[r, j] W_in[j, i], on W_in^T's panels
-            var wt = arg_f32(args, BW_PANELS).unsafe_offset(
-                TPanels(npj, d, d, di).o1)
-            _ = matmul_task(task, work.unsafe_offset(bw.o_dzx), npj, rows, wt, npj, d,
-                            work.unsafe_offset(bw.o_dxn), d)
-        else:  # dW_in[j, i] += sum_r dzx[r, j] xn[r, i]
-            _ = gemm_task(task - n1, work.unsafe_offset(bw.o_dzx), 1, npj,
-                          work.unsafe_offset(bw.o_xn), d, rows,
-                          arg_f32(args, BW_G_IN), d, npj, d, c < bw.nch - 1)
+        # dxn = dzx W_in on W_in^T's panels; dW_in += dzx^T xn
+        linear_vjp_task(task, work.unsafe_offset(bw.o_dzx), npj, rows,
+                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o1), d,
+                        work.unsafe_offset(bw.o_dxn), d, work.unsafe_offset(bw.o_xn), d,
+                        arg_f32(args, BW_G_IN), c < bw.nch - 1)
     elif stage == S_NORMB:
         _norm_backward(args, bw, work, blob, c, task)
     else:
@@ -375,19 +350,11 @@ def _norm_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
     """dx = grad_out + RMSNorm VJP of dxn; pn = the norm weight's terms
     (norms.rmsnorm_row_vjp). Padding tokens of ragged rows: dx = +0.0 and
     no norm weight terms (x there is never read)."""
-    var d = bw.dims.d
     var nt = bw.nt(c)
-    var x = arg_f32(args, BW_X)
-    var g = arg_f32(args, BW_G)
-    var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
-    for r in range(r0, min(bw.b * nt, r0 + ROWS_PER_TASK)):
-        var t = bw.tok0(c) + r % nt
-        var off = ((r // nt) * bw.l + t) * d
-        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
-                           blob.unsafe_offset(bw.dims.o_norm),
-                           work.unsafe_offset(bw.o_dxn + r * d),
-                           work.unsafe_offset(bw.o_pn + r * d), d, bw.pad(r // nt, t))
+    norm_backward_rows(args, bw.l, bw.dims.d, bw.tok0(c), nt, bw.lens, r0,
+                       min(bw.b * nt, r0 + ROWS_PER_TASK), blob.unsafe_offset(bw.dims.o_norm),
+                       work.unsafe_offset(bw.o_dxn), work.unsafe_offset(bw.o_pn))
 
 
 def _column_sums(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int):

@@ -1,26 +1,11 @@
 """Mamba-2 backward: argument slots, stage ids and the workspace layout
 (BW2). The algorithm is described in mamba2/backward.mojo."""
-from std.collections import Array
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
-from ..weight_panels import blob_formats
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale
-from ..numerics import exp_f32, softplus_f32, silu_f32, sigmoid_f32
-from .layout import P, N, Q, KCONV, M2Dims, blob_ngroups
-from .ssd import seg_row
+from ..abi import I64Ptr, arg_int, arg_f32, ceil_div
+from ..regions import Regions
+from .layout import P, N, Q, M2Dims, blob_ngroups
+from ..block_slots import BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX
 
-# OP_M2_BACKWARD argument slots.
-comptime BW_B = 0
-comptime BW_L = 1
-comptime BW_D = 2
-comptime BW_X = 3
-comptime BW_G = 4  # grad_output (B, L, d)
-comptime BW_BLOB = 5  # prepared forward blob (M2Dims layout)
-comptime BW_WORK = 6
-comptime BW_DX = 7
+# OP_M2_BACKWARD argument slots (after block_slots' BW_B ... BW_DX).
 comptime BW_W_IN = 8  # row-major in_proj.weight (npj, d)
 comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
 comptime BW_G_NORM = 10  # gradient outputs, zero on entry, natural layouts
@@ -146,74 +131,41 @@ struct BW2(ImplicitlyCopyable):
         var nh = self.dims.nh
         var rows = b * min(Q, self.n0 + self.l)
         var hs = b * nh * P * N
-        var o = 0
-        self.o_ckh = o
-        o += round_up(self.nch * hs, ALIGN_FLOATS)
-        self.o_dh = o
-        o += round_up(2 * hs, ALIGN_FLOATS)
-        self.o_dpc = o
-        o += round_up(b * 3 * cd, ALIGN_FLOATS)
-        self.o_xn = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_xnp = o
-        o += round_up(b * 3 * d, ALIGN_FLOATS)
-        self.o_gch = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_zx = o
-        o += round_up(rows * npj, ALIGN_FLOATS)
-        self.o_zxp = o
-        o += round_up(b * 3 * npj, ALIGN_FLOATS)
-        self.o_pre = o
-        o += round_up(rows * cd, ALIGN_FLOATS)
-        self.o_cx = o
-        o += round_up(rows * cd, ALIGN_FLOATS)
-        var hq = round_up(b * nh * Q, ALIGN_FLOATS)
-        self.o_dt = o
-        o += hq
-        self.o_da = o
-        o += hq
-        self.o_sg = o
-        o += hq
-        self.o_eoff = o
-        o += hq
-        self.o_elast = o
-        o += hq
-        self.o_pdtb = o
-        o += hq
-        self.o_pa = o
-        o += hq
-        self.o_pd = o
-        o += hq
-        self.o_cb = o
-        o += round_up(self.dims.ng * b * Q * Q, ALIGN_FLOATS)
-        self.o_dcb = o
-        o += round_up(self.dims.ng * b * Q * Q, ALIGN_FLOATS)
-        var rdi = round_up(rows * di, ALIGN_FLOATS)
-        self.o_y = o
-        o += rdi
-        self.o_yg = o
-        o += rdi
-        self.o_g = o
-        o += rdi
-        self.o_dg = o
-        o += rdi
-        self.o_dy = o
-        o += rdi
-        self.o_pgn = o
-        o += rdi
-        self.o_dzx = o
-        o += round_up(rows * npj, ALIGN_FLOATS)
-        self.o_dcx = o
-        o += round_up(rows * cd, ALIGN_FLOATS)
-        self.o_dxn = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_pn = o
-        o += round_up(rows * d, ALIGN_FLOATS)
-        self.o_scr = o
-        o += round_up(b * nh * SCR, ALIGN_FLOATS)
-        self.o_scr2 = o
-        o += round_up(b * ceil_div(Q, ROWS_PER_TASK) * Q, ALIGN_FLOATS)
-        self.floats = o
+        var regions = Regions()
+        self.o_ckh = regions.take(self.nch * hs)
+        self.o_dh = regions.take(2 * hs)
+        self.o_dpc = regions.take(b * 3 * cd)
+        self.o_xn = regions.take(rows * d)
+        self.o_xnp = regions.take(b * 3 * d)
+        self.o_gch = regions.take(rows * d)
+        self.o_zx = regions.take(rows * npj)
+        self.o_zxp = regions.take(b * 3 * npj)
+        self.o_pre = regions.take(rows * cd)
+        self.o_cx = regions.take(rows * cd)
+        var hq = b * nh * Q
+        self.o_dt = regions.take(hq)
+        self.o_da = regions.take(hq)
+        self.o_sg = regions.take(hq)
+        self.o_eoff = regions.take(hq)
+        self.o_elast = regions.take(hq)
+        self.o_pdtb = regions.take(hq)
+        self.o_pa = regions.take(hq)
+        self.o_pd = regions.take(hq)
+        self.o_cb = regions.take(self.dims.ng * b * Q * Q)
+        self.o_dcb = regions.take(self.dims.ng * b * Q * Q)
+        self.o_y = regions.take(rows * di)
+        self.o_yg = regions.take(rows * di)
+        self.o_g = regions.take(rows * di)
+        self.o_dg = regions.take(rows * di)
+        self.o_dy = regions.take(rows * di)
+        self.o_pgn = regions.take(rows * di)
+        self.o_dzx = regions.take(rows * npj)
+        self.o_dcx = regions.take(rows * cd)
+        self.o_dxn = regions.take(rows * d)
+        self.o_pn = regions.take(rows * d)
+        self.o_scr = regions.take(b * nh * SCR)
+        self.o_scr2 = regions.take(b * ceil_div(Q, ROWS_PER_TASK) * Q)
+        self.floats = regions.end
 
     def tok0(self, c: Int) -> Int:
         """The first token of chunk c."""

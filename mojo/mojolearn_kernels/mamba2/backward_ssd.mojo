@@ -32,6 +32,20 @@ def _dot_tree(a: F32Ptr, b: F32Ptr) -> Float32:
     return s2[0] + s2[1]
 
 
+@always_inline
+def _row_times_ht(v: F32Ptr, ht: F32Ptr, dst: F32Ptr):
+    """dst[p] = fma chain over n of v[n] ht[n][p] from +0.0: a B or C row
+    (N) times a transposed (N, P) state matrix."""
+    comptime PV = P // LANES
+    var acc = Array[LV, PV](fill=LV(0.0))
+    for n in range(N):
+        var vn = LV(v[unsafe_offset=n])
+        comptime for q in range(PV):
+            acc[q] = vn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), acc[q])
+    comptime for q in range(PV):
+        dst.unsafe_store(q * LANES, acc[q])
+
+
 def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int,
                        hh: Int, task: Int):
     """Head hh of row bb over chunk c: dx (x part of d xBC), d dtraw, the
@@ -136,13 +150,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             trow[unsafe_offset=j] = uj * g
         # Yoff: yo[p] = C_i . h0[p]; T_i,-1 = e_i * (dy_i . yo)
         var crow = _cx(bw, work, bb, nc, i).unsafe_offset(ccol)
-        var yov = Array[LV, 4](fill=LV(0.0))
-        for n in range(N):
-            var cn = LV(crow[unsafe_offset=n])
-            comptime for q in range(4):
-                yov[q] = cn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), yov[q])
-        comptime for q in range(4):
-            yo.unsafe_store(q * LANES, yov[q])
+        _row_times_ht(crow, ht, yo)
         var racc = eo * _dot_tree(dyp, yo)
         dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
         for kk in range(1, i + 1):
@@ -171,19 +179,13 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             var eld = el * dts[unsafe_offset=j]
             work[unsafe_offset=bw.o_elast + o + j] = eld
             var row = _cx(bw, work, bb, nc, j)
-            var br = row.unsafe_offset(bcol)
-            var qv = Array[LV, 4](fill=LV(0.0))
-            for n in range(N):
-                var bn = LV(br[unsafe_offset=n])
-                comptime for q in range(4):
-                    qv[q] = bn.fma(ht.unsafe_load[width=LANES](n * P + q * LANES), qv[q])
-            comptime for q in range(4):
-                yo.unsafe_store(q * LANES, qv[q])
+            _row_times_ht(row.unsafe_offset(bcol), ht, yo)
             var xj = row.unsafe_offset(hh * P)
             var sxq = _dot_tree(xj, yo)
             var ac = dxacc.unsafe_offset(j * P)
             comptime for q in range(4):
-                ac.unsafe_store(q * LANES, LV(eld).fma(qv[q], ac.unsafe_load[width=LANES](q * LANES)))
+                ac.unsafe_store(q * LANES, LV(eld).fma(yo.unsafe_load[width=LANES](q * LANES),
+                                                       ac.unsafe_load[width=LANES](q * LANES)))
             ddt[unsafe_offset=j] = el.fma(sxq, ddt[unsafe_offset=j])
             trow[unsafe_offset=j] = eld * sxq
         dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
@@ -275,6 +277,23 @@ def dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
                         (gij * e) * work[unsafe_offset=bw.o_dt + o + j])
 
 
+comptime NV = N // LANES  # LV vectors of one (N) row
+
+
+@always_inline
+def _add_head_term(e: Float32, v: F32Ptr, m: F32Ptr, mut acc: Array[LV, NV]):
+    """A head's term of a dB or dC row: t[n] = fma chain over p of v[p]
+    m[p][n] from +0.0 (m: a (P, N) state matrix), then acc = fma(e, t, acc)."""
+    var t = Array[LV, NV](fill=LV(0.0))
+    for p in range(P):
+        var vp = LV(v[unsafe_offset=p])
+        comptime for q in range(NV):
+            t[q] = vp.fma(m.unsafe_load[width=LANES](p * N + q * LANES), t[q])
+    var ev = LV(e)
+    comptime for q in range(NV):
+        acc[q] = ev.fma(t[q], acc[q])
+
+
 def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
     """For each B/C group g (its heads h): dC_i[n] = fma chain over j =
     0..i of dCB_ij B_j[n], then for the heads ascending fma(e_i, t[n], .)
@@ -284,7 +303,6 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
     p of x_j[p] dh_end[p][n]. A state row has no output: its dC is +0.0 and
     its dB sums over the token rows i2 only; the h_end terms run as in
     ssd_head_backward."""
-    comptime NV = N // LANES
     var dims = bw.dims
     var di = dims.di
     var cd = dims.cd
@@ -313,14 +331,7 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
                 for hh in range(h_lo, h_hi):
                     var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
                     var dyp = work.unsafe_offset(bw.o_dy + (bb * bw.nt(c) + i - s0) * di + hh * P)
-                    var t = Array[LV, NV](fill=LV(0.0))
-                    for p in range(P):
-                        var dp = LV(dyp[unsafe_offset=p])
-                        comptime for q in range(NV):
-                            t[q] = dp.fma(h0.unsafe_load[width=LANES](p * N + q * LANES), t[q])
-                    var eo = LV(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i])
-                    comptime for q in range(NV):
-                        acc[q] = eo.fma(t[q], acc[q])
+                    _add_head_term(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i], dyp, h0, acc)
             comptime for q in range(NV):
                 work.unsafe_store(bw.o_dcx + r * cd + ccol + q * LANES, acc[q])
             var bacc = Array[LV, NV](fill=LV(0.0))
@@ -332,14 +343,7 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
             if fold_terms:
                 for hh in range(h_lo, h_hi):
                     var dhe = work.unsafe_offset(bw.o_dh + (c % 2) * hs + (bb * nh + hh) * P * N)
-                    var xp = row.unsafe_offset(hh * P)
-                    var t = Array[LV, NV](fill=LV(0.0))
-                    for p in range(P):
-                        var xv = LV(xp[unsafe_offset=p])
-                        comptime for q in range(NV):
-                            t[q] = xv.fma(dhe.unsafe_load[width=LANES](p * N + q * LANES), t[q])
-                    var el = LV(work[unsafe_offset=bw.o_elast + bw.hq(bb, hh) + i])
-                    comptime for q in range(NV):
-                        bacc[q] = el.fma(t[q], bacc[q])
+                    _add_head_term(work[unsafe_offset=bw.o_elast + bw.hq(bb, hh) + i],
+                                   row.unsafe_offset(hh * P), dhe, bacc)
             comptime for q in range(NV):
                 work.unsafe_store(bw.o_dcx + r * cd + bcol + q * LANES, bacc[q])

@@ -36,21 +36,18 @@ recurrence); tests compare against transformers' Mamba2Block run in float64
 from std.memory import bitcast
 from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
-from ..weight_panels import (
-    pack_weight_panels, set_blob_formats, set_blob_section, set_blob_option, valid_formats,
-)
+from ..weight_panels import set_blob_option
+from ..block_prepare import prepare_plan, pack_projection, set_blob_header
 from ..norms import rmsnorm_row
 from ..residual import add_residual_tile
 from ..conv import causal_conv_silu
 from ..numerics import exp_f32
 from ..lanes import copy_floats, transpose_in, transpose_out
 from .layout import (
-    P, N, Q, KCONV, VW, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK,
-    PREP_D, PREP_NORM, PREP_IN, PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG,
-    PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI, PREP_BLOB,
-    PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN, PREP_NGROUPS, SEC_IN, SEC_OUT, NPROJ,
-    ST_NORM, ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES,
-    M2Dims, M2Call, M2Group, FWD_ROW_S,
+    P, N, Q, KCONV, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK, PREP_D, PREP_NORM, PREP_IN,
+    PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG, PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI,
+    PREP_BLOB, PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN, PREP_NGROUPS, NPROJ, ST_NORM,
+    ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES, M2Dims, M2Call, M2Group, FWD_ROW_S,
 )
 from .ssd import dt_rows, cb_task, ssd_task
 
@@ -58,27 +55,20 @@ from .ssd import dt_rows, cb_task, ssd_task
 # ---------------------------------------------------------------- prepare
 
 
-def _f32_bits(v: Int) -> Float32:
-    return bitcast[DType.float32, 1](Int32(v))
-
-
 def _prep_dims(args: I64Ptr) -> M2Dims:
     return M2Dims(arg_int(args, PREP_D), arg_int(args, PREP_WFMT), arg_int(args, PREP_NGROUPS))
 
 
+def _f32_bits(v: Int) -> Float32:
+    return bitcast[DType.float32, 1](Int32(v))
+
+
 def m2_prepare_plan(args: I64Ptr, phase: Int) -> Int:
-    var wfs = arg_int(args, PREP_WFMT)
-    if not valid_formats(wfs, NPROJ):
-        return -3
     var ng = arg_int(args, PREP_NGROUPS)
     var nh = 2 * arg_int(args, PREP_D) // P
     if ng < 0 or (ng > 1 and nh % ng != 0):
         return -3  # heads split evenly over the groups
-    if phase == PLAN_WORKSPACE:
-        return _prep_dims(args).blob * 4
-    if phase == 0:
-        return 4
-    return PHASE_END
+    return prepare_plan(phase, arg_int(args, PREP_WFMT), NPROJ, _prep_dims(args).blob, NPROJ + 2)
 
 
 def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
@@ -86,21 +76,15 @@ def m2_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var dims = _prep_dims(args)
     var blob = arg_f32(args, PREP_BLOB)
     var d = dims.d
-    if task == 0:
-        pack_weight_panels(dims.wf_in, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
-                           dims.npj, d, blob.unsafe_offset(dims.o_in))
-    elif task == 1:
-        pack_weight_panels(dims.wf_out, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
-                           d, dims.di, blob.unsafe_offset(dims.o_out))
-    elif task == 2:
+    if task < NPROJ:
+        pack_projection(args, dims, task, blob)
+    elif task == NPROJ:
         var cw = arg_f32(args, PREP_CONVW)
         for c in range(dims.cd):
             for k in range(KCONV):
                 blob[unsafe_offset=dims.o_convw + k * dims.cd + c] = cw[unsafe_offset=c * KCONV + k]
     else:
-        set_blob_formats(blob, wfs)
-        set_blob_section(blob, SEC_IN, dims.o_in)
-        set_blob_section(blob, SEC_OUT, dims.o_out)
+        set_blob_header(blob, wfs, dims, NPROJ)
         set_blob_option(blob, arg_int(args, PREP_NGROUPS))
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), d)
         copy_floats(arg_f32(args, PREP_CONVB), blob.unsafe_offset(dims.o_convb), dims.cd)
@@ -167,7 +151,7 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     var work = cl.work
     var blob = cl.blob
     if stage == ST_NORM:
-        _norm_rows(cl, gp, task)
+        _norm_rows[False](cl, gp, task)
     elif stage == ST_INPROJ:
         _ = matmul_task_wf(dims.wf_in, task, work.unsafe_offset(wk.o_xn), dims.d, rows,
                            blob.unsafe_offset(dims.o_in), dims.d, dims.npj,
@@ -179,7 +163,7 @@ def m2_forward_task(args: I64Ptr, phase: Int, task: Int):
     elif stage == ST_SSD:
         ssd_task(cl, gp, task // dims.nh, task % dims.nh, task)
     elif stage == ST_GNORM:
-        _gnorm_rows(cl, gp, task)
+        _norm_rows[True](cl, gp, task)
     else:
         var t = matmul_task_wf(dims.wf_out, task, work.unsafe_offset(wk.o_yg), dims.di, rows,
                                blob.unsafe_offset(dims.o_out), dims.di, dims.d,
@@ -191,41 +175,34 @@ def _is_pad(cl: M2Call, bb: Int, t: Int) -> Bool:
     return cl.ragged and t >= Int(cl.lens[unsafe_offset=bb])
 
 
-def _norm_rows(cl: M2Call, gp: M2Group, task: Int):
-    var d = cl.dims.d
+def _norm_rows[GATED: Bool](cl: M2Call, gp: M2Group, task: Int):
+    """RMSNorm of the task's rows of the group: the block norm (x -> xn,
+    padding rows +0.0 whatever x holds) or, GATED, the gated norm of yg in
+    place, over each B/C group's gs channels of d_inner on its own (one
+    norm over d_inner for one group; padding rows stay +0.0)."""
     var gn = gp.gn
-    var xn = cl.work.unsafe_offset(cl.wk.o_xn)
-    var w = cl.blob.unsafe_offset(cl.dims.o_norm)
     var r0 = task * NORM_ROWS_PER_TASK
     var r1 = min(cl.wk.b * gn, r0 + NORM_ROWS_PER_TASK)
     for r in range(r0, r1):
         var bb = r // gn
         var t = gp.t0 + r % gn
-        var dst = xn.unsafe_offset(r * d)
-        if _is_pad(cl, bb, t):
-            for j in range(d):  # padding reads as +0.0, whatever it holds
-                dst[unsafe_offset=j] = 0.0
+        var pad = _is_pad(cl, bb, t)
+        comptime if GATED:
+            var gs = cl.dims.gs
+            var w = cl.blob.unsafe_offset(cl.dims.o_gnorm)
+            if not pad:
+                for g in range(cl.dims.ng):
+                    var row = cl.work.unsafe_offset(cl.wk.o_yg + r * cl.dims.di + g * gs)
+                    rmsnorm_row(row, gs, w.unsafe_offset(g * gs), row)
         else:
-            rmsnorm_row(cl.x.unsafe_offset((bb * cl.wk.l + t) * d), d, w, dst)
-
-
-def _gnorm_rows(cl: M2Call, gp: M2Group, task: Int):
-    """The gated RMSNorm of the group's rows, over each B/C group's gs
-    channels of d_inner on its own (one norm over d_inner for one group)."""
-    var di = cl.dims.di
-    var gs = cl.dims.gs
-    var gn = gp.gn
-    var yg = cl.work.unsafe_offset(cl.wk.o_yg)
-    var w = cl.blob.unsafe_offset(cl.dims.o_gnorm)
-    var r0 = task * NORM_ROWS_PER_TASK
-    var r1 = min(cl.wk.b * gn, r0 + NORM_ROWS_PER_TASK)
-    for r in range(r0, r1):
-        var bb = r // gn
-        var t = gp.t0 + r % gn
-        if not _is_pad(cl, bb, t):  # padding rows stay +0.0
-            for g in range(cl.dims.ng):
-                var row = yg.unsafe_offset(r * di + g * gs)
-                rmsnorm_row(row, gs, w.unsafe_offset(g * gs), row)
+            var d = cl.dims.d
+            var dst = cl.work.unsafe_offset(cl.wk.o_xn + r * d)
+            if pad:
+                for j in range(d):
+                    dst[unsafe_offset=j] = 0.0
+            else:
+                rmsnorm_row(cl.x.unsafe_offset((bb * cl.wk.l + t) * d), d,
+                            cl.blob.unsafe_offset(cl.dims.o_norm), dst)
 
 
 def _residual(cl: M2Call, gp: M2Group, r0: Int, r1: Int, c0: Int, c1: Int):

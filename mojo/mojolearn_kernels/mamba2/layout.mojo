@@ -1,11 +1,12 @@
 """Mamba-2 kernel layout: sizes, argument slots, the prepared weight blob,
 the per-call workspace and the decoded arguments of one forward call.
 Mirrored in python/mojolearn/mamba/mamba2.py (slot numbers)."""
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, round_up, ceil_div,
-)
+from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, arg_int, arg_f32, arg_i64, ceil_div
+from ..regions import Regions
 from ..linear import packed_floats
+from ..block_prepare import Projection, PreparedBlob
 from ..weight_panels import blob_formats, section_format, blob_option_int, ALL_F32
+from ..block_slots import PREP_D, PREP_NORM, PREP_IN, FWD_B, FWD_L, FWD_D, FWD_X, FWD_Y, FWD_BLOB
 
 comptime P = 64  # head dim
 comptime N = 128  # state size
@@ -14,10 +15,7 @@ comptime KCONV = 4
 comptime VW = 16
 comptime V = SIMD[DType.float32, VW]
 
-# OP_M2_PREPARE argument slots.
-comptime PREP_D = 0
-comptime PREP_NORM = 1
-comptime PREP_IN = 2
+# OP_M2_PREPARE argument slots (after block_slots' PREP_D, PREP_NORM, PREP_IN).
 comptime PREP_CONVW = 3
 comptime PREP_CONVB = 4
 comptime PREP_DTB = 5
@@ -42,13 +40,8 @@ comptime SEC_IN = 0
 comptime SEC_OUT = 1
 comptime NPROJ = 2
 
-# OP_M2_FORWARD argument slots.
-comptime FWD_B = 0
-comptime FWD_L = 1  # 0: no new token (the h_last report of a state)
-comptime FWD_D = 2
-comptime FWD_X = 3
-comptime FWD_Y = 4
-comptime FWD_BLOB = 5
+# OP_M2_FORWARD argument slots (after block_slots' FWD_B ... FWD_BLOB).
+# (FWD_L may be 0: no new token, the h_last report of a state)
 comptime FWD_CONV_WINDOW = 6
 comptime FWD_H = 7  # 0: no state (zeros, nothing saved)
 comptime FWD_BUF_XBC = 8
@@ -122,7 +115,7 @@ def blob_ngroups(blob: F32Ptr) -> Int:
     return max(1, blob_option_int(blob))
 
 
-struct M2Dims(ImplicitlyCopyable):
+struct M2Dims(ImplicitlyCopyable, PreparedBlob):
     """Sizes of a Mamba-2 block and the layout of its prepared weight blob."""
     var d: Int
     var di: Int
@@ -159,28 +152,24 @@ struct M2Dims(ImplicitlyCopyable):
         self.wfs = wfs
         self.wf_in = section_format(wfs, SEC_IN)
         self.wf_out = section_format(wfs, SEC_OUT)
-        var o = ALIGN_FLOATS  # header: the weight formats (weight_panels.mojo)
-        self.o_norm = o
-        o += round_up(d, ALIGN_FLOATS)
-        self.o_in = o
-        o += packed_floats(self.npj, d, self.wf_in)
-        self.o_convw = o
-        o += round_up(KCONV * self.cd, ALIGN_FLOATS)
-        self.o_convb = o
-        o += round_up(self.cd, ALIGN_FLOATS)
-        self.o_dtb = o
-        o += round_up(self.nh, ALIGN_FLOATS)
-        self.o_a = o
-        o += round_up(self.nh, ALIGN_FLOATS)
-        self.o_dskip = o
-        o += round_up(self.nh, ALIGN_FLOATS)
-        self.o_gnorm = o
-        o += round_up(self.di, ALIGN_FLOATS)
-        self.o_out = o
-        o += packed_floats(d, self.di, self.wf_out)
-        self.o_lim = o
-        o += ALIGN_FLOATS
-        self.blob = o
+        var regions = Regions(ALIGN_FLOATS)  # header: the weight formats (weight_panels.mojo)
+        self.o_norm = regions.take(d)
+        self.o_in = regions.take_exact(packed_floats(self.npj, d, self.wf_in))
+        self.o_convw = regions.take(KCONV * self.cd)
+        self.o_convb = regions.take(self.cd)
+        self.o_dtb = regions.take(self.nh)
+        self.o_a = regions.take(self.nh)
+        self.o_dskip = regions.take(self.nh)
+        self.o_gnorm = regions.take(self.di)
+        self.o_out = regions.take_exact(packed_floats(d, self.di, self.wf_out))
+        self.o_lim = regions.take(2)
+        self.blob = regions.end
+
+    def projection(self, sec: Int) -> Projection:
+        """Projection sec (SEC_*) as the prepare op packs it."""
+        if sec == SEC_IN:
+            return Projection(PREP_IN, PREP_IN_EXP, self.npj, self.d, self.wf_in, self.o_in)
+        return Projection(PREP_OUT, PREP_OUT_EXP, self.d, self.di, self.wf_out, self.o_out)
 
     @always_inline
     def group(self, hh: Int) -> Int:
@@ -235,33 +224,20 @@ struct M2Work(ImplicitlyCopyable):
         self.nn = max(1, min(l, Q))
         self.g = max(1, min(self.nn, MAX_GROUP_ROWS // b))
         var rows = b * self.g
-        var o = 0
-        self.o_win = o
-        o += round_up(b * KCONV * dims.cd, ALIGN_FLOATS)
-        self.o_h = o
-        if not has_state:
-            o += round_up(b * dims.nh * P * N, ALIGN_FLOATS)
-        self.o_xn = o
-        o += round_up(rows * dims.d, ALIGN_FLOATS)
-        self.o_zx = o
-        o += round_up(rows * dims.npj, ALIGN_FLOATS)
-        self.o_cx = o
-        o += round_up(b * self.nn * dims.cd, ALIGN_FLOATS)
-        self.o_draw = o
-        o += round_up(b * dims.nh * Q, ALIGN_FLOATS)
-        self.o_dt = o
-        o += round_up(b * dims.nh * Q, ALIGN_FLOATS)
-        self.o_da = o
-        o += round_up(b * dims.nh * Q, ALIGN_FLOATS)
-        self.o_bt = o
-        o += round_up(b * dims.ng * N * Q, ALIGN_FLOATS)
-        self.o_cb = o
-        o += round_up(dims.ng * rows * Q, ALIGN_FLOATS)
-        self.o_yg = o
-        o += round_up(rows * dims.di, ALIGN_FLOATS)
-        self.o_scr = o
-        o += round_up(b * dims.nh * SCR, ALIGN_FLOATS)
-        self.floats = o
+        var regions = Regions()
+        self.o_win = regions.take(b * KCONV * dims.cd)
+        self.o_h = regions.take(b * dims.nh * P * N if not has_state else 0)
+        self.o_xn = regions.take(rows * dims.d)
+        self.o_zx = regions.take(rows * dims.npj)
+        self.o_cx = regions.take(b * self.nn * dims.cd)
+        self.o_draw = regions.take(b * dims.nh * Q)
+        self.o_dt = regions.take(b * dims.nh * Q)
+        self.o_da = regions.take(b * dims.nh * Q)
+        self.o_bt = regions.take(b * dims.ng * N * Q)
+        self.o_cb = regions.take(dims.ng * rows * Q)
+        self.o_yg = regions.take(rows * dims.di)
+        self.o_scr = regions.take(b * dims.nh * SCR)
+        self.floats = regions.end
 
     def rows(self, c: Int) -> Int:
         """Rows of chunk c (buffered and new)."""

@@ -139,6 +139,30 @@ def _seg_rows[R: Int](da: F32Ptr, i0: Int, seg: F32Ptr) -> SIMD[DType.float32, S
 
 
 @always_inline
+def _rows_fma[R: Int, RS: Int, JS: Int](xr: XRows, col: Int, j0: Int, j1: Int, coef: F32Ptr,
+                                        mut acc: Array[V, R * TV]):
+    """For chunk rows j in [j0, j1) ascending, each tile row r's chains
+    acc[r][0:TC] = fma(coef[r RS + (j - j0) JS], x_j[col:col+TC], acc[r]):
+    one load of a row's TC columns feeds all R rows' chains (Ydiag: the
+    weights w_r[j]; the fold: the u_j[p] of R rows p of h)."""
+    var j = j0
+    while j < j1:
+        var je = xr.run_end(j, j1)
+        var xp = xr.row(j).unsafe_offset(col)
+        while j < je:
+            var xv = Array[V, TV](fill=V(0.0))
+            comptime for v in range(TV):
+                xv[v] = xp.unsafe_load[width=VW](v * VW)
+            var cj = coef.unsafe_offset((j - j0) * JS)
+            comptime for r in range(R):
+                var cr = V(cj[unsafe_offset=r * RS])
+                comptime for v in range(TV):
+                    acc[r * TV + v] = cr.fma(xv[v], acc[r * TV + v])
+            xp = xp.unsafe_offset(xr.cd)
+            j += 1
+
+
+@always_inline
 def _ydiag_tile[R: Int](xr: XRows, col: Int, j0: Int, j1: Int, i0: Int, w: F32Ptr,
                         yd: F32Ptr):
     """Steps j in [j0, j1) (j1 <= i0 + 1) of yd[r][0:TC] = fma chain over
@@ -149,20 +173,7 @@ def _ydiag_tile[R: Int](xr: XRows, col: Int, j0: Int, j1: Int, i0: Int, w: F32Pt
         comptime for r in range(R):
             comptime for v in range(TV):
                 acc[r * TV + v] = yd.unsafe_load[width=VW](r * P + v * VW)
-    var j = j0
-    while j < j1:
-        var je = xr.run_end(j, j1)
-        var xp = xr.row(j).unsafe_offset(col)
-        while j < je:
-            var xv = Array[V, TV](fill=V(0.0))
-            comptime for v in range(TV):
-                xv[v] = xp.unsafe_load[width=VW](v * VW)
-            comptime for r in range(R):
-                var wj = V(w[unsafe_offset=r * Q + j])
-                comptime for v in range(TV):
-                    acc[r * TV + v] = wj.fma(xv[v], acc[r * TV + v])
-            xp = xp.unsafe_offset(xr.cd)
-            j += 1
+    _rows_fma[R, Q, 1](xr, col, j0, j1, w.unsafe_offset(j0), acc)
     if j1 == i0 + 1:
         comptime for t in range(1, R):
             var jt = i0 + t
@@ -235,21 +246,7 @@ def _fold_tile(xr: XRows, col: Int, ib0: Int, ib1: Int, u: F32Ptr, el: V, first:
                 acc[r * TV + v] = el * src.unsafe_load[width=VW](o)
             else:
                 acc[r * TV + v] = dst.unsafe_load[width=VW](o)
-    var i = ib0
-    while i < ib1:
-        var ie = xr.run_end(i, ib1)
-        var bp = xr.row(i).unsafe_offset(col)
-        while i < ie:
-            var bv = Array[V, TV](fill=V(0.0))
-            comptime for v in range(TV):
-                bv[v] = bp.unsafe_load[width=VW](v * VW)
-            var up = u.unsafe_offset((i - ib0) * P)
-            comptime for r in range(FR):
-                var ur = V(up[unsafe_offset=r])
-                comptime for v in range(TV):
-                    acc[r * TV + v] = ur.fma(bv[v], acc[r * TV + v])
-            bp = bp.unsafe_offset(xr.cd)
-            i += 1
+    _rows_fma[FR, 1, P](xr, col, ib0, ib1, u, acc)
     comptime for r in range(FR):
         comptime for v in range(TV):
             dst.unsafe_store(r * N + v * VW, acc[r * TV + v])

@@ -39,17 +39,17 @@ from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task, NR, WF_F32, KSEG
 from ..weight_panels import blob_formats, ALL_F32
 from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row_vjp, block_norm_vjp_row
+from ..norms import rmsnorm_row_vjp
+from ..block_backward import BackwardPhase, norm_backward_rows
 from .layout import M3Dims, NST, HP, NANG, QC
 from ..lanes import copy_floats
 from .stages import norm_rows, bc_norm_rows
 from .backward_layout import (
-    BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX, BW_G_NORM, BW_G_IN,
-    BW_G_DTB, BW_G_BNW, BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, BW_N0,
-    BW_PENDING, BW_STATED, BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV,
-    BW_C_THETA, ROWS_PER_TASK, A_NORM, A_INPROJ, A_BCNORM, A_SCAN, A_KEEP, NA, F_NORM,
-    F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ, B_NORM, B_NORMW, NB,
-    BW3,
+    BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_G_NORM, BW_G_IN, BW_G_DTB, BW_G_BNW,
+    BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, BW_N0, BW_PENDING, BW_STATED,
+    BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV, BW_C_THETA, ROWS_PER_TASK, A_NORM, A_INPROJ,
+    A_BCNORM, A_SCAN, A_KEEP, NA, F_NORM, F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ,
+    B_NORM, B_NORMW, NB, BW3,
 )
 from .backward_scan import apply_pending
 from .backward_scan import _scan_bwd
@@ -131,17 +131,13 @@ def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
     var wk = bw3_of(args, dims)
     if phase == PLAN_WORKSPACE:
         return wk.floats * 4
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NA, NB, 0)
+    if ph.init:
         return b * dims.nh
-    var na = (wk.nchunks - 1) * NA
-    var p = phase - 1
-    if p < na:
-        var c = p // NA
-        return _counts(dims, wk, c, p % NA, wk.chunk_tokens(c) + 1, False)
-    p -= na
-    if p < wk.nchunks * NB:
-        var c = wk.nchunks - 1 - p // NB
-        return _counts(dims, wk, c, p % NB, wk.chunk_tokens(c), True)
+    if ph.pass_a:
+        return _counts(dims, wk, ph.chunk, ph.stage, wk.chunk_tokens(ph.chunk) + 1, False)
+    if ph.pass_b:
+        return _counts(dims, wk, ph.chunk, ph.stage, wk.chunk_tokens(ph.chunk), True)
     return PHASE_END
 
 
@@ -151,14 +147,13 @@ def m3_backward_plan(args: I64Ptr, phase: Int) -> Int:
 def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
     var dims = M3Dims(arg_int(args, BW_D))
     var wk = bw3_of(args, dims)
-    if phase == 0:
+    var ph = BackwardPhase(phase, wk.nchunks, NA, NB, 0)
+    if ph.init:
         _init(args, dims, wk, task)
         return
-    var na = (wk.nchunks - 1) * NA
-    var p = phase - 1
-    if p < na:
-        var c = p // NA
-        var stage = p % NA
+    var c = ph.chunk
+    var stage = ph.stage
+    if ph.pass_a:
         var nr = wk.chunk_tokens(c) + 1
         if stage == A_NORM:
             _norm_rows(args, dims, wk, c, nr, task, False, True)
@@ -174,15 +169,12 @@ def m3_backward_task(args: I64Ptr, phase: Int, task: Int):
         else:
             _keep_rows(args, dims, wk, c, task)
         return
-    p -= na
-    var c = wk.nchunks - 1 - p // NB
-    var stage = p % NB
     var nc = wk.chunk_tokens(c)
     var kept = wk.kept(c)
     if wk.defer:
         wk.use_store(c, dims.d, dims.np, dims.di)
     if kept:
-        wk.use_kept(c, dims.d, dims.np)
+        wk.use_kept(c, dims.d)
     if stage == F_NORM:
         _norm_rows(args, dims, wk, c, nc, task, True, not kept)
     elif stage == F_INPROJ:
@@ -299,8 +291,8 @@ def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
     var r0 = task * ROWS_PER_TASK
     var r1 = min(wk.b * nt, r0 + ROWS_PER_TASK)
     var kx = wk.keep_xn(c, d)
-    var kp = wk.keep_proj(c, d)
-    var kb = wk.keep_bcn(c, d, npj)
+    var kp = wk.keep_proj(c)
+    var kb = wk.keep_bcn(c)
     for r in range(r0, r1):
         var src = (r // nt) * (nt + 1) + r % nt
         copy_floats(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)
@@ -451,23 +443,11 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
 def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     """dx = g + RMSNorm VJP of dxn; pn = block norm weight terms."""
     var work = arg_f32(args, BW_WORK)
-    var blob = arg_f32(args, BW_BLOB)
-    var l = wk.l
-    var d = dims.d
-    var x = arg_f32(args, BW_X)
-    var g = arg_f32(args, BW_G)
-    var dx = arg_f32(args, BW_DX)
     var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nc, r0 + ROWS_PER_TASK)
-    var t0 = wk.tok0(c)
-    var lens = arg_int(args, BW_LENGTHS)
-    for r in range(r0, r1):
-        var off = ((r // nc) * l + t0 + r % nc) * d
-        var pad = lens != 0 and t0 + r % nc >= Int(I64Ptr(unsafe_from_address=lens)[
-            unsafe_offset=r // nc])
-        block_norm_vjp_row(x.unsafe_offset(off), g.unsafe_offset(off), dx.unsafe_offset(off),
-                           blob.unsafe_offset(dims.o_norm), work.unsafe_offset(wk.o_dxn + r * d),
-                           work.unsafe_offset(wk.o_pn + r * d), d, pad)
+    norm_backward_rows(args, wk.l, dims.d, wk.tok0(c), nc, arg_int(args, BW_LENGTHS), r0,
+                       min(wk.b * nc, r0 + ROWS_PER_TASK),
+                       arg_f32(args, BW_BLOB).unsafe_offset(dims.o_norm),
+                       work.unsafe_offset(wk.o_dxn), work.unsafe_offset(wk.o_pn))
 
 
 def _normw(args: I64Ptr, dims: M3Dims, wk: BW3, nc: Int, task: Int):

@@ -1,32 +1,13 @@
 """Mamba-3 backward: argument slots, stage ids and the workspace layout
 (BW3). The algorithm is described in mamba3/backward.mojo."""
-from std.collections import Array
 from std.sys import get_defined_int
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
+from ..abi import ceil_div
 from ..regions import Regions
-from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
-from ..weight_panels import blob_formats
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale
-from ..numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32,
-)
-from ..trig import sin_f32, cos_f32, mod2pi_f32
-from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
+from ..linear import WIDE
+from .layout import M3Dims, NST, HP, NANG, QC
+from ..block_slots import BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_DX
 
-# OP_M3_BACKWARD argument slots.
-
-comptime BW_B = 0
-comptime BW_L = 1
-comptime BW_D = 2
-comptime BW_X = 3
-comptime BW_G = 4  # grad_output (B, L, d)
-comptime BW_BLOB = 5  # prepared forward blob (M3Dims layout)
-comptime BW_WORK = 6
-comptime BW_DX = 7
+# OP_M3_BACKWARD argument slots (after block_slots' BW_B ... BW_DX).
 comptime BW_W_IN = 8  # row-major in_proj.weight (np, d)
 comptime BW_W_OUT = 9  # row-major out_proj.weight (d, di)
 comptime BW_G_NORM = 10  # gradient outputs, constructor layouts; zero on entry
@@ -198,6 +179,8 @@ struct BW3(ImplicitlyCopyable):
     var o_sv: Int  # (B, H, SV) v | dv rows of chunk 0 (state path with n0 > 0)
     var nkeep: Int  # pass-A chunks n-1-nkeep .. n-2 are kept
     var keep_slot: Int  # floats per kept chunk: xn | proj | bcn, B * 64 rows each
+    var keep_at_proj: Int  # where proj and bcn start in a keep slot
+    var keep_at_bcn: Int
     var o_keep: Int
     var defer: Bool  # weight gradients once at the end (DEFER_MAX_BYTES)
     var o_sdp: Int  # (B L, np) dproj rows, processing order (defer only)
@@ -246,23 +229,31 @@ struct BW3(ImplicitlyCopyable):
         self.o_dxn = regions.take(r * d)
         self.o_scr = regions.take_exact(bh * SCR)
         self.o_sv = regions.take_exact(bh * SV if n0 > 0 else 0)
+        # a kept chunk's slot: xn | proj | bcn rows, B * 64 of each
         var kr = b * QC
-        self.keep_slot = (round_up(kr * d, ALIGN_FLOATS) + round_up(kr * dims.np, ALIGN_FLOATS)
-                          + round_up(kr * 2 * NST, ALIGN_FLOATS))
+        var slot = Regions()
+        _ = slot.take(kr * d)
+        self.keep_at_proj = slot.take(kr * dims.np)
+        self.keep_at_bcn = slot.take(kr * 2 * NST)
+        self.keep_slot = slot.end
         self.nkeep = min(self.nchunks - 1, KEEP_MAX_BYTES // (4 * self.keep_slot))
         self.o_keep = regions.take_exact(self.nkeep * self.keep_slot)
+        # the deferred rows' store: dproj | xn | grad_output | o rows, B L of each
         var tot = b * l
-        var sfl = (round_up(tot * dims.np, ALIGN_FLOATS) + 2 * round_up(tot * d, ALIGN_FLOATS)
-                   + round_up(tot * di, ALIGN_FLOATS))
-        self.defer = sfl * 4 <= DEFER_MAX_BYTES
-        self.o_sdp = regions.take_exact(sfl if self.defer else 0)
+        var store = Regions()
+        _ = store.take(tot * dims.np)
+        var at_xn = store.take(tot * d)
+        var at_gc = store.take(tot * d)
+        var at_o = store.take(tot * di)
+        self.defer = store.end * 4 <= DEFER_MAX_BYTES
+        self.o_sdp = regions.take_exact(store.end if self.defer else 0)
         self.o_sxn = self.o_sdp
         self.o_sgc = self.o_sdp
         self.o_so = self.o_sdp
         if self.defer:
-            self.o_sxn = self.o_sdp + round_up(tot * dims.np, ALIGN_FLOATS)
-            self.o_sgc = self.o_sxn + round_up(tot * d, ALIGN_FLOATS)
-            self.o_so = self.o_sgc + round_up(tot * d, ALIGN_FLOATS)
+            self.o_sxn = self.o_sdp + at_xn
+            self.o_sgc = self.o_sdp + at_gc
+            self.o_so = self.o_sdp + at_o
         self.floats = regions.end
 
     def chunk_tokens(self, c: Int) -> Int:
@@ -305,11 +296,11 @@ struct BW3(ImplicitlyCopyable):
             return self.o_sxn + self.srow(c) * d
         return self.keep_base(c)
 
-    def keep_proj(self, c: Int, d: Int) -> Int:
-        return self.keep_base(c) + round_up(self.b * QC * d, ALIGN_FLOATS)
+    def keep_proj(self, c: Int) -> Int:
+        return self.keep_base(c) + self.keep_at_proj
 
-    def keep_bcn(self, c: Int, d: Int, np: Int) -> Int:
-        return self.keep_proj(c, d) + round_up(self.b * QC * np, ALIGN_FLOATS)
+    def keep_bcn(self, c: Int) -> Int:
+        return self.keep_base(c) + self.keep_at_bcn
 
     def srow(self, c: Int) -> Int:
         """Store rows before chunk c: B x the tokens of the chunks after it
@@ -328,11 +319,35 @@ struct BW3(ImplicitlyCopyable):
         self.o_gch = self.o_sgc + r * d
         self.o_o = self.o_so + r * di
 
-    def use_kept(mut self, c: Int, d: Int, np: Int):
+    def use_kept(mut self, c: Int, d: Int):
         """Pass B of a kept chunk reads xn, proj, bcn where pass A left them."""
         var xn = self.keep_xn(c, d)
-        var pj = self.keep_proj(c, d)
-        var bc = self.keep_bcn(c, d, np)
+        var pj = self.keep_proj(c)
+        var bc = self.keep_bcn(c)
         self.o_xn = xn
         self.o_proj = pj
         self.o_bcn = bc
+
+
+struct HeadChunk(ImplicitlyCopyable):
+    """One (row bb, head hh) task of the scan passes over chunk c: its s0
+    state rows and nt tokens (n = s0 + nt scan rows) and where it sits in
+    the per-(row, head) arrays."""
+    var bh: Int  # bb * H + hh
+    var nbh: Int  # B * H
+    var s0: Int
+    var nt: Int
+    var n: Int
+
+    def __init__(out self, wk: BW3, c: Int, bb: Int, hh: Int):
+        self.nbh = wk.b * wk.nh
+        self.bh = bb * wk.nh + hh
+        self.s0 = wk.s0(c)
+        self.nt = wk.chunk_tokens(c)
+        self.n = self.s0 + self.nt
+
+    @always_inline
+    def ckpt(self, k: Int) -> Int:
+        """Index of chunk k's entry for this row and head in the
+        (nchunks, B, H, ...) checkpoint arrays."""
+        return k * self.nbh + self.bh

@@ -15,7 +15,7 @@ from .backward_layout import (
     BW_S_BDT, BW_S_BSG, BW_S_BADT, SV, TB, QK,
     CSW, M_G, M_L, M_C, M_HQ, M_DG,
     V_DT, V_SG, V_ADT, V_A, V_SCALE, V_E,
-    V_QK, V_TMP, SCR, BW3,
+    V_QK, V_TMP, SCR, BW3, HeadChunk,
 )
 from .backward_scan import apply_pending, V4
 
@@ -146,45 +146,40 @@ def recompute_scan_a(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: I
     chunk c+1's checkpoints."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    var nh = dims.nh
-    var bh = bb * nh + hh
-    var s0 = wk.s0(c)
-    var nt = wk.chunk_tokens(c)
-    var n = s0 + nt
-    var nr = nt + 1
-    var ns = s0 + nr
-    var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
-    var nbh = wk.b * nh
-    var th = work.unsafe_offset(wk.o_ckt + ((c + 1) * nbh + bh) * NANG)
-    var th0 = work.unsafe_offset(wk.o_ckt + (c * nbh + bh) * NANG)
+    var hc = HeadChunk(wk, c, bb, hh)
+    var nr = hc.nt + 1
+    var ns = hc.s0 + nr
+    var scr = work.unsafe_offset(wk.o_scr + hc.bh * SCR)
+    var th = work.unsafe_offset(wk.o_ckt + hc.ckpt(c + 1) * NANG)
+    var th0 = work.unsafe_offset(wk.o_ckt + hc.ckpt(c) * NANG)
     for i in range(NANG):
         th[unsafe_offset=i] = th0[unsafe_offset=i]
     _prep(args, dims, wk, bb, hh, c, nr, th, scr)
-    var h0 = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
+    var h0 = work.unsafe_offset(wk.o_ckh + hc.ckpt(c) * HP * NST)
     if c == 0 and wk.stated and arg_int(args, BW_PENDING) != 0:
-        apply_pending(args, dims, bh, scr, h0)  # the forward's step 7
+        apply_pending(args, dims, hc.bh, scr, h0)  # the forward's step 7
     # beta of the next chunk's first token (row nt of this stage)
-    var pr = work.unsafe_offset(wk.o_proj + (bb * nr + nt) * dims.np)
+    var pr = work.unsafe_offset(wk.o_proj + (bb * nr + hc.nt) * dims.np)
     var dtn = softplus_f32[1](pr[unsafe_offset=dims.c_dt + hh] + blob[unsafe_offset=dims.o_dtb + hh])
     var sgn = sigmoid_f32[1](pr[unsafe_offset=dims.c_tr + hh])
-    _scales(scr, n, dtn * (Float32(1.0) - sgn))
+    _scales(scr, hc.n, dtn * (Float32(1.0) - sgn))
     var w = scr.unsafe_offset(V_TMP)
-    var hdec = _segs(scr, n - 1, w)
-    for j in range(n):
+    var hdec = _segs(scr, hc.n - 1, w)
+    for j in range(hc.n):
         w[unsafe_offset=j] = w[unsafe_offset=j] * scr[unsafe_offset=V_SCALE + j]
-    var h1 = work.unsafe_offset(wk.o_ckh + ((c + 1) * nbh + bh) * HP * NST)
+    var h1 = work.unsafe_offset(wk.o_ckh + hc.ckpt(c + 1) * HP * NST)
     var qkr = work.unsafe_offset(wk.o_qkr)
     var vr = _v_rows(args, dims, wk, bb, hh, c, nr)
     var v0 = vr[0]
     var ldv = vr[1]
-    fold_into(v0, ldv, qkr.unsafe_offset(wk.qk_row(bb * ns, hh) + NST), QK, w, n, hdec, h0, h1,
+    fold_into(v0, ldv, qkr.unsafe_offset(wk.qk_row(bb * ns, hh) + NST), QK, w, hc.n, hdec, h0, h1,
               scr.unsafe_offset(M_G))  # the forward's fold (M_G is free in pass A)
-    var kv = work.unsafe_offset(wk.o_ckv + ((c + 1) * nbh + bh) * HP)
-    var kk = work.unsafe_offset(wk.o_ckk + ((c + 1) * nbh + bh) * NST)
+    var kv = work.unsafe_offset(wk.o_ckv + hc.ckpt(c + 1) * HP)
+    var kk = work.unsafe_offset(wk.o_ckk + hc.ckpt(c + 1) * NST)
     for p in range(HP):
-        kv[unsafe_offset=p] = v0[unsafe_offset=(n - 1) * ldv + p]
+        kv[unsafe_offset=p] = v0[unsafe_offset=(hc.n - 1) * ldv + p]
     for k in range(NST):
-        kk[unsafe_offset=k] = qkr[unsafe_offset=wk.qk_row(bb * ns + n - 1, hh) + NST + k]
+        kk[unsafe_offset=k] = qkr[unsafe_offset=wk.qk_row(bb * ns + hc.n - 1, hh) + NST + k]
 
 
 def recompute_scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
@@ -193,32 +188,27 @@ def recompute_scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh:
     their L rows and e; G, C and q . h rows +0.0)."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    var nh = dims.nh
-    var bh = bb * nh + hh
-    var s0 = wk.s0(c)
-    var nt = wk.chunk_tokens(c)
-    var n = s0 + nt
-    var ns = n
-    var nbh = wk.b * nh
-    var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
+    var hc = HeadChunk(wk, c, bb, hh)
+    var ns = hc.n
+    var scr = work.unsafe_offset(wk.o_scr + hc.bh * SCR)
     var th = scr.unsafe_offset(M_DG)  # angles: M_DG is free until the VJP
-    var th0 = work.unsafe_offset(wk.o_ckt + (c * nbh + bh) * NANG)
+    var th0 = work.unsafe_offset(wk.o_ckt + hc.ckpt(c) * NANG)
     for i in range(NANG):
         th[unsafe_offset=i] = th0[unsafe_offset=i]
-    _prep(args, dims, wk, bb, hh, c, nt, th, scr)
-    var h = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
+    _prep(args, dims, wk, bb, hh, c, hc.nt, th, scr)
+    var h = work.unsafe_offset(wk.o_ckh + hc.ckpt(c) * HP * NST)
     if c == 0 and wk.nchunks == 1 and wk.stated and arg_int(args, BW_PENDING) != 0:
-        apply_pending(args, dims, bh, scr, h)  # (pass A did it when it ran)
-    var cb = work.unsafe_offset(wk.o_cbeta + bh)
+        apply_pending(args, dims, hc.bh, scr, h)  # (pass A did it when it ran)
+    var cb = work.unsafe_offset(wk.o_cbeta + hc.bh)
     var beta_next = cb[unsafe_offset=0]
     cb[unsafe_offset=0] = scr[unsafe_offset=V_DT] * (Float32(1.0) - scr[unsafe_offset=V_SG])
-    _scales(scr, n, beta_next)
+    _scales(scr, hc.n, beta_next)
     var proj = work.unsafe_offset(wk.o_proj)
     var qkr = work.unsafe_offset(wk.o_qkr)
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var rs = QK  # row stride inside one head's block
     var hb = hh * wk.rmax
-    for i in range(n):  # per row: L row, e_i, G and C rows
+    for i in range(hc.n):  # per row: L row, e_i, G and C rows
         var r = bb * ns + i
         var qrow = qkr.unsafe_offset(wk.qk_row(r, hh))
         var lrow = scr.unsafe_offset(M_L + i * QC)
@@ -226,7 +216,7 @@ def recompute_scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh:
         var crow = scr.unsafe_offset(M_C + i * QC)
         var e = _segs(scr, i, lrow)
         scr[unsafe_offset=V_E + i] = e
-        if i < s0:  # a state row: no output here
+        if i < hc.s0:  # a state row: no output here
             for j in range(0, QC, 16):
                 grow.unsafe_store(j, V16(0.0))
                 crow.unsafe_store(j, V16(0.0))
@@ -247,10 +237,10 @@ def recompute_scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh:
                                              * scr[unsafe_offset=V_SCALE + j + q]) * g4[q]
             j += 4
     # hq_i = h q_i, TB tokens at a time (they share each loaded h row)
-    var i0 = s0
-    while i0 < n:
+    var i0 = hc.s0
+    while i0 < hc.n:
         var q0 = qkr.unsafe_offset(wk.qk_row(bb * ns + i0, hh))
-        if TB == 2 and i0 + 1 < n:
+        if TB == 2 and i0 + 1 < hc.n:
             for p in range(0, HP, 4):
                 dots128_block[TB](q0, QK, h.unsafe_offset(p * NST), NST,
                                    scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
@@ -260,11 +250,11 @@ def recompute_scan_fwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh:
                 dots128_block[1](q0, QK, h.unsafe_offset(p * NST), NST,
                                   scr.unsafe_offset(M_HQ + i0 * HP + p), HP)
             i0 += 1
-    var vr = _v_rows(args, dims, wk, bb, hh, c, nt)
+    var vr = _v_rows(args, dims, wk, bb, hh, c, hc.nt)
     var v0 = vr[0]
     var ldv = vr[1]
-    for i in range(s0, n):  # y and o: the forward's out_token
-        var r = bb * nt + i - s0
+    for i in range(hc.s0, hc.n):  # y and o: the forward's out_token
+        var r = bb * hc.nt + i - hc.s0
         var diag = scr[unsafe_offset=V_QK + i] * (scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i])
         out_token[True](scr.unsafe_offset(M_C + i * QC), i, scr[unsafe_offset=V_E + i],
                         scr.unsafe_offset(M_HQ + i * HP), v0, ldv, diag, dsk,

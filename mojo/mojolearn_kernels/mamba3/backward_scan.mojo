@@ -2,22 +2,11 @@
 one chunk (_scan_bwd), with its dot-product helpers. Canonical order in
 mamba3/backward.mojo and docs/backward.md."""
 from std.collections import Array
-from std.sys import get_defined_int
 from ..lane_tree import tree16  # the one fixed 16-lane halving tree
-from ..abi import (
-    F32Ptr, I64Ptr, ALIGN_FLOATS, PHASE_END, PLAN_WORKSPACE,
-    arg_int, arg_f32, round_up, ceil_div,
-)
-from ..linear import matmul_ntasks, matmul_task, packed_floats, NR, WIDE, WF_F32
-from ..weight_panels import blob_formats
-from ..linear_grad import gemm_ntasks, gemm_task, TPanels
-from ..norms import rmsnorm_row, rms_scale
-from ..numerics import (
-    exp_f32, softplus_f32, sigmoid_f32, silu_f32, tanh_f32,
-)
-from ..trig import sin_f32, cos_f32, mod2pi_f32
+from ..abi import F32Ptr, I64Ptr, arg_int, arg_f32
+from ..numerics import sigmoid_f32, silu_f32, tanh_f32
 from .layout import M3Dims, NST, HP, NANG, QC, A_FLOOR, PI_F32
-from ..dot128 import V4, dot128, dots128x4, dots128_block, lane_dot, lane_dots_x4
+from ..dot128 import V4, dot128, dots128x4, lane_dot, lane_dots_x4
 
 from ..lanes import copy_floats
 from .backward_layout import (
@@ -26,7 +15,7 @@ from .backward_layout import (
     BW_GS_BK, BW_GS_BV, BW_GS_BDT, BW_GS_BSG, BW_GS_BADT, BW_GS_PK, BW_GS_PV, SV,
     V16, NHF, HW, HO, TB, QK, CSW, M_G, M_L, M_C, M_HQ, M_DY, M_DG,
     V_DT, V_SG, V_A, V_SCALE, V_E, V_QK, V_DCUM, V_DSCALE, V_DGAM, V_DVV, V_DDT, V_TMP,
-    SCR, BW3,
+    SCR, BW3, HeadChunk,
 )
 
 
@@ -327,16 +316,11 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     state's gradients (_state_grads)."""
     var work = arg_f32(args, BW_WORK)
     var blob = arg_f32(args, BW_BLOB)
-    var nh = dims.nh
-    var bh = bb * nh + hh
-    var s0 = wk.s0(c)
-    var nt = wk.chunk_tokens(c)
-    var n = s0 + nt
-    var ns = n  # scan rows per batch row
-    var nbh = wk.b * nh
-    var last = n - 1
+    var hc = HeadChunk(wk, c, bb, hh)
+    var ns = hc.n  # scan rows per batch row
+    var last = hc.n - 1
     var fin = wk.stated and c == wk.nchunks - 1
-    var scr = work.unsafe_offset(wk.o_scr + bh * SCR)
+    var scr = work.unsafe_offset(wk.o_scr + hc.bh * SCR)
     var proj = work.unsafe_offset(wk.o_proj)
     var dproj = work.unsafe_offset(wk.o_dproj)
     var qkr = work.unsafe_offset(wk.o_qkr)
@@ -344,30 +328,30 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var npj = dims.np
     var rs = QK  # row stride inside one head's block of qkr / dqk
     var hb = hh * wk.rmax
-    var h = work.unsafe_offset(wk.o_ckh + (c * nbh + bh) * HP * NST)
-    var dH = work.unsafe_offset(wk.o_cdh + bh * HP * NST)
+    var h = work.unsafe_offset(wk.o_ckh + hc.ckpt(c) * HP * NST)
+    var dH = work.unsafe_offset(wk.o_cdh + hc.bh * HP * NST)
     var dsk = blob[unsafe_offset=dims.o_dskip + hh]
     var vo = dims.c_v + hh * HP
     var dy = scr.unsafe_offset(M_DY)
     # v rows and their gradients: the proj / dproj rows, or with state rows
     # in front the (row, head)'s contiguous copy (_scan_fwd filled it)
-    var vb = proj.unsafe_offset((bb * nt) * npj + vo)
-    var dvb = dproj.unsafe_offset((bb * nt) * npj + vo)
+    var vb = proj.unsafe_offset((bb * hc.nt) * npj + vo)
+    var dvb = dproj.unsafe_offset((bb * hc.nt) * npj + vo)
     var ldv = npj
-    if s0 > 0:
-        vb = work.unsafe_offset(wk.o_sv + bh * SV)
+    if hc.s0 > 0:
+        vb = work.unsafe_offset(wk.o_sv + hc.bh * SV)
         dvb = vb.unsafe_offset(QC * HP)
         ldv = HP
     # 1.
-    for i in range(n):
-        if i < s0:
+    for i in range(hc.n):
+        if i < hc.s0:
             comptime for cc in range(4):
                 dy.unsafe_store(i * HP + cc * 16, V16(0.0))
             scr[unsafe_offset=V_DVV + i] = 0.0
             scr[unsafe_offset=V_DCUM + i] = 0.0
             scr[unsafe_offset=V_DSCALE + i] = 0.0
             continue
-        var r = bb * nt + i - s0
+        var r = bb * hc.nt + i - hc.s0
         var dorow = work.unsafe_offset(wk.o_do + r * dims.di + hh * HP)
         var yrow = work.unsafe_offset(wk.o_y + r * dims.di + hh * HP)
         var pr = proj.unsafe_offset(r * npj)
@@ -381,11 +365,11 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             dpr.unsafe_store(hh * HP + cc * 16, (g * yrow.unsafe_load[width=16](cc * 16)) * sgrad)
         var dvv = lane_dot[4](dy.unsafe_offset(i * HP), vb.unsafe_offset(i * ldv))
         scr[unsafe_offset=V_DVV + i] = dvv
-        work[unsafe_offset=wk.o_dd + r * nh + hh] = dvv
+        work[unsafe_offset=wk.o_dd + r * dims.nh + hh] = dvv
         scr[unsafe_offset=V_DCUM + i] = 0.0
         scr[unsafe_offset=V_DSCALE + i] = 0.0
     # 2.
-    for i in range(n):
+    for i in range(hc.n):
         var dyi = dy.unsafe_offset(i * HP)
         var j0 = 0
         while j0 < i:  # four dots at a time, then the updates in j order
@@ -411,20 +395,20 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var qk0 = qkr.unsafe_offset((bb * ns) * rs + hb * QK)  # row 0, rows QK apart
     var dqk0 = dqk.unsafe_offset((bb * ns) * rs + hb * QK)
     var i0 = 0
-    while i0 < n:
-        if TB == 2 and i0 + 1 < n:
-            _dqdk[TB](scr, dy, h, qk0, dqk0, n, i0)
+    while i0 < hc.n:
+        if TB == 2 and i0 + 1 < hc.n:
+            _dqdk[TB](scr, dy, h, qk0, dqk0, hc.n, i0)
             i0 += TB
         else:
-            _dqdk[1](scr, dy, h, qk0, dqk0, n, i0)
+            _dqdk[1](scr, dy, h, qk0, dqk0, hc.n, i0)
             i0 += 1
-    for i in range(n):
+    for i in range(hc.n):
         var e = scr[unsafe_offset=V_E + i]
         var gam = scr[unsafe_offset=V_DT + i] * scr[unsafe_offset=V_SG + i]
         var dvv = scr[unsafe_offset=V_DVV + i]
         # dv_i
         var va = Array[V16, 4](fill=V16(0.0))
-        for i2 in range(i + 1, n):
+        for i2 in range(i + 1, hc.n):
             var cm = V16(scr[unsafe_offset=M_C + i2 * QC + i])
             comptime for cc in range(4):
                 va[cc] = cm.fma(dy.unsafe_load[width=16](i2 * HP + cc * 16), va[cc])
@@ -445,8 +429,8 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     scr[unsafe_offset=V_DCUM + last] = scr[unsafe_offset=V_DCUM + last] + elast * hd
     var u = scr.unsafe_offset(V_TMP)
     var j0 = 0
-    while j0 < n:
-        if TB == 2 and j0 + 1 < n:
+    while j0 < hc.n:
+        if TB == 2 and j0 + 1 < hc.n:
             _fold[TB](scr, vb, ldv, qk0, dqk0, dvb, dH, last, j0)
             j0 += TB
         else:
@@ -454,16 +438,16 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             j0 += 1
     # dh_in, in place over the carry, TB state rows at a time
     for p in range(0, HP, TB):
-        _dh_in[TB](scr, dy, qk0, dH, n, elast, p)
+        _dh_in[TB](scr, dy, qk0, dH, hc.n, elast, p)
     if fin:  # the final state's h is the state entering this chunk
-        var ch = arg_f32(args, BW_C_H).unsafe_offset(bh * HP * NST)
+        var ch = arg_f32(args, BW_C_H).unsafe_offset(hc.bh * HP * NST)
         for k in range(0, HP * NST, 16):
             dH.unsafe_store(k, dH.unsafe_load[width=16](k) + ch.unsafe_load[width=16](k))
-        _final_cotangents(args, dims, wk, bb, hh, n, scr, dqk0, dvb, ldv)
+        _final_cotangents(args, dims, wk, bb, hh, hc.n, scr, dqk0, dvb, ldv)
     var dbeta_prev: Float32 = 0.0
     if c > 0 or (wk.stated and arg_int(args, BW_PENDING) != 0):
-        var kp = work.unsafe_offset(wk.o_ckk + (c * nbh + bh) * NST)
-        var vp = work.unsafe_offset(wk.o_ckv + (c * nbh + bh) * HP)
+        var kp = work.unsafe_offset(wk.o_ckk + hc.ckpt(c) * NST)
+        var vp = work.unsafe_offset(wk.o_ckv + hc.ckpt(c) * HP)
         for p in range(0, HP, 4):
             u.unsafe_store(p, dots128x4(dH.unsafe_offset(p * NST), NST, kp, 0))
         dbeta_prev = lane_dot[4](vp, u)
@@ -478,14 +462,14 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
     var csg = arg_f32(args, BW_C_BSG)
     if fin:
         var cadt = arg_f32(args, BW_C_BADT)
-        for jj in range(n):
+        for jj in range(hc.n):
             scr[unsafe_offset=V_DCUM + jj] = (scr[unsafe_offset=V_DCUM + jj]
-                                              + cadt[unsafe_offset=(bb * QC + jj) * nh + hh])
+                                              + cadt[unsafe_offset=(bb * QC + jj) * dims.nh + hh])
     # 6. angles, tokens descending
-    var tcar = work.unsafe_offset(wk.o_cdt + bh * NANG)
+    var tcar = work.unsafe_offset(wk.o_cdt + hc.bh * NANG)
     var j = last
-    while j >= s0:
-        var r = bb * nt + j - s0
+    while j >= hc.s0:
+        var r = bb * hc.nt + j - hc.s0
         var sr = bb * ns + j
         var qrow = qkr.unsafe_offset(sr * rs + hb * QK)
         var krow = qrow.unsafe_offset(NST)
@@ -493,7 +477,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var dk = dq.unsafe_offset(NST)
         var csr = work.unsafe_offset(wk.o_cs + (hh * wk.rmax + sr) * CSW)
         var pr = proj.unsafe_offset(r * npj)
-        var dap = work.unsafe_offset(wk.o_dang + (r * nh + hh) * NANG)
+        var dap = work.unsafe_offset(wk.o_dang + (r * dims.nh + hh) * NANG)
         var dt = scr[unsafe_offset=V_DT + j]
         var ddt_th: Float32 = 0.0
         var tt = scr.unsafe_offset(V_TMP + 160)  # t * tanh per angle
@@ -528,7 +512,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         j -= 1
     # 7. scalars
     var dtb = blob[unsafe_offset=dims.o_dtb + hh]
-    for jj in range(n):
+    for jj in range(hc.n):
         var dt = scr[unsafe_offset=V_DT + jj]
         var sg = scr[unsafe_offset=V_SG + jj]
         var dadt = scr[unsafe_offset=V_DCUM + jj]
@@ -536,8 +520,8 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         var bco = dbeta_prev
         if jj > 0:
             bco = scr[unsafe_offset=V_DSCALE + jj - 1]
-        var so = (bb * QC + jj) * nh + hh  # the jj-th buffer row (final / initial state)
-        if jj < s0:  # a state row: dt, sg, adt are the state's own values
+        var so = (bb * QC + jj) * dims.nh + hh  # the jj-th buffer row (final / initial state)
+        if jj < hc.s0:  # a state row: dt, sg, adt are the state's own values
             var sdt = dgs * sg + bco * (Float32(1.0) - sg)
             var ssg = dgs * dt - bco * dt
             if fin:
@@ -547,7 +531,7 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
             arg_f32(args, BW_GS_BSG)[unsafe_offset=so] = ssg
             arg_f32(args, BW_GS_BADT)[unsafe_offset=so] = dadt
             continue
-        var r = bb * nt + jj - s0
+        var r = bb * hc.nt + jj - hc.s0
         var pr = proj.unsafe_offset(r * npj)
         var dpr = dproj.unsafe_offset(r * npj)
         var ddt = dadt * scr[unsafe_offset=V_A + jj] + dgs * sg
@@ -564,9 +548,9 @@ def _scan_bwd(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, bb: Int, hh: Int):
         dpr[unsafe_offset=dims.c_dt + hh] = ddt * spg
         dpr[unsafe_offset=dims.c_a + hh] = (dadt * dt) * _dphi_a(pr[unsafe_offset=dims.c_a + hh])
         dpr[unsafe_offset=dims.c_tr + hh] = dsg * (sg * (Float32(1.0) - sg))
-    if s0 > 0:  # the tokens' v gradients back into their dproj rows
-        for i in range(s0, n):
+    if hc.s0 > 0:  # the tokens' v gradients back into their dproj rows
+        for i in range(hc.s0, hc.n):
             copy_floats(dvb.unsafe_offset(i * ldv),
-                        dproj.unsafe_offset((bb * nt + i - s0) * npj + vo), HP)
+                        dproj.unsafe_offset((bb * hc.nt + i - hc.s0) * npj + vo), HP)
     if wk.stated and c == 0:
         _state_grads(args, dims, wk, bb, hh, fin, dqk0, dvb, ldv, dH, tcar, dbeta_prev, scr)

@@ -24,14 +24,11 @@ Dot products over N = 128 use a fixed 16-lane split (lane l sums n = l, l+16,
 Reference: mojolearn.reference.mamba3 (float64 NumPy, the unchunked
 recurrence); tests/test_mamba3_forward.py compares against it.
 """
-from ..abi import (
-    F32Ptr, I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div,
-)
+from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, arg_i64, ceil_div
 from ..residual import add_residual_tile
 from ..linear import matmul_ntasks, matmul_task_wf
-from ..weight_panels import (
-    pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
-)
+from ..weight_panels import blob_formats
+from ..block_prepare import prepare_plan, pack_projection, set_blob_header
 from .stages import norm_rows, bc_norm_rows
 from .layout import *
 from ..lanes import copy_floats
@@ -43,29 +40,17 @@ from .scan import scan_task, row_gates, report_task
 
 def m3_prepare_plan(args: I64Ptr, phase: Int) -> Int:
     var wfs = arg_int(args, PREP_WFMT)
-    if not valid_formats(wfs, NPROJ):
-        return -3
-    if phase == PLAN_WORKSPACE:
-        return M3Dims(arg_int(args, PREP_D), wfs).blob * 4
-    if phase == 0:
-        return 3
-    return PHASE_END
+    return prepare_plan(phase, wfs, NPROJ, M3Dims(arg_int(args, PREP_D), wfs).blob, NPROJ + 1)
 
 
 def m3_prepare_task(args: I64Ptr, phase: Int, task: Int):
     var wfs = arg_int(args, PREP_WFMT)
     var dims = M3Dims(arg_int(args, PREP_D), wfs)
     var blob = arg_f32(args, PREP_BLOB)
-    if task == 0:
-        pack_weight_panels(dims.wf_in, arg_int(args, PREP_IN), arg_int(args, PREP_IN_EXP),
-                           dims.np, dims.d, blob.unsafe_offset(dims.o_in))
-    elif task == 1:
-        pack_weight_panels(dims.wf_out, arg_int(args, PREP_OUT), arg_int(args, PREP_OUT_EXP),
-                           dims.d, dims.di, blob.unsafe_offset(dims.o_out))
+    if task < NPROJ:
+        pack_projection(args, dims, task, blob)
     else:
-        set_blob_formats(blob, wfs)
-        set_blob_section(blob, SEC_IN, dims.o_in)
-        set_blob_section(blob, SEC_OUT, dims.o_out)
+        set_blob_header(blob, wfs, dims, NPROJ)
         copy_floats(arg_f32(args, PREP_NORM), blob.unsafe_offset(dims.o_norm), dims.d)
         copy_floats(arg_f32(args, PREP_DTB), blob.unsafe_offset(dims.o_dtb), dims.nh)
         copy_floats(arg_f32(args, PREP_BNW), blob.unsafe_offset(dims.o_bnw), NST)

@@ -5,7 +5,9 @@ from std.sys import is_defined
 from ..abi import F32Ptr, I64Ptr, ALIGN_FLOATS, round_up, ceil_div, arg_int, arg_i64
 from ..regions import Regions
 from ..linear import packed_floats
+from ..block_prepare import Projection, PreparedBlob
 from ..weight_panels import section_format, ALL_F32
+from ..block_slots import PREP_D, PREP_NORM, PREP_IN, FWD_B, FWD_L, FWD_D, FWD_X, FWD_Y, FWD_BLOB
 
 comptime NST = 128  # N, q/k head dimension
 comptime HP = 64  # P, v head dimension
@@ -14,10 +16,7 @@ comptime QC = 64  # chunk size
 comptime A_FLOOR: Float32 = 1e-4
 comptime PI_F32: Float32 = 3.1415927410125732
 
-# OP_M3_PREPARE argument slots.
-comptime PREP_D = 0
-comptime PREP_NORM = 1
-comptime PREP_IN = 2
+# OP_M3_PREPARE argument slots (after block_slots' PREP_D, PREP_NORM, PREP_IN).
 comptime PREP_DTB = 3
 comptime PREP_BNW = 4
 comptime PREP_CNW = 5
@@ -36,13 +35,7 @@ comptime SEC_IN = 0
 comptime SEC_OUT = 1
 comptime NPROJ = 2
 
-# OP_M3_FORWARD argument slots.
-comptime FWD_B = 0
-comptime FWD_L = 1
-comptime FWD_D = 2
-comptime FWD_X = 3
-comptime FWD_Y = 4
-comptime FWD_BLOB = 5
+# OP_M3_FORWARD argument slots (after block_slots' FWD_B ... FWD_BLOB).
 comptime FWD_LENGTHS = 6  # 0: every row has length L
 comptime FWD_WORK = 7
 comptime FWD_N0 = 8  # buffered_tokens on entry
@@ -117,7 +110,7 @@ comptime CHUNK_COPY = QC * (NST + HP + 3)
 comptime V16 = SIMD[DType.float32, 16]
 
 
-struct M3Dims(ImplicitlyCopyable):
+struct M3Dims(ImplicitlyCopyable, PreparedBlob):
     var d: Int
     var di: Int
     var nh: Int
@@ -169,6 +162,12 @@ struct M3Dims(ImplicitlyCopyable):
         self.o_cb = regions.take_exact(self.nh * NST)
         self.o_dskip = regions.take(self.nh)
         self.blob = regions.end
+
+    def projection(self, sec: Int) -> Projection:
+        """Projection sec (SEC_*) as the prepare op packs it."""
+        if sec == SEC_IN:
+            return Projection(PREP_IN, PREP_IN_EXP, self.np, self.d, self.wf_in, self.o_in)
+        return Projection(PREP_OUT, PREP_OUT_EXP, self.d, self.di, self.wf_out, self.o_out)
 
 
 struct M3Work(ImplicitlyCopyable):
