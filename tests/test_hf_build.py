@@ -61,7 +61,8 @@ def _root(f):
 def direct_constructions(source: str, classes: set) -> list:
     """(line, text) of each call that builds a transformers module without
     hf_build: a call of one of `classes` (by name or attribute, unless
-    reached through mojolearn) or any ``.from_pretrained(...)``."""
+    reached through mojolearn) or any ``.from_pretrained(...)`` but a
+    tokenizer's (``AutoTokenizer.from_pretrained``: no module, no weights)."""
     tree = ast.parse(source)
     ours = _mojolearn_names(tree)
     found = []
@@ -71,7 +72,10 @@ def direct_constructions(source: str, classes: set) -> list:
         f = node.func
         name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) \
             else None
-        if (name in classes and _root(f) not in ours) or name == "from_pretrained":
+        tokenizer = (name == "from_pretrained" and isinstance(f.value, ast.Name)
+                     and f.value.id.endswith(("Tokenizer", "TokenizerFast")))
+        if (name in classes and _root(f) not in ours) or (name == "from_pretrained"
+                                                          and not tokenizer):
             found.append((node.lineno, ast.get_source_segment(source, node)))
     return sorted(found)
 
@@ -97,8 +101,10 @@ def test_no_test_builds_a_transformers_module_another_way():
                "c = MambaMixer(cfg, 0)\n"
                "d = cls.from_pretrained(folder)\n"
                "e = build(hf._hf_m1.MambaBlock, cfg, layer_idx=0, seed=1)\n"
-               "f = mojolearn.Mamba2Block(w)\n")
-    assert [line for line, _ in direct_constructions(snippet, classes)] == [3, 4, 5, 6]
+               "f = mojolearn.Mamba2Block(w)\n"
+               "g = AutoTokenizer.from_pretrained(folder)\n"
+               "h = AutoModel.from_pretrained(folder)\n")
+    assert [line for line, _ in direct_constructions(snippet, classes)] == [3, 4, 5, 6, 10]
 
 
 def test_an_uninitialised_block_is_refused_by_name():
