@@ -151,6 +151,19 @@ def _init_row(args: I64Ptr, bw: BW2, bb: Int):
         init_state_row(args, bw, bb)
 
 
+@always_inline
+def _proj_vjp(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int, rows: Int, o_dy: Int,
+              ny: Int, o_panels: Int, o_dx: Int, o_x: Int, nx: Int, gw_slot: Int):
+    """Task `task` of one projection's backward over the chunk's token rows:
+    dy, dx and x (nx wide) in the workspace, W^T's panels at o_panels in
+    BW_PANELS, dW in argument slot gw_slot (from +0.0 in the first chunk
+    pass B runs, the last one; accumulated in the others)."""
+    linear_vjp_task(task, work.unsafe_offset(o_dy), ny, rows,
+                    arg_f32(args, BW_PANELS).unsafe_offset(o_panels), nx,
+                    work.unsafe_offset(o_dx), nx, work.unsafe_offset(o_x), nx,
+                    arg_f32(args, gw_slot), c < bw.nch - 1)
+
+
 def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     var dims = bw.dims
     var b = bw.b
@@ -198,10 +211,8 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
                             blob.unsafe_offset(dims.o_gnorm + g * gs), work.unsafe_offset(bw.o_g + o))
     elif stage == S_OUT:
         # dg = gout W_out on W_out^T's panels (made once per block); dW_out += gout^T g
-        linear_vjp_task(task, work.unsafe_offset(bw.o_gch), d, rows,
-                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o2), di,
-                        work.unsafe_offset(bw.o_dg), di, work.unsafe_offset(bw.o_g), di,
-                        arg_f32(args, BW_G_OUT), c < bw.nch - 1)
+        _proj_vjp(args, bw, work, c, task, rows, bw.o_gch, d, TPanels(npj, d, d, di).o2,
+                  bw.o_dg, bw.o_g, di, BW_G_OUT)
     elif stage == S_GATE:
         _gate_backward(bw, work, blob, c, task)
     elif stage == S_SSD1:
@@ -217,10 +228,8 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
         _conv_backward(args, bw, work, blob, c, task)
     elif stage == S_INB:
         # dxn = dzx W_in on W_in^T's panels; dW_in += dzx^T xn
-        linear_vjp_task(task, work.unsafe_offset(bw.o_dzx), npj, rows,
-                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o1), d,
-                        work.unsafe_offset(bw.o_dxn), d, work.unsafe_offset(bw.o_xn), d,
-                        arg_f32(args, BW_G_IN), c < bw.nch - 1)
+        _proj_vjp(args, bw, work, c, task, rows, bw.o_dzx, npj, TPanels(npj, d, d, di).o1,
+                  bw.o_dxn, bw.o_xn, d, BW_G_IN)
     elif stage == S_NORMB:
         _norm_backward(args, bw, work, blob, c, task)
     else:
