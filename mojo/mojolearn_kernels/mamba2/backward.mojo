@@ -289,22 +289,19 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
     var di = dims.di
     var npj = dims.npj
     var b = bw.b
-    var nc = bw.nc(c)
-    var nt = bw.nt(c)
-    var s0 = bw.s0(c)
-    var t0 = bw.tok0(c)
+    var ck = bw.chunk(c)
     var gcw = arg_f32(args, BW_G_CONVW)
     var gcb = arg_f32(args, BW_G_CONVB)
     var c0 = task * CH_PER_TASK
     var cot_bx = bw.last_open(c) and bw.has(args, BW_C_BX)
     var ch = c0
     while ch < c0 + CH_PER_TASK:
-        for r in range(b * nt):  # token rows
-            var o = bw.o_dcx + ((r // nt) * nc + s0 + r % nt) * cd + ch
-            var op = bw.o_pre + ((r // nt) * nc + s0 + r % nt) * cd + ch
+        for r in range(b * ck.nt):  # token rows
+            var o = bw.o_dcx + ((r // ck.nt) * ck.nc + ck.s0 + r % ck.nt) * cd + ch
+            var op = bw.o_pre + ((r // ck.nt) * ck.nc + ck.s0 + r % ck.nt) * cd + ch
             var dc = work.unsafe_load[width=LANES](o)
             if cot_bx:
-                dc = dc + open_cot(args, bw, c, r // nt, s0 + r % nt, ch)
+                dc = dc + open_cot(args, bw, c, r // ck.nt, ck.s0 + r % ck.nt, ch)
             work.unsafe_store(o, dc * silu_grad_f32[LANES](work.unsafe_load[width=LANES](op)))
         var w = Array[LV, KCONV](fill=LV(0.0))
         var gw = Array[LV, KCONV](fill=LV(0.0))
@@ -315,16 +312,16 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
         var gb = gcb.unsafe_load[width=LANES](ch)
         for bb in range(b):
             var carry = work.unsafe_offset(bw.o_dpc + bb * 3 * cd + ch)
-            var base = bb * nc + s0  # dpre of token j: scan row base + j
-            var tbase = bb * nt  # token rows
-            for j in range(nt):
-                var acc = window_cot(args, bw, bb, ch, t0 + j)
+            var base = bb * ck.nc + ck.s0  # dpre of token j: scan row base + j
+            var tbase = bb * ck.nt  # token rows
+            for j in range(ck.nt):
+                var acc = window_cot(args, bw, bb, ch, ck.t0 + j)
                 comptime for m in range(KCONV):
                     var src: LV
-                    if j + m < nt:
+                    if j + m < ck.nt:
                         src = work.unsafe_load[width=LANES](bw.o_dcx + (base + j + m) * cd + ch)
                     else:
-                        src = carry.unsafe_load[width=LANES]((j + m - nt) * cd)
+                        src = carry.unsafe_load[width=LANES]((j + m - ck.nt) * cd)
                     acc = w[KCONV - 1 - m].fma(src, acc)
                 work.unsafe_store(bw.o_dzx + (tbase + j) * npj + di + ch, acc)
                 var g = work.unsafe_load[width=LANES](bw.o_dcx + (base + j) * cd + ch)
@@ -339,10 +336,10 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
                 gb = gb + g
             var nw = Array[LV, 3](fill=LV(0.0))
             comptime for m in range(3):
-                if m < nt:
+                if m < ck.nt:
                     nw[m] = work.unsafe_load[width=LANES](bw.o_dcx + (base + m) * cd + ch)
                 else:
-                    nw[m] = carry.unsafe_load[width=LANES]((m - nt) * cd)
+                    nw[m] = carry.unsafe_load[width=LANES]((m - ck.nt) * cd)
             comptime for m in range(3):
                 carry.unsafe_store(m * cd, nw[m])
             if c == 0 and bw.stated:
