@@ -47,7 +47,8 @@ from .stages import norm_rows, bc_norm_rows
 from .backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_G_NORM, BW_G_IN, BW_G_DTB, BW_G_BNW,
     BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, BW_N0, BW_PENDING, BW_STATED,
-    BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV, BW_C_THETA, ROWS_PER_TASK, A_NORM, A_INPROJ,
+    BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV, BW_C_THETA, ROWS_PER_TASK, task_rows,
+    A_NORM, A_INPROJ,
     A_BCNORM, A_SCAN, A_KEEP, NA, F_NORM, F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ,
     B_NORM, B_NORMW, NB, BW3,
 )
@@ -243,14 +244,13 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
     var work = arg_f32(args, BW_WORK)
     var xn = work.unsafe_offset(wk.o_xn)
     var gch = work.unsafe_offset(wk.o_gch)
-    var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
+    var rt = task_rows(task, wk.b * nr)
     var t0 = wk.tok0(c)
     var lens = arg_int(args, BW_LENGTHS)
     if norm:  # the forward's (stages.mojo; ragged: padding rows +0.0, as there)
-        norm_rows(x, l, d, t0, nr, r0, r1, blob.unsafe_offset(dims.o_norm), xn, lens)
+        norm_rows(x, l, d, t0, nr, rt.r0, rt.r1, blob.unsafe_offset(dims.o_norm), xn, lens)
     if copy_g:
-        for r in range(r0, r1):
+        for r in range(rt.r0, rt.r1):
             var bb = r // nr
             if lens != 0 and t0 + r % nr >= Int(I64Ptr(unsafe_from_address=lens)[
                     unsafe_offset=bb]):
@@ -288,12 +288,11 @@ def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
     var d = dims.d
     var npj = dims.np
     var nt = wk.chunk_tokens(c)
-    var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nt, r0 + ROWS_PER_TASK)
+    var rt = task_rows(task, wk.b * nt)
     var kx = wk.keep_xn(c, d)
     var kp = wk.keep_proj(c)
     var kb = wk.keep_bcn(c)
-    for r in range(r0, r1):
+    for r in range(rt.r0, rt.r1):
         var src = (r // nt) * (nt + 1) + r % nt
         copy_floats(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)
         copy_floats(work.unsafe_offset(wk.o_proj + src * npj),
@@ -307,10 +306,10 @@ def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     var blob = arg_f32(args, BW_BLOB)
     var proj = work.unsafe_offset(wk.o_proj)
     var bcn = work.unsafe_offset(wk.o_bcn)
-    var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
-    bc_norm_rows(proj, dims.np, dims.c_b, dims.c_c, r0, r1, blob.unsafe_offset(dims.o_bnw),
-                 blob.unsafe_offset(dims.o_cnw), bcn, 2 * NST, 0, NST)  # the forward's
+    var rt = task_rows(task, wk.b * nr)
+    bc_norm_rows(proj, dims.np, dims.c_b, dims.c_c, rt.r0, rt.r1,
+                 blob.unsafe_offset(dims.o_bnw), blob.unsafe_offset(dims.o_cnw), bcn, 2 * NST, 0,
+                 NST)  # the forward's
 
 
 # ------------------------------------------------------------ per (row, head) recompute
@@ -353,9 +352,8 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     var dproj = work.unsafe_offset(wk.o_dproj)
     if task < nrt:
         var proj = work.unsafe_offset(wk.o_proj)
-        var r0 = task * ROWS_PER_TASK
-        var r1 = min(rows, r0 + ROWS_PER_TASK)
-        for r in range(r0, r1):
+        var rt = task_rows(task, rows)
+        for r in range(rt.r0, rt.r1):
             var dpr = dproj.unsafe_offset(r * npj)
             var pbc = work.unsafe_offset(wk.o_pbc + r * 2 * NST)
             var sr = wk.scan_row(r, nc, s0)
@@ -443,10 +441,9 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
 def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     """dx = g + RMSNorm VJP of dxn; pn = block norm weight terms."""
     var work = arg_f32(args, BW_WORK)
-    var r0 = task * ROWS_PER_TASK
-    norm_backward_rows(args, wk.l, dims.d, wk.tok0(c), nc, arg_int(args, BW_LENGTHS), r0,
-                       min(wk.b * nc, r0 + ROWS_PER_TASK),
-                       arg_f32(args, BW_BLOB).unsafe_offset(dims.o_norm),
+    var rt = task_rows(task, wk.b * nc)
+    norm_backward_rows(args, wk.l, dims.d, wk.tok0(c), nc, arg_int(args, BW_LENGTHS), rt.r0,
+                       rt.r1, arg_f32(args, BW_BLOB).unsafe_offset(dims.o_norm),
                        work.unsafe_offset(wk.o_dxn), work.unsafe_offset(wk.o_pn))
 
 
