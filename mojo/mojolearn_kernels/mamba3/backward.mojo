@@ -315,24 +315,36 @@ def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
 # ------------------------------------------------------------ per (row, head) recompute
 
 
-def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
+@always_inline
+def _proj_vjp(args: I64Ptr, wk: BW3, c: Int, rows: Int, task: Int, o_dy: Int, ny: Int,
+              o_panels: Int, o_dx: Int, nx: Int, o_sdy: Int, o_sx: Int, o_x: Int, gw_slot: Int):
+    """Task `task` of one projection's backward (y = W x, W (ny, nx)) over
+    the chunk's rows: the first matmul_ntasks(rows, nx) tasks dx[r, i] =
+    sum_j dy[r, j] W[j, i] on W^T's panels at o_panels in BW_PANELS; the
+    others dW[j, i] += sum_r dy[r, j] x[r, i] into slot gw_slot, deferred:
+    all B L rows at once from the store (o_sdy, o_sx; chunk 0, the last
+    processed), else this chunk's rows (o_dy, o_x), from +0.0 in the first
+    chunk pass B runs. dy, dx, x: workspace offsets."""
     var work = arg_f32(args, BW_WORK)
-    var rows = wk.b * nc
-    var d = dims.d
-    var di = dims.di
-    var n1 = matmul_ntasks(rows, di)
-    if task < n1:  # do[r, c] = sum_o g[r, o] W_out[o, c]
-        var wt = arg_f32(args, BW_PANELS).unsafe_offset(_panels(dims).o2)
-        _ = matmul_task(task, work.unsafe_offset(wk.o_gch), d, rows, wt, d, di,
-                        work.unsafe_offset(wk.o_do), di)
-    elif wk.defer:  # all B L rows at once (chunk 0, the last processed)
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_sgc), 1, d,
-                      work.unsafe_offset(wk.o_so), di, wk.b * wk.l,
-                      arg_f32(args, BW_G_OUT), di, d, di, False)
-    else:  # dW_out[o, c] += sum_r g[r, o] o[r, c]
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
-                      work.unsafe_offset(wk.o_o), di, rows,
-                      arg_f32(args, BW_G_OUT), di, d, di, c < wk.nchunks - 1)
+    var n1 = matmul_ntasks(rows, nx)
+    if task < n1:
+        var wt = arg_f32(args, BW_PANELS).unsafe_offset(o_panels)
+        _ = matmul_task(task, work.unsafe_offset(o_dy), ny, rows, wt, ny, nx,
+                        work.unsafe_offset(o_dx), nx)
+    elif wk.defer:
+        _ = gemm_task(task - n1, work.unsafe_offset(o_sdy), 1, ny,
+                      work.unsafe_offset(o_sx), nx, wk.b * wk.l,
+                      arg_f32(args, gw_slot), nx, ny, nx, False)
+    else:
+        _ = gemm_task(task - n1, work.unsafe_offset(o_dy), 1, ny,
+                      work.unsafe_offset(o_x), nx, rows,
+                      arg_f32(args, gw_slot), nx, ny, nx, c < wk.nchunks - 1)
+
+
+def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
+    # do = g W_out; dW_out += g^T o
+    _proj_vjp(args, wk, c, wk.b * nc, task, wk.o_gch, dims.d, _panels(dims).o2, wk.o_do,
+              dims.di, wk.o_sgc, wk.o_so, wk.o_o, BW_G_OUT)
 
 
 # ------------------------------------------------------------ reductions
@@ -412,18 +424,9 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
     var npj = dims.np
     var n1 = matmul_ntasks(rows, d)
     var n2 = gemm_ntasks(npj, d) if wk.dw_now(c) else 0
-    if task < n1:  # dxn[r, i] = sum_j dproj[r, j] W_in[j, i]
-        var wt = arg_f32(args, BW_PANELS).unsafe_offset(_panels(dims).o1)
-        _ = matmul_task(task, work.unsafe_offset(wk.o_dproj), npj, rows, wt, npj, d,
-                        work.unsafe_offset(wk.o_dxn), d)
-    elif task < n1 + n2 and wk.defer:  # all B L rows at once (chunk 0)
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_sdp), 1, npj,
-                      work.unsafe_offset(wk.o_sxn), d, wk.b * wk.l,
-                      arg_f32(args, BW_G_IN), d, npj, d, False)
-    elif task < n1 + n2:  # dW_in[j, i] += sum_r dproj[r, j] xn[r, i]
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dproj), 1, npj,
-                      work.unsafe_offset(wk.o_xn), d, rows,
-                      arg_f32(args, BW_G_IN), d, npj, d, c < wk.nchunks - 1)
+    if task < n1 + n2:  # dxn = dproj W_in; dW_in += dproj^T xn
+        _proj_vjp(args, wk, c, rows, task, wk.o_dproj, npj, _panels(dims).o1, wk.o_dxn, d,
+                  wk.o_sdp, wk.o_sxn, wk.o_xn, BW_G_IN)
     else:  # B_norm.weight | C_norm.weight += pbc rows, r ascending
         var q = task - n1 - n2
         var pbc = work.unsafe_offset(wk.o_pbc)
