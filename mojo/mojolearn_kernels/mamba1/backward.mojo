@@ -201,24 +201,23 @@ def _forward_stage(args: I64Ptr, dims: M1Dims, wk: BWork, c: Int, stage: Int,
     var di = dims.di
     var nc = wk.chunk_tokens(c)
     var work = arg_f32(args, BW_WORK)
-    var ch = M1Chunk(b, nc, c * wk.tc, wk.l, arg_f32(args, BW_X),
-                     work.unsafe_offset(wk.o_xn), work.unsafe_offset(wk.o_hg),
-                     work.unsafe_offset(wk.o_u), work.unsafe_offset(wk.o_dbc),
-                     work.unsafe_offset(wk.o_dl), work.unsafe_offset(wk.o_yg))
-    ch.lens = arg_int(args, BW_LENGTHS)  # padding reads as +0.0, as in the forward
-    ch.win_in = work.unsafe_offset(wk.o_ckw + c * b * KCONV * di)
-    ch.h_in = work.unsafe_offset(wk.o_ckh + c * b * NSTATE * di)
+    var nxt = c if is_b else c + 1  # pass B writes no state: its out is its in
+    # pass A writes none of pass B's arrays (pre ... hs)
+    var ch = M1Chunk(b=b, nc=nc, t0=c * wk.tc, l=wk.l, x=arg_f32(args, BW_X),
+                     lens=arg_int(args, BW_LENGTHS),  # padding reads as +0.0, as in the forward
+                     xn=work.unsafe_offset(wk.o_xn), hg=work.unsafe_offset(wk.o_hg),
+                     u=work.unsafe_offset(wk.o_u), dbc=work.unsafe_offset(wk.o_dbc),
+                     dl=work.unsafe_offset(wk.o_dl), yg=work.unsafe_offset(wk.o_yg),
+                     win_in=work.unsafe_offset(wk.o_ckw + c * b * KCONV * di),
+                     win_out=work.unsafe_offset(wk.o_ckw + nxt * b * KCONV * di),
+                     h_in=work.unsafe_offset(wk.o_ckh + c * b * NSTATE * di),
+                     h_out=work.unsafe_offset(wk.o_ckh + nxt * b * NSTATE * di),
+                     pre=work.unsafe_offset(wk.o_pre), dbc_raw=work.unsafe_offset(wk.o_dbcr),
+                     v=work.unsafe_offset(wk.o_v), y=work.unsafe_offset(wk.o_y),
+                     hs=work.unsafe_offset(wk.o_hs), hs_tokens=wk.tc)
     if not is_b:
-        ch.win_out = work.unsafe_offset(wk.o_ckw + (c + 1) * b * KCONV * di)
-        ch.h_out = work.unsafe_offset(wk.o_ckh + (c + 1) * b * NSTATE * di)
         m1_stage[RUN_A](dims, arg_f32(args, BW_BLOB), ch, stage, task)
         return
-    ch.pre = work.unsafe_offset(wk.o_pre)
-    ch.dbc_raw = work.unsafe_offset(wk.o_dbcr)
-    ch.v = work.unsafe_offset(wk.o_v)
-    ch.y = work.unsafe_offset(wk.o_y)
-    ch.hs = work.unsafe_offset(wk.o_hs)
-    ch.hs_tokens = wk.tc
     m1_stage[RUN_B](dims, arg_f32(args, BW_BLOB), ch, stage, task)
     if stage == F_NORM:
         var g = arg_f32(args, BW_G)

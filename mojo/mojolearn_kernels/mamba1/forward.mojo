@@ -294,15 +294,14 @@ def m1_forward_task(args: I64Ptr, phase: Int, task: Int):
                           dims.d, arg_i64(args, FWD_LENGTHS), arg_int(args, FWD_LENGTHS) != 0,
                           t0, nc, t.r0, t.r1, t.c0, t.c1)
         return
-    var ch = M1Chunk(b, nc, t0, arg_int(args, FWD_L), arg_f32(args, FWD_X), xn,
-                     work.unsafe_offset(wk.o_hg), work.unsafe_offset(wk.o_u),
-                     work.unsafe_offset(wk.o_dbc), work.unsafe_offset(wk.o_dl),
-                     work.unsafe_offset(wk.o_yg))
-    ch.lens = arg_int(args, FWD_LENGTHS)
-    ch.win_in = work.unsafe_offset(wk.o_win)  # the state lives in the workspace
-    ch.win_out = ch.win_in
-    ch.h_in = work.unsafe_offset(wk.o_ht)
-    ch.h_out = ch.h_in
+    var win = work.unsafe_offset(wk.o_win)  # the state lives in the workspace
+    var ht = work.unsafe_offset(wk.o_ht)
+    var ch = M1Chunk(b=b, nc=nc, t0=t0, l=arg_int(args, FWD_L), x=arg_f32(args, FWD_X),
+                     lens=arg_int(args, FWD_LENGTHS), xn=xn, hg=work.unsafe_offset(wk.o_hg),
+                     u=work.unsafe_offset(wk.o_u), dbc=work.unsafe_offset(wk.o_dbc),
+                     dl=work.unsafe_offset(wk.o_dl), yg=work.unsafe_offset(wk.o_yg),
+                     win_in=win, win_out=win, h_in=ht, h_out=ht,
+                     pre=xn, dbc_raw=xn, v=xn, y=xn, hs=xn, hs_tokens=0)  # no RUN_B arrays
     m1_stage[RUN_FWD](dims, blob, ch, stage, task)
 
 

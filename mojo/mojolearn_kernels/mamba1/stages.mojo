@@ -47,11 +47,13 @@ comptime RUN_A = 1  # backward pass A: the state at the next chunk start
 comptime RUN_B = 2  # backward pass B: the outputs, and pre, v, y, hs
 
 
+@fieldwise_init
 struct M1Chunk(ImplicitlyCopyable):
     """Where one chunk's stages read and write. Row arrays start at the
     chunk's first row, rows b-major (row = bb * nc + j); state arrays are
-    per batch row, in the kernel's layouts. Pointers a run kind does not
-    use stay at xn (a Pointer is never null)."""
+    per batch row, in the kernel's layouts. A Pointer is never null: those
+    a run kind neither reads nor writes may point anywhere (the forward
+    passes xn)."""
     var b: Int
     var nc: Int  # tokens of the chunk, per row
     var t0: Int  # index in x of the chunk's first token
@@ -74,32 +76,6 @@ struct M1Chunk(ImplicitlyCopyable):
     var y: F32Ptr  # RUN_B: (B nc, di) scan output before the gate
     var hs: F32Ptr  # RUN_B: (B, nblk, hs_tokens, 16, 16) h after each token
     var hs_tokens: Int
-
-    def __init__(out self, b: Int, nc: Int, t0: Int, l: Int, x: F32Ptr, xn: F32Ptr,
-                 hg: F32Ptr, u: F32Ptr, dbc: F32Ptr, dl: F32Ptr, yg: F32Ptr):
-        var unused = xn
-        self.b = b
-        self.nc = nc
-        self.t0 = t0
-        self.l = l
-        self.x = x
-        self.lens = 0
-        self.xn = xn
-        self.hg = hg
-        self.u = u
-        self.dbc = dbc
-        self.dl = dl
-        self.yg = yg
-        self.win_in = unused
-        self.win_out = unused
-        self.h_in = unused
-        self.h_out = unused
-        self.pre = unused
-        self.dbc_raw = unused
-        self.v = unused
-        self.y = unused
-        self.hs = unused
-        self.hs_tokens = 0
 
 
 @always_inline

@@ -151,6 +151,19 @@ def _init_row(args: I64Ptr, bw: BW2, bb: Int):
         init_state_row(args, bw, bb)
 
 
+@always_inline
+def _proj_vjp(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, task: Int, rows: Int, o_dy: Int,
+              ny: Int, o_panels: Int, o_dx: Int, o_x: Int, nx: Int, gw_slot: Int):
+    """Task `task` of one projection's backward over the chunk's token rows:
+    dy, dx and x (nx wide) in the workspace, W^T's panels at o_panels in
+    BW_PANELS, dW in argument slot gw_slot (from +0.0 in the first chunk
+    pass B runs, the last one; accumulated in the others)."""
+    linear_vjp_task(task, work.unsafe_offset(o_dy), ny, rows,
+                    arg_f32(args, BW_PANELS).unsafe_offset(o_panels), nx,
+                    work.unsafe_offset(o_dx), nx, work.unsafe_offset(o_x), nx,
+                    arg_f32(args, gw_slot), c < bw.nch - 1)
+
+
 def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     var dims = bw.dims
     var b = bw.b
@@ -198,10 +211,8 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
                             blob.unsafe_offset(dims.o_gnorm + g * gs), work.unsafe_offset(bw.o_g + o))
     elif stage == S_OUT:
         # dg = gout W_out on W_out^T's panels (made once per block); dW_out += gout^T g
-        linear_vjp_task(task, work.unsafe_offset(bw.o_gch), d, rows,
-                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o2), di,
-                        work.unsafe_offset(bw.o_dg), di, work.unsafe_offset(bw.o_g), di,
-                        arg_f32(args, BW_G_OUT), c < bw.nch - 1)
+        _proj_vjp(args, bw, work, c, task, rows, bw.o_gch, d, TPanels(npj, d, d, di).o2,
+                  bw.o_dg, bw.o_g, di, BW_G_OUT)
     elif stage == S_GATE:
         _gate_backward(bw, work, blob, c, task)
     elif stage == S_SSD1:
@@ -217,10 +228,8 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
         _conv_backward(args, bw, work, blob, c, task)
     elif stage == S_INB:
         # dxn = dzx W_in on W_in^T's panels; dW_in += dzx^T xn
-        linear_vjp_task(task, work.unsafe_offset(bw.o_dzx), npj, rows,
-                        arg_f32(args, BW_PANELS).unsafe_offset(TPanels(npj, d, d, di).o1), d,
-                        work.unsafe_offset(bw.o_dxn), d, work.unsafe_offset(bw.o_xn), d,
-                        arg_f32(args, BW_G_IN), c < bw.nch - 1)
+        _proj_vjp(args, bw, work, c, task, rows, bw.o_dzx, npj, TPanels(npj, d, d, di).o1,
+                  bw.o_dxn, bw.o_xn, d, BW_G_IN)
     elif stage == S_NORMB:
         _norm_backward(args, bw, work, blob, c, task)
     else:
@@ -280,22 +289,19 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
     var di = dims.di
     var npj = dims.npj
     var b = bw.b
-    var nc = bw.nc(c)
-    var nt = bw.nt(c)
-    var s0 = bw.s0(c)
-    var t0 = bw.tok0(c)
+    var ck = bw.chunk(c)
     var gcw = arg_f32(args, BW_G_CONVW)
     var gcb = arg_f32(args, BW_G_CONVB)
     var c0 = task * CH_PER_TASK
     var cot_bx = bw.last_open(c) and bw.has(args, BW_C_BX)
     var ch = c0
     while ch < c0 + CH_PER_TASK:
-        for r in range(b * nt):  # token rows
-            var o = bw.o_dcx + ((r // nt) * nc + s0 + r % nt) * cd + ch
-            var op = bw.o_pre + ((r // nt) * nc + s0 + r % nt) * cd + ch
+        for r in range(b * ck.nt):  # token rows
+            var o = bw.o_dcx + ((r // ck.nt) * ck.nc + ck.s0 + r % ck.nt) * cd + ch
+            var op = bw.o_pre + ((r // ck.nt) * ck.nc + ck.s0 + r % ck.nt) * cd + ch
             var dc = work.unsafe_load[width=LANES](o)
             if cot_bx:
-                dc = dc + open_cot(args, bw, c, r // nt, s0 + r % nt, ch)
+                dc = dc + open_cot(args, bw, c, r // ck.nt, ck.s0 + r % ck.nt, ch)
             work.unsafe_store(o, dc * silu_grad_f32[LANES](work.unsafe_load[width=LANES](op)))
         var w = Array[LV, KCONV](fill=LV(0.0))
         var gw = Array[LV, KCONV](fill=LV(0.0))
@@ -306,16 +312,16 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
         var gb = gcb.unsafe_load[width=LANES](ch)
         for bb in range(b):
             var carry = work.unsafe_offset(bw.o_dpc + bb * 3 * cd + ch)
-            var base = bb * nc + s0  # dpre of token j: scan row base + j
-            var tbase = bb * nt  # token rows
-            for j in range(nt):
-                var acc = window_cot(args, bw, bb, ch, t0 + j)
+            var base = bb * ck.nc + ck.s0  # dpre of token j: scan row base + j
+            var tbase = bb * ck.nt  # token rows
+            for j in range(ck.nt):
+                var acc = window_cot(args, bw, bb, ch, ck.t0 + j)
                 comptime for m in range(KCONV):
                     var src: LV
-                    if j + m < nt:
+                    if j + m < ck.nt:
                         src = work.unsafe_load[width=LANES](bw.o_dcx + (base + j + m) * cd + ch)
                     else:
-                        src = carry.unsafe_load[width=LANES]((j + m - nt) * cd)
+                        src = carry.unsafe_load[width=LANES]((j + m - ck.nt) * cd)
                     acc = w[KCONV - 1 - m].fma(src, acc)
                 work.unsafe_store(bw.o_dzx + (tbase + j) * npj + di + ch, acc)
                 var g = work.unsafe_load[width=LANES](bw.o_dcx + (base + j) * cd + ch)
@@ -330,10 +336,10 @@ def _conv_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, ta
                 gb = gb + g
             var nw = Array[LV, 3](fill=LV(0.0))
             comptime for m in range(3):
-                if m < nt:
+                if m < ck.nt:
                     nw[m] = work.unsafe_load[width=LANES](bw.o_dcx + (base + m) * cd + ch)
                 else:
-                    nw[m] = carry.unsafe_load[width=LANES]((m - nt) * cd)
+                    nw[m] = carry.unsafe_load[width=LANES]((m - ck.nt) * cd)
             comptime for m in range(3):
                 carry.unsafe_store(m * cd, nw[m])
             if c == 0 and bw.stated:

@@ -70,6 +70,16 @@ comptime NBS = 14
 comptime NAS = 4
 
 
+@fieldwise_init
+struct M2Chunk(ImplicitlyCopyable):
+    """Rows of one chunk (BW2.chunk): s0 state rows, then nt tokens from
+    token t0 of x; nc = s0 + nt."""
+    var s0: Int
+    var nt: Int
+    var nc: Int
+    var t0: Int
+
+
 struct BW2(ImplicitlyCopyable):
     """Sizes and workspace layout (floats) of one backward call."""
     var dims: M2Dims
@@ -185,6 +195,16 @@ struct BW2(ImplicitlyCopyable):
         bb * nc + j; token arrays (xn, zx, y, dy, dzx, ...) hold only the
         tokens, bb * nt + t (row j = s0 + t)."""
         return self.s0(c) + self.nt(c)
+
+    def chunk(self, c: Int) -> M2Chunk:
+        """Chunk c's rows (tok0, s0, nt, nc)."""
+        return M2Chunk(self.s0(c), self.nt(c), self.nc(c), self.tok0(c))
+
+    def fold_terms(self, args: I64Ptr, c: Int) -> Bool:
+        """May dh at the end of chunk c be nonzero (not the last chunk, or a
+        full last chunk with the final h's cotangent)? Then its h_end terms
+        run."""
+        return c < self.nch - 1 or (self.has(args, BW_C_H) and not self.last_open(c))
 
     def last_open(self, c: Int) -> Bool:
         """Is chunk c the final state's open chunk (the last chunk, not

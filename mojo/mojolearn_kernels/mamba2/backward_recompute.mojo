@@ -34,9 +34,8 @@ def _norm_rows(args: I64Ptr, bw: BW2, c: Int, task: Int, is_b: Bool):
     grad_output there are never read), as in the forward."""
     var d = bw.dims.d
     var l = bw.l
-    var nt = bw.nt(c)
-    var t0 = bw.tok0(c)
-    var rows = bw.b * nt
+    var ck = bw.chunk(c)
+    var rows = bw.b * ck.nt
     var x = arg_f32(args, BW_X)
     var g = arg_f32(args, BW_G)
     var work = arg_f32(args, BW_WORK)
@@ -45,10 +44,10 @@ def _norm_rows(args: I64Ptr, bw: BW2, c: Int, task: Int, is_b: Bool):
     var r1 = min(rows + 3 * bw.b, r0 + ROWS_PER_TASK)
     for r in range(r0, r1):
         if r < rows:
-            var t = t0 + r % nt
-            var off = ((r // nt) * l + t) * d
+            var t = ck.t0 + r % ck.nt
+            var off = ((r // ck.nt) * l + t) * d
             var dst = work.unsafe_offset(bw.o_xn + r * d)
-            var pad = bw.pad(r // nt, t)
+            var pad = bw.pad(r // ck.nt, t)
             if pad:
                 for j in range(d):
                     dst[unsafe_offset=j] = 0.0
@@ -59,7 +58,7 @@ def _norm_rows(args: I64Ptr, bw: BW2, c: Int, task: Int, is_b: Bool):
                     work[unsafe_offset=bw.o_gch + r * d + j] = 0.0 if pad else g[unsafe_offset=off + j]
         else:
             var q = r - rows
-            var t = t0 - 3 + q % 3
+            var t = ck.t0 - 3 + q % 3
             var dst = work.unsafe_offset(bw.o_xnp + q * d)
             if t < 0 or bw.pad(q // 3, t):
                 for j in range(d):
@@ -77,18 +76,16 @@ def _conv_fwd(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, task: I
     var dims = bw.dims
     var cd = dims.cd
     var npj = dims.npj
-    var nc = bw.nc(c)
-    var nt = bw.nt(c)
-    var s0 = bw.s0(c)
+    var ck = bw.chunk(c)
     var c0 = task * CH_PER_TASK
     for bb in range(bw.b):
         state_rows_in(args, bw, work, c, bb, c0)
         var prev = work.unsafe_offset(bw.o_zxp + bb * 3 * npj + dims.di)
         conv_silu[True](prev.unsafe_offset(-npj), npj,
-                        work.unsafe_offset(bw.o_zx + bb * nt * npj + dims.di), npj, nt,
+                        work.unsafe_offset(bw.o_zx + bb * ck.nt * npj + dims.di), npj, ck.nt,
                         blob.unsafe_offset(dims.o_convw), cd, blob.unsafe_offset(dims.o_convb),
-                        c0, c0 + CH_PER_TASK, work.unsafe_offset(bw.o_cx + (bb * nc + s0) * cd), cd,
-                        prev, False, work.unsafe_offset(bw.o_pre + (bb * nc + s0) * cd))
+                        c0, c0 + CH_PER_TASK, work.unsafe_offset(bw.o_cx + (bb * ck.nc + ck.s0) * cd), cd,
+                        prev, False, work.unsafe_offset(bw.o_pre + (bb * ck.nc + ck.s0) * cd))
 
 
 def _dt_rows(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int):
@@ -98,9 +95,7 @@ def _dt_rows(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int,
     State rows read the start state's buffer_dtraw; rows past the chunk
     are zero."""
     var dims = bw.dims
-    var nc = bw.nc(c)
-    var s0 = bw.s0(c)
-    var nt = bw.nt(c)
+    var ck = bw.chunk(c)
     var bd = arg_f32(args, BW_S_BD)
     var has_bd = bw.has(args, BW_S_BD)
     var a = blob[unsafe_offset=dims.o_a + hh]
@@ -111,10 +106,11 @@ def _dt_rows(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int,
     for j in range(Q):
         var dt: Float32 = 0.0
         var sg: Float32 = 0.0
-        if j < nc:
+        if j < ck.nc:
             var raw: Float32 = 0.0
-            if j >= s0:
-                raw = work[unsafe_offset=bw.o_zx + (bb * nt + j - s0) * dims.npj + dims.di + dims.cd + hh]
+            if j >= ck.s0:
+                raw = work[unsafe_offset=bw.o_zx + (bb * ck.nt + j - ck.s0) * dims.npj + dims.di
+                           + dims.cd + hh]
             elif has_bd:
                 raw = bd[unsafe_offset=(bb * Q + j) * dims.nh + hh]
             var v = raw + bias
@@ -157,9 +153,7 @@ def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task
     chunk's tokens (ssd_tiles.ssd_rows, from h^T of the checkpoint)."""
     var dims = bw.dims
     var di = dims.di
-    var nc = bw.nc(c)
-    var s0 = bw.s0(c)
-    var nt = bw.nt(c)
+    var ck = bw.chunk(c)
     var scr = work.unsafe_offset(bw.o_scr + task * SCR)
     var ht = scr.unsafe_offset(2 * Q)
     var h0 = work.unsafe_offset(bw.o_ckh + ((c * bw.b + bb) * dims.nh + hh) * P * N)
@@ -167,13 +161,13 @@ def _ssd_fwd(bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int, bb: Int, hh: Int, task
         for n in range(N):
             ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
     var g = dims.group(hh)
-    var xr = _xrows(bw, work, bb, nc, g)
+    var xr = _xrows(bw, work, bb, ck.nc, g)
     var dskip = LV(blob[unsafe_offset=dims.o_dskip + hh])
-    var r = bb * nt  # token rows from s0 (state rows have no output)
+    var r = bb * ck.nt  # token rows from s0 (state rows have no output)
     var o = r * di + hh * P
-    ssd_rows[True](xr, di, hh, s0, nc, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
+    ssd_rows[True](xr, di, hh, ck.s0, ck.nc, work.unsafe_offset(bw.o_da + bw.hq(bb, hh)),
                    work.unsafe_offset(bw.o_dt + bw.hq(bb, hh)),
-                   work.unsafe_offset(bw.o_cb + bw.qq(g, bb) + s0 * Q), ht, dskip,
+                   work.unsafe_offset(bw.o_cb + bw.qq(g, bb) + ck.s0 * Q), ht, dskip,
                    work.unsafe_offset(bw.o_zx + r * dims.npj + hh * P), dims.npj,
                    work.unsafe_offset(bw.o_yg + o), work.unsafe_offset(bw.o_y + o),
                    scr.unsafe_offset(2 * Q + N * P))

@@ -70,13 +70,10 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
     var nh = dims.nh
     var npj = dims.npj
     var cd = dims.cd
-    var nc = bw.nc(c)
-    var nt = bw.nt(c)
-    var s0 = bw.s0(c)
-    var last = c == bw.nch - 1
+    var ck = bw.chunk(c)
     var open_last = bw.last_open(c)
     var cot_h = bw.has(args, BW_C_H)
-    var fold_terms = not last or (cot_h and not open_last)
+    var fold_terms = bw.fold_terms(args, c)
     var hs = bw.b * nh * P * N
     var scr = work.unsafe_offset(bw.o_scr + task * SCR)
     var dxacc = scr  # (Q, P)
@@ -102,14 +99,14 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
     var da = work.unsafe_offset(bw.o_da + o)
     var a = blob[unsafe_offset=dims.o_a + hh]
     var dskip = blob[unsafe_offset=dims.o_dskip + hh]
-    for kz in range(nc * P):
+    for kz in range(ck.nc * P):
         dxacc[unsafe_offset=kz] = 0.0
     for j in range(Q):
         ddt[unsafe_offset=j] = 0.0
         dda[unsafe_offset=j] = 0.0
     # dh0 starts as exp(S_last(-1)) dh_end (the open last chunk: the final
     # h's cotangent, the final h being h0)
-    var elt = exp_f32[1](seg_row(da, nc - 1, seg))
+    var elt = exp_f32[1](seg_row(da, ck.nc - 1, seg))
     var k = 0
     if open_last and cot_h:
         var ch = arg_f32(args, BW_C_H).unsafe_offset(off_h)
@@ -123,8 +120,8 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
     for p in range(P):
         for n in range(N):
             ht[unsafe_offset=n * P + p] = h0[unsafe_offset=p * N + n]
-    for i in range(s0, nc):
-        var r = bb * nt + i - s0
+    for i in range(ck.s0, ck.nc):
+        var r = bb * ck.nt + i - ck.s0
         var ci = seg_row(da, i, seg)
         var eo = exp_f32[1](ci)
         work[unsafe_offset=bw.o_eoff + o + i] = eo
@@ -140,7 +137,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
         comptime for q in range(4):
             dyv[q] = dyp.unsafe_load[width=LANES](q * LANES)
         for j in range(i + 1):
-            var xj = _cx(bw, work, bb, nc, j).unsafe_offset(hh * P)
+            var xj = _cx(bw, work, bb, ck.nc, j).unsafe_offset(hh * P)
             var g = _dot_tree(dyp, xj)
             var uj = urow[unsafe_offset=j]
             var ac = dxacc.unsafe_offset(j * P)
@@ -149,7 +146,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             ddt[unsafe_offset=j] = wrow[unsafe_offset=j].fma(g, ddt[unsafe_offset=j])
             trow[unsafe_offset=j] = uj * g
         # Yoff: yo[p] = C_i . h0[p]; T_i,-1 = e_i * (dy_i . yo)
-        var crow = _cx(bw, work, bb, nc, i).unsafe_offset(ccol)
+        var crow = _cx(bw, work, bb, ck.nc, i).unsafe_offset(ccol)
         _row_times_ht(crow, ht, yo)
         var racc = eo * _dot_tree(dyp, yo)
         dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
@@ -166,7 +163,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             comptime for q in range(N // LANES):
                 tp.unsafe_store(q * LANES, coef.fma(cv[q], tp.unsafe_load[width=LANES](q * LANES)))
     if fold_terms:  # h_end = fold of this (full) chunk; dh_end is nonzero
-        var total = seg_row(da, nc - 1, seg)
+        var total = seg_row(da, ck.nc - 1, seg)
         for p in range(P):
             for n in range(N):
                 ht[unsafe_offset=n * P + p] = dhe[unsafe_offset=p * N + n]
@@ -174,11 +171,11 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
         for kk in range(P * N):
             sacc = dhe[unsafe_offset=kk].fma(h0[unsafe_offset=kk], sacc)
         var racc = exp_f32[1](total) * sacc
-        for j in range(nc):
+        for j in range(ck.nc):
             var el = exp_f32[1](seg[unsafe_offset=j])
             var eld = el * dts[unsafe_offset=j]
             work[unsafe_offset=bw.o_elast + o + j] = eld
-            var row = _cx(bw, work, bb, nc, j)
+            var row = _cx(bw, work, bb, ck.nc, j)
             _row_times_ht(row.unsafe_offset(bcol), ht, yo)
             var xj = row.unsafe_offset(hh * P)
             var sxq = _dot_tree(xj, yo)
@@ -189,16 +186,16 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             ddt[unsafe_offset=j] = el.fma(sxq, ddt[unsafe_offset=j])
             trow[unsafe_offset=j] = eld * sxq
         dda[unsafe_offset=0] = dda[unsafe_offset=0] + racc
-        for kk in range(1, nc):
+        for kk in range(1, ck.nc):
             racc = racc + trow[unsafe_offset=kk - 1]
             dda[unsafe_offset=kk] = dda[unsafe_offset=kk] + racc
     # finish: dx, d dtraw, column-sum terms
     var sg = work.unsafe_offset(bw.o_sg + o)
     var cot_bd = open_last and bw.has(args, BW_C_BD)
     var gsbd = arg_f32(args, BW_GS_BD)
-    for j in range(nc):
-        var r = bb * nc + j  # (scan row)
-        var xj = _cx(bw, work, bb, nc, j).unsafe_offset(hh * P)
+    for j in range(ck.nc):
+        var r = bb * ck.nc + j  # (scan row)
+        var xj = _cx(bw, work, bb, ck.nc, j).unsafe_offset(hh * P)
         var ac = dxacc.unsafe_offset(j * P)
         var dtot = a.fma(dda[unsafe_offset=j], ddt[unsafe_offset=j])
         var dv = dtot * sg[unsafe_offset=j]
@@ -207,14 +204,14 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             dvo = dv + arg_f32(args, BW_C_BD)[unsafe_offset=(bb * Q + j) * nh + hh]
         work[unsafe_offset=bw.o_pdtb + o + j] = dv
         work[unsafe_offset=bw.o_pa + o + j] = dda[unsafe_offset=j] * dts[unsafe_offset=j]
-        if j < s0:  # a state row: no output, no D term
+        if j < ck.s0:  # a state row: no output, no D term
             comptime for q in range(4):
                 work.unsafe_store(bw.o_dcx + r * cd + hh * P + q * LANES,
                                   ac.unsafe_load[width=LANES](q * LANES))
             gsbd[unsafe_offset=(bb * Q + j) * nh + hh] = dvo
             work[unsafe_offset=bw.o_pd + o + j] = 0.0
             continue
-        var rt = bb * nt + j - s0  # (token row)
+        var rt = bb * ck.nt + j - ck.s0  # (token row)
         var dyp = work.unsafe_offset(bw.o_dy + rt * di + hh * P)
         comptime for q in range(4):
             work.unsafe_store(bw.o_dcx + r * cd + hh * P + q * LANES,
@@ -225,7 +222,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
     # the chunk's terms of d dt_bias, dA, dD: a pairwise tree over the Q
     # token slots (slot j + slot j + w for w = 128, 64, ..., 1; slots past
     # the chunk are +0.0), left in slot 0
-    for j in range(nc, Q):
+    for j in range(ck.nc, Q):
         work[unsafe_offset=bw.o_pdtb + o + j] = 0.0
         work[unsafe_offset=bw.o_pa + o + j] = 0.0
         work[unsafe_offset=bw.o_pd + o + j] = 0.0
@@ -246,7 +243,7 @@ def ssd_head_backward(args: I64Ptr, bw: BW2, work: F32Ptr, blob: F32Ptr, c: Int,
             dst.unsafe_store(k, dh0.unsafe_load[width=LANES](k))
             k += LANES
     if c == 0 and bw.stated:  # state.buffer_dtraw rows past n0: +0.0
-        for j in range(s0, Q):
+        for j in range(ck.s0, Q):
             gsbd[unsafe_offset=(bb * Q + j) * nh + hh] = 0.0
 
 
@@ -256,14 +253,14 @@ def dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
     _dot_tree(dy_i, x_j)."""
     var dims = bw.dims
     var di = dims.di
-    var nc = bw.nc(c)
-    var s0 = bw.s0(c)
+    var ck = bw.chunk(c)
     var seg = work.unsafe_offset(bw.o_scr2 + t * Q)
     # token rows i only (a state row has no output: its dCB row is zero)
     for g in range(dims.ng):
         var dcb = work.unsafe_offset(bw.o_dcb + bw.qq(g, bb))
-        for i in range(max(s0, rb * ROWS_PER_TASK), min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-            var r = bb * bw.nt(c) + i - s0
+        for i in range(max(ck.s0, rb * ROWS_PER_TASK),
+                       min(ck.nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+            var r = bb * ck.nt + i - ck.s0
             for j in range(i + 1):
                 dcb[unsafe_offset=i * Q + j] = 0.0
             for hh in range(g * dims.hpg, (g + 1) * dims.hpg):
@@ -271,7 +268,7 @@ def dcb_rows(bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int, t: Int):
                 _ = seg_row(work.unsafe_offset(bw.o_da + o), i, seg)
                 var dyp = work.unsafe_offset(bw.o_dy + r * di + hh * P)
                 for j in range(i + 1):
-                    var gij = _dot_tree(dyp, _cx(bw, work, bb, nc, j).unsafe_offset(hh * P))
+                    var gij = _dot_tree(dyp, _cx(bw, work, bb, ck.nc, j).unsafe_offset(hh * P))
                     var e = exp_f32[1](seg[unsafe_offset=j])
                     dcb[unsafe_offset=i * Q + j] = dcb[unsafe_offset=i * Q + j] + (
                         (gij * e) * work[unsafe_offset=bw.o_dt + o + j])
@@ -307,10 +304,8 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
     var di = dims.di
     var cd = dims.cd
     var nh = dims.nh
-    var nc = bw.nc(c)
-    var s0 = bw.s0(c)
-    var last = c == bw.nch - 1
-    var fold_terms = not last or (bw.has(args, BW_C_H) and not bw.last_open(c))
+    var ck = bw.chunk(c)
+    var fold_terms = bw.fold_terms(args, c)
     var hs = bw.b * nh * P * N
     for g in range(dims.ng):
         var dcb = work.unsafe_offset(bw.o_dcb + bw.qq(g, bb))
@@ -318,26 +313,26 @@ def dbc_rows(args: I64Ptr, bw: BW2, work: F32Ptr, c: Int, bb: Int, rb: Int):
         var ccol = dims.ccol(g)
         var h_lo = g * dims.hpg
         var h_hi = h_lo + dims.hpg
-        for i in range(rb * ROWS_PER_TASK, min(nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
-            var r = bb * nc + i  # (scan row)
-            var row = _cx(bw, work, bb, nc, i)
+        for i in range(rb * ROWS_PER_TASK, min(ck.nc, rb * ROWS_PER_TASK + ROWS_PER_TASK)):
+            var r = bb * ck.nc + i  # (scan row)
+            var row = _cx(bw, work, bb, ck.nc, i)
             var acc = Array[LV, NV](fill=LV(0.0))  # dC_i (+0.0 for a state row)
-            if i >= s0:
+            if i >= ck.s0:
                 for j in range(i + 1):
                     var s = LV(dcb[unsafe_offset=i * Q + j])
-                    var br = _cx(bw, work, bb, nc, j).unsafe_offset(bcol)
+                    var br = _cx(bw, work, bb, ck.nc, j).unsafe_offset(bcol)
                     comptime for q in range(NV):
                         acc[q] = s.fma(br.unsafe_load[width=LANES](q * LANES), acc[q])
                 for hh in range(h_lo, h_hi):
                     var h0 = work.unsafe_offset(bw.o_ckh + c * hs + (bb * nh + hh) * P * N)
-                    var dyp = work.unsafe_offset(bw.o_dy + (bb * bw.nt(c) + i - s0) * di + hh * P)
+                    var dyp = work.unsafe_offset(bw.o_dy + (bb * ck.nt + i - ck.s0) * di + hh * P)
                     _add_head_term(work[unsafe_offset=bw.o_eoff + bw.hq(bb, hh) + i], dyp, h0, acc)
             comptime for q in range(NV):
                 work.unsafe_store(bw.o_dcx + r * cd + ccol + q * LANES, acc[q])
             var bacc = Array[LV, NV](fill=LV(0.0))
-            for i2 in range(max(i, s0), nc):
+            for i2 in range(max(i, ck.s0), ck.nc):
                 var s = LV(dcb[unsafe_offset=i2 * Q + i])
-                var cr = _cx(bw, work, bb, nc, i2).unsafe_offset(ccol)
+                var cr = _cx(bw, work, bb, ck.nc, i2).unsafe_offset(ccol)
                 comptime for q in range(NV):
                     bacc[q] = s.fma(cr.unsafe_load[width=LANES](q * LANES), bacc[q])
             if fold_terms:

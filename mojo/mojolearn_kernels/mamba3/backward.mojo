@@ -47,7 +47,8 @@ from .stages import norm_rows, bc_norm_rows
 from .backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_G_NORM, BW_G_IN, BW_G_DTB, BW_G_BNW,
     BW_G_CNW, BW_G_BB, BW_G_CB, BW_G_D, BW_G_OUT, BW_PANELS, BW_N0, BW_PENDING, BW_STATED,
-    BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV, BW_C_THETA, ROWS_PER_TASK, A_NORM, A_INPROJ,
+    BW_LENGTHS, BW_S_THETA, BW_S_H, BW_S_PK, BW_S_PV, BW_C_THETA, ROWS_PER_TASK, task_rows,
+    A_NORM, A_INPROJ,
     A_BCNORM, A_SCAN, A_KEEP, NA, F_NORM, F_INPROJ, F_BCNORM, S_FWD, B_OUT, B_SCAN, B_RED, B_INPROJ,
     B_NORM, B_NORMW, NB, BW3,
 )
@@ -243,14 +244,13 @@ def _norm_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nr: Int, task: Int,
     var work = arg_f32(args, BW_WORK)
     var xn = work.unsafe_offset(wk.o_xn)
     var gch = work.unsafe_offset(wk.o_gch)
-    var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
+    var rt = task_rows(task, wk.b * nr)
     var t0 = wk.tok0(c)
     var lens = arg_int(args, BW_LENGTHS)
     if norm:  # the forward's (stages.mojo; ragged: padding rows +0.0, as there)
-        norm_rows(x, l, d, t0, nr, r0, r1, blob.unsafe_offset(dims.o_norm), xn, lens)
+        norm_rows(x, l, d, t0, nr, rt.r0, rt.r1, blob.unsafe_offset(dims.o_norm), xn, lens)
     if copy_g:
-        for r in range(r0, r1):
+        for r in range(rt.r0, rt.r1):
             var bb = r // nr
             if lens != 0 and t0 + r % nr >= Int(I64Ptr(unsafe_from_address=lens)[
                     unsafe_offset=bb]):
@@ -288,12 +288,11 @@ def _keep_rows(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, task: Int):
     var d = dims.d
     var npj = dims.np
     var nt = wk.chunk_tokens(c)
-    var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nt, r0 + ROWS_PER_TASK)
+    var rt = task_rows(task, wk.b * nt)
     var kx = wk.keep_xn(c, d)
     var kp = wk.keep_proj(c)
     var kb = wk.keep_bcn(c)
-    for r in range(r0, r1):
+    for r in range(rt.r0, rt.r1):
         var src = (r // nt) * (nt + 1) + r % nt
         copy_floats(work.unsafe_offset(wk.o_xn + src * d), work.unsafe_offset(kx + r * d), d)
         copy_floats(work.unsafe_offset(wk.o_proj + src * npj),
@@ -307,33 +306,45 @@ def _bcnorm(args: I64Ptr, dims: M3Dims, wk: BW3, nr: Int, task: Int):
     var blob = arg_f32(args, BW_BLOB)
     var proj = work.unsafe_offset(wk.o_proj)
     var bcn = work.unsafe_offset(wk.o_bcn)
-    var r0 = task * ROWS_PER_TASK
-    var r1 = min(wk.b * nr, r0 + ROWS_PER_TASK)
-    bc_norm_rows(proj, dims.np, dims.c_b, dims.c_c, r0, r1, blob.unsafe_offset(dims.o_bnw),
-                 blob.unsafe_offset(dims.o_cnw), bcn, 2 * NST, 0, NST)  # the forward's
+    var rt = task_rows(task, wk.b * nr)
+    bc_norm_rows(proj, dims.np, dims.c_b, dims.c_c, rt.r0, rt.r1,
+                 blob.unsafe_offset(dims.o_bnw), blob.unsafe_offset(dims.o_cnw), bcn, 2 * NST, 0,
+                 NST)  # the forward's
 
 
 # ------------------------------------------------------------ per (row, head) recompute
 
 
-def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
+@always_inline
+def _proj_vjp(args: I64Ptr, wk: BW3, c: Int, rows: Int, task: Int, o_dy: Int, ny: Int,
+              o_panels: Int, o_dx: Int, nx: Int, o_sdy: Int, o_sx: Int, o_x: Int, gw_slot: Int):
+    """Task `task` of one projection's backward (y = W x, W (ny, nx)) over
+    the chunk's rows: the first matmul_ntasks(rows, nx) tasks dx[r, i] =
+    sum_j dy[r, j] W[j, i] on W^T's panels at o_panels in BW_PANELS; the
+    others dW[j, i] += sum_r dy[r, j] x[r, i] into slot gw_slot, deferred:
+    all B L rows at once from the store (o_sdy, o_sx; chunk 0, the last
+    processed), else this chunk's rows (o_dy, o_x), from +0.0 in the first
+    chunk pass B runs. dy, dx, x: workspace offsets."""
     var work = arg_f32(args, BW_WORK)
-    var rows = wk.b * nc
-    var d = dims.d
-    var di = dims.di
-    var n1 = matmul_ntasks(rows, di)
-    if task < n1:  # do[r, c] = sum_o g[r, o] W_out[o, c]
-        var wt = arg_f32(args, BW_PANELS).unsafe_offset(_panels(dims).o2)
-        _ = matmul_task(task, work.unsafe_offset(wk.o_gch), d, rows, wt, d, di,
-                        work.unsafe_offset(wk.o_do), di)
-    elif wk.defer:  # all B L rows at once (chunk 0, the last processed)
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_sgc), 1, d,
-                      work.unsafe_offset(wk.o_so), di, wk.b * wk.l,
-                      arg_f32(args, BW_G_OUT), di, d, di, False)
-    else:  # dW_out[o, c] += sum_r g[r, o] o[r, c]
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_gch), 1, d,
-                      work.unsafe_offset(wk.o_o), di, rows,
-                      arg_f32(args, BW_G_OUT), di, d, di, c < wk.nchunks - 1)
+    var n1 = matmul_ntasks(rows, nx)
+    if task < n1:
+        var wt = arg_f32(args, BW_PANELS).unsafe_offset(o_panels)
+        _ = matmul_task(task, work.unsafe_offset(o_dy), ny, rows, wt, ny, nx,
+                        work.unsafe_offset(o_dx), nx)
+    elif wk.defer:
+        _ = gemm_task(task - n1, work.unsafe_offset(o_sdy), 1, ny,
+                      work.unsafe_offset(o_sx), nx, wk.b * wk.l,
+                      arg_f32(args, gw_slot), nx, ny, nx, False)
+    else:
+        _ = gemm_task(task - n1, work.unsafe_offset(o_dy), 1, ny,
+                      work.unsafe_offset(o_x), nx, rows,
+                      arg_f32(args, gw_slot), nx, ny, nx, c < wk.nchunks - 1)
+
+
+def _out_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
+    # do = g W_out; dW_out += g^T o
+    _proj_vjp(args, wk, c, wk.b * nc, task, wk.o_gch, dims.d, _panels(dims).o2, wk.o_do,
+              dims.di, wk.o_sgc, wk.o_so, wk.o_o, BW_G_OUT)
 
 
 # ------------------------------------------------------------ reductions
@@ -353,9 +364,8 @@ def _reduce(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     var dproj = work.unsafe_offset(wk.o_dproj)
     if task < nrt:
         var proj = work.unsafe_offset(wk.o_proj)
-        var r0 = task * ROWS_PER_TASK
-        var r1 = min(rows, r0 + ROWS_PER_TASK)
-        for r in range(r0, r1):
+        var rt = task_rows(task, rows)
+        for r in range(rt.r0, rt.r1):
             var dpr = dproj.unsafe_offset(r * npj)
             var pbc = work.unsafe_offset(wk.o_pbc + r * 2 * NST)
             var sr = wk.scan_row(r, nc, s0)
@@ -414,18 +424,9 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
     var npj = dims.np
     var n1 = matmul_ntasks(rows, d)
     var n2 = gemm_ntasks(npj, d) if wk.dw_now(c) else 0
-    if task < n1:  # dxn[r, i] = sum_j dproj[r, j] W_in[j, i]
-        var wt = arg_f32(args, BW_PANELS).unsafe_offset(_panels(dims).o1)
-        _ = matmul_task(task, work.unsafe_offset(wk.o_dproj), npj, rows, wt, npj, d,
-                        work.unsafe_offset(wk.o_dxn), d)
-    elif task < n1 + n2 and wk.defer:  # all B L rows at once (chunk 0)
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_sdp), 1, npj,
-                      work.unsafe_offset(wk.o_sxn), d, wk.b * wk.l,
-                      arg_f32(args, BW_G_IN), d, npj, d, False)
-    elif task < n1 + n2:  # dW_in[j, i] += sum_r dproj[r, j] xn[r, i]
-        _ = gemm_task(task - n1, work.unsafe_offset(wk.o_dproj), 1, npj,
-                      work.unsafe_offset(wk.o_xn), d, rows,
-                      arg_f32(args, BW_G_IN), d, npj, d, c < wk.nchunks - 1)
+    if task < n1 + n2:  # dxn = dproj W_in; dW_in += dproj^T xn
+        _proj_vjp(args, wk, c, rows, task, wk.o_dproj, npj, _panels(dims).o1, wk.o_dxn, d,
+                  wk.o_sdp, wk.o_sxn, wk.o_xn, BW_G_IN)
     else:  # B_norm.weight | C_norm.weight += pbc rows, r ascending
         var q = task - n1 - n2
         var pbc = work.unsafe_offset(wk.o_pbc)
@@ -443,10 +444,9 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
 def _norm_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task: Int):
     """dx = g + RMSNorm VJP of dxn; pn = block norm weight terms."""
     var work = arg_f32(args, BW_WORK)
-    var r0 = task * ROWS_PER_TASK
-    norm_backward_rows(args, wk.l, dims.d, wk.tok0(c), nc, arg_int(args, BW_LENGTHS), r0,
-                       min(wk.b * nc, r0 + ROWS_PER_TASK),
-                       arg_f32(args, BW_BLOB).unsafe_offset(dims.o_norm),
+    var rt = task_rows(task, wk.b * nc)
+    norm_backward_rows(args, wk.l, dims.d, wk.tok0(c), nc, arg_int(args, BW_LENGTHS), rt.r0,
+                       rt.r1, arg_f32(args, BW_BLOB).unsafe_offset(dims.o_norm),
                        work.unsafe_offset(wk.o_dxn), work.unsafe_offset(wk.o_pn))
 
 

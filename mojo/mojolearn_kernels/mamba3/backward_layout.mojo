@@ -66,6 +66,22 @@ comptime BW_NARGS = 53
 
 comptime V16 = SIMD[DType.float32, 16]
 comptime ROWS_PER_TASK = 16
+
+
+@fieldwise_init
+struct RowTask(ImplicitlyCopyable):
+    """Rows [r0, r1) of one row task."""
+    var r0: Int
+    var r1: Int
+
+
+@always_inline
+def task_rows(task: Int, rows: Int) -> RowTask:
+    """Row task `task` of `rows` rows: ROWS_PER_TASK rows (fewer in the
+    last)."""
+    var r0 = task * ROWS_PER_TASK
+    return RowTask(r0, min(rows, r0 + ROWS_PER_TASK))
+
 # Loops over 128 state columns run in NHF passes of HW V16 accumulators:
 # on AVX2 eight V16 (16 ymm) would fill the register file and spill, so two
 # passes of four; AVX-512 has 32 registers, one pass of eight. Per element
