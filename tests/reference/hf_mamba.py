@@ -255,7 +255,11 @@ def _mamba1_block(weights: dict, residual_in_fp32: bool, bcdt_eps=None):
     block.load_state_dict(state, strict=True)
     if bcdt_eps is not None:
         mixer = block.mixer
-        assert mixer.rms_eps == bcdt_eps and mixer.b_layernorm.eps == bcdt_eps
+        # the norm module's eps attribute: variance_epsilon since transformers
+        # 5.25, eps before
+        norm = mixer.b_layernorm
+        norm_eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+        assert mixer.rms_eps == bcdt_eps and norm_eps == bcdt_eps
     for p in block.parameters():
         assert p.dtype == torch.float64
     return block, cfg, d, di
