@@ -21,12 +21,16 @@ unknown tokens are special added tokens (matched in text, dropped by
 ``decode``), user-defined ones plain added tokens (matched in text); unused
 ones (the converter's "[PAD{i}]" fillers up to the model's vocabulary) are
 left out, so their ids decode to nothing, as in the model's tokenizer.json.
+
+The chat template the converter copies from tokenizer_config.json
+(``tokenizer.chat_template``) is read too, for the server's chat endpoint.
 """
 from __future__ import annotations
 
 MODEL, PRE = "tokenizer.ggml.model", "tokenizer.ggml.pre"
 TOKENS, TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
 MERGES = "tokenizer.ggml.merges"
+CHAT_TEMPLATE = "tokenizer.chat_template"  # tokenizer_config.json's, as the converter copies it
 # tokenizer.ggml.pre -> (the normalizer, the split) of the tokenizer it names
 SPLITS = {"gpt-2": (None, "byte-level"), "mpt": ("NFC", "byte-level"),
           "olmo": ("NFC", "byte-level"), "falcon": (None, "falcon")}
@@ -49,6 +53,17 @@ def _need_list(meta, key, kind, path, *, required=True):
     return value
 
 
+def _token_id(meta, key, n, path):
+    """meta[key] as a token id in [0, n), None when absent; ValueError
+    naming the key otherwise."""
+    tid = meta.get(key)
+    if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int)
+                            or not 0 <= tid < n):
+        raise ValueError(f"{path}: metadata key {key} = {tid!r} is not a token id "
+                         f"(0 to {n - 1})")
+    return tid
+
+
 def _special_ids(meta, n, path) -> dict:
     """{"bos"/"eos": id} of the tokens the post-processor adds (add_bos_token
     / add_eos_token true); ValueError naming the key for a bad flag or id."""
@@ -59,11 +74,7 @@ def _special_ids(meta, n, path) -> dict:
             raise ValueError(f"{path}: metadata key tokenizer.ggml.add_{what}_token = {flag!r} "
                              "must be a bool")
         key = f"tokenizer.ggml.{what}_token_id"
-        tid = meta.get(key)
-        if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int)
-                                or not 0 <= tid < n):
-            raise ValueError(f"{path}: metadata key {key} = {tid!r} is not a token id "
-                             f"(0 to {n - 1})")
+        tid = _token_id(meta, key, n, path)
         if flag:
             if tid is None:
                 raise ValueError(f"{path}: metadata key tokenizer.ggml.add_{what}_token is true "
@@ -192,3 +203,24 @@ def _pre_tokenizer(split: str):
     return pt.Sequence([pt.Punctuation(behavior="contiguous"), byte_level,
                         pt.Digits(individual_digits=False),
                         pt.Split(Regex("[0-9][0-9][0-9]"), behavior="isolated", invert=False)])
+
+
+def gguf_chat_template(meta: dict, path):
+    """(template, {"bos_token": text, "eos_token": text}) of the chat template
+    a GGUF file carries (``tokenizer.chat_template``, the default one), the
+    special tokens' texts from ``tokenizer.ggml.bos_token_id`` /
+    ``eos_token_id`` ("" when absent); None when the file has no template.
+    ValueError naming the key for a template that is not a non-empty string
+    or an id that is not one of the file's tokens."""
+    source = meta.get(CHAT_TEMPLATE)
+    if source is None:
+        return None
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"{path}: metadata key {CHAT_TEMPLATE} must be a non-empty string, "
+                         f"got {source!r:.60}")
+    tokens = _need_list(meta, TOKENS, str, path, required=False) or []
+    special = {}
+    for what in ("bos", "eos"):
+        tid = _token_id(meta, f"tokenizer.ggml.{what}_token_id", len(tokens), path)
+        special[f"{what}_token"] = "" if tid is None else tokens[tid]
+    return source, special

@@ -150,10 +150,14 @@ class Server:
         v = self.model.vocab_size
         s = schemas.sampling(body, self.limits, v, chat=chat)
         if chat:
-            if self.chat_template is None or self.tokenizer is None:
-                raise APIError("this model has no chat template (tokenizer_config.json "
-                               "chat_template or chat_template.jinja); use /v1/completions",
+            if self.chat_template is None:
+                raise APIError("this model has no chat template (tokenizer_config.json's "
+                               "chat_template, chat_template.jinja, or a .gguf file's "
+                               "tokenizer.chat_template); use /v1/completions",
                                param="messages", code="no_chat_template")
+            if self.tokenizer is None:
+                raise APIError(f"messages: chat {schemas.NEEDS_TOKENIZER}; use "
+                               "/v1/completions with token ids", param="messages")
             messages = schemas.chat_messages(body)
             try:
                 text = self.chat_template.render(messages)
@@ -165,7 +169,7 @@ class Server:
         else:
             prompt = schemas.completion_prompt(body, self.tokenizer, v, self.limits)
         if s.stop and self.tokenizer is None:
-            raise APIError("stop: stop strings need the model's tokenizer.json", param="stop")
+            raise APIError(f"stop: a stop string {schemas.NEEDS_TOKENIZER}", param="stop")
         return prompt, s
 
     def _submit(self, prompt, s):

@@ -1,6 +1,7 @@
 """Chat templates: the Jinja template a model folder ships for turning
 messages into a prompt (transformers keeps it in tokenizer_config.json's
-``chat_template``, or in chat_template.jinja), rendered in Jinja's sandbox.
+``chat_template``, or in chat_template.jinja; llama.cpp's converter copies it
+into a .gguf file's ``tokenizer.chat_template``), rendered in Jinja's sandbox.
 """
 from __future__ import annotations
 
@@ -41,8 +42,23 @@ def _token_text(v):
 
 
 def load_chat_template(folder) -> ChatTemplate | None:
-    """The folder's chat template, or None when it has none."""
-    folder = Path(folder)
+    """The chat template of a model folder or a llama.cpp .gguf file, or None
+    when it has none.
+
+    A folder: tokenizer_config.json's ``chat_template`` (the default of a
+    list of named ones), else chat_template.jinja. A .gguf file: those of
+    the folder it is in when it has one (as a tokenizer.json beside the file
+    is preferred to the file's tokenizer), else the file's
+    ``tokenizer.chat_template``, its bos/eos token texts from the file's
+    token ids. A malformed template key is a ValueError naming it.
+    """
+    path = Path(folder)
+    if path.suffix == ".gguf" and path.is_file():
+        return _folder_template(path.parent) or _gguf_template(path)
+    return _folder_template(path)
+
+
+def _folder_template(folder: Path) -> ChatTemplate | None:
     config = {}
     path = folder / "tokenizer_config.json"
     if path.is_file():
@@ -57,3 +73,10 @@ def load_chat_template(folder) -> ChatTemplate | None:
         return None
     special = {k: _token_text(config.get(k)) or "" for k in ("bos_token", "eos_token")}
     return ChatTemplate(source, special)
+
+
+def _gguf_template(path: Path) -> ChatTemplate | None:
+    from .._gguf_tokenizer import gguf_chat_template
+    from ..gguf import read_gguf
+    found = gguf_chat_template(read_gguf(path).metadata, path)
+    return None if found is None else ChatTemplate(*found)

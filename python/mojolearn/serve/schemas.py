@@ -59,6 +59,11 @@ class Sampling:
     return_token_ids: bool = False
 
 
+# what text needs when the server has no tokenizer (the server's messages)
+NEEDS_TOKENIZER = ("needs the model's tokenizer (the folder's tokenizer.json; for a .gguf "
+                   "file the one beside it, else the one the file carries)")
+
+
 def _bad(field_name, message):
     return APIError(f"{field_name}: {message}", param=field_name)
 
@@ -192,7 +197,7 @@ def completion_prompt(body: dict, tokenizer, vocab_size: int, limits: Limits) ->
         p = p[0]  # a batch of one
     if isinstance(p, str):
         if tokenizer is None:
-            raise _bad("prompt", "text needs the model's tokenizer.json (give token ids)")
+            raise _bad("prompt", f"text {NEEDS_TOKENIZER} (or give token ids)")
         ids = tokenizer.encode(p).ids
         if not ids:
             raise _bad("prompt", "is empty (it encodes to no tokens)")
