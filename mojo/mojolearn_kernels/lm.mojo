@@ -44,7 +44,7 @@ from .weight_panels import (
     pack_weight_panels, set_blob_formats, set_blob_section, blob_formats, valid_formats,
     section_format, O_SECTIONS,
 )
-from .norms import rmsnorm_row
+from .norms import rmsnorm_row, NORM_ROWS_PER_TASK
 from .numerics import exp_f32
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
@@ -97,7 +97,6 @@ comptime SEC_HEAD = 0  # sections (header words, formats word nibbles)
 comptime SEC_EMB = 1
 
 comptime EMBED_ROWS_PER_TASK = 16
-comptime NORM_ROWS_PER_TASK = 16
 
 
 struct LMDims(ImplicitlyCopyable):

@@ -43,7 +43,8 @@ from ..linear_grad import gemm_ntasks, gemm_task, pack_panels_t
 from ..numerics import silu_grad_f32
 from ..lanes import ld16, st16
 from ..block_backward import BackwardPhase, linear_vjp_task
-from .forward import M1Dims, NSTATE, KCONV, NORM_ROWS_PER_TASK, dims_of_blob
+from .forward import M1Dims, NSTATE, KCONV, dims_of_blob
+from ..norms import NORM_ROWS_PER_TASK
 from .stages import M1Chunk, m1_stage, m1_stage_ntasks, RUN_A, RUN_B
 from .backward_layout import (
     BW_B, BW_L, BW_D, BW_X, BW_G, BW_BLOB, BW_WORK, BW_W_IN, BW_W_X, BW_W_DT, BW_W_OUT,

@@ -90,7 +90,6 @@ comptime ST_SCAN = 6
 comptime ST_OUTPROJ = 7
 comptime NSTAGES = 8
 
-comptime NORM_ROWS_PER_TASK = 16
 comptime CONV_CHANNELS_PER_TASK = 64
 comptime SCAN_LANES = 16
 comptime MAX_CHUNK_ROWS = 256

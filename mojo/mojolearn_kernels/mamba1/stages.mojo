@@ -19,13 +19,13 @@ next chunk start); it never changes an operation or its order.
 from std.collections import Array
 from ..abi import F32Ptr, I64Ptr, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
-from ..norms import rmsnorm_row, rmsnorm_plain_row
+from ..norms import rmsnorm_row, rmsnorm_plain_row, NORM_ROWS_PER_TASK
 from ..conv import conv_silu
 from ..lanes import LANES, LV, ld_lanes, st_lanes
 from ..numerics import exp_f32, exp_f32_in_range, EXP_FAST_LO, EXP_FAST_HI, softplus_f32, silu_f32
 from .forward import (
     M1Dims, NSTATE, KCONV, ST_NORM, ST_INPROJ, ST_CONV, ST_XPROJ, ST_BCDT, ST_DTPROJ,
-    NORM_ROWS_PER_TASK, CONV_CHANNELS_PER_TASK, SCAN_LANES,
+    CONV_CHANNELS_PER_TASK, SCAN_LANES,
 )
 
 # Scan tasks of a one-token chunk (a decode step) run this many 16-channel
