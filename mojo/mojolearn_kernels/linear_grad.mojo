@@ -157,13 +157,12 @@ comptime PT_DST = 6
 
 
 struct TPanels(ImplicitlyCopyable):
-    """Offsets (floats) of W1^T (m1, k1) and W2^T (m2, k2) panels."""
-    var o1: Int
+    """Offsets (floats) of W1^T (m1, k1) and W2^T (m2, k2) panels: W1^T's
+    first (offset 0), W2^T's at o2; floats in all."""
     var o2: Int
     var floats: Int
 
     def __init__(out self, k1: Int, m1: Int, k2: Int, m2: Int):
-        self.o1 = 0
         self.o2 = round_up(packed_floats(m1, k1), ALIGN_FLOATS)
         self.floats = self.o2 + packed_floats(m2, k2)
 
@@ -184,6 +183,6 @@ def pack_transposed_task(args: I64Ptr, phase: Int, task: Int):
     var dst = arg_f32(args, PT_DST)
     var n1 = ceil_div(m1, NR)
     if task < n1:
-        pack_panels_t(arg_f32(args, PT_W1), k1, m1, dst.unsafe_offset(pl.o1), task)
+        pack_panels_t(arg_f32(args, PT_W1), k1, m1, dst, task)
     else:
         pack_panels_t(arg_f32(args, PT_W2), k2, m2, dst.unsafe_offset(pl.o2), task - n1)

@@ -227,9 +227,9 @@ def _stage(args: I64Ptr, bw: BW2, c: Int, stage: Int, task: Int, is_b: Bool):
     elif stage == S_CONVB:
         _conv_backward(args, bw, work, blob, c, task)
     elif stage == S_INB:
-        # dxn = dzx W_in on W_in^T's panels; dW_in += dzx^T xn
-        _proj_vjp(args, bw, work, c, task, rows, bw.o_dzx, npj, TPanels(npj, d, d, di).o1,
-                  bw.o_dxn, bw.o_xn, d, BW_G_IN)
+        # dxn = dzx W_in on W_in^T's panels (the first, at 0); dW_in += dzx^T xn
+        _proj_vjp(args, bw, work, c, task, rows, bw.o_dzx, npj, 0, bw.o_dxn, bw.o_xn, d,
+                  BW_G_IN)
     elif stage == S_NORMB:
         _norm_backward(args, bw, work, blob, c, task)
     else:

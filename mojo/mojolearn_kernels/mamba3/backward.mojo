@@ -424,8 +424,8 @@ def _inproj_backward(args: I64Ptr, dims: M3Dims, wk: BW3, c: Int, nc: Int, task:
     var npj = dims.np
     var n1 = matmul_ntasks(rows, d)
     var n2 = gemm_ntasks(npj, d) if wk.dw_now(c) else 0
-    if task < n1 + n2:  # dxn = dproj W_in; dW_in += dproj^T xn
-        _proj_vjp(args, wk, c, rows, task, wk.o_dproj, npj, _panels(dims).o1, wk.o_dxn, d,
+    if task < n1 + n2:  # dxn = dproj W_in (W_in^T's panels first, at 0); dW_in += dproj^T xn
+        _proj_vjp(args, wk, c, rows, task, wk.o_dproj, npj, 0, wk.o_dxn, d,
                   wk.o_sdp, wk.o_sxn, wk.o_xn, BW_G_IN)
     else:  # B_norm.weight | C_norm.weight += pbc rows, r ascending
         var q = task - n1 - n2
