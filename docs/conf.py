@@ -61,7 +61,11 @@ add_module_names = True
 # whoever owns each part; they link to source files outside docs/ and use
 # free heading levels, which MyST would report.
 myst_heading_anchors = 3
-suppress_warnings = ["myst.header", "myst.xref_missing"]
+# Shape words in numpydoc types ("shape (B, d_inner, 4)") are read by
+# Sphinx as cross-references; d_model and d_inner are also the blocks'
+# documented properties, found on every block class, so such a word has
+# several targets ("ref.python": ambiguity only; it links the first).
+suppress_warnings = ["myst.header", "myst.xref_missing", "ref.python"]
 
 # Every example in the docs runs under `-b doctest` (tests/test_docs.py).
 # The setup imports NumPy and mojolearn, and writes a tiny checkpoint folder

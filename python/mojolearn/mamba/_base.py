@@ -157,6 +157,16 @@ class _MambaBase:
     # format per projection). The small weights (norms, biases, ...) are
     # kept as float32 copies.
     @property
+    def d_model(self) -> int:
+        """Model dimension d_model, read from the block's norm weight."""
+        return self._d_model
+
+    @property
+    def d_inner(self) -> int:
+        """Inner dimension, 2 * d_model."""
+        return 2 * self._d_model
+
+    @property
     def weight_format(self) -> str:
         """Format the projection weights were given in ('float32',
         'bfloat16', 'int8', 'q4_0', 'q8_0', or 'mixed' when they differ)."""

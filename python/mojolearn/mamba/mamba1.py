@@ -180,10 +180,6 @@ class Mamba1Block(_MambaBase):
 
     Attributes
     ----------
-    d_model : int
-        Model dimension, read from norm.weight.
-    d_inner : int
-        Inner dimension, 2 * d_model.
     dt_rank : int
         Rank of the dt projection, ceil(d_model / 16).
     bcdt_rms_eps : float or None
@@ -221,8 +217,7 @@ class Mamba1Block(_MambaBase):
             raise ValueError("norm.weight must have d_model >= 1 entries")
         views = weight_views(weights, mamba1_weight_shapes(d), self._lib)
         prep = self._keep_weights(views)
-        self.d_model = d
-        self.d_inner = 2 * d
+        self._d_model = d
         self.dt_rank = -(-d // 16)
         self._blob = self._make_blob(prep)
 

@@ -257,10 +257,6 @@ class Mamba2Block(_MambaBase):
 
     Attributes
     ----------
-    d_model : int
-        Model dimension, read from block_norm.weight.
-    d_inner : int
-        Inner dimension, 2 * d_model.
     nheads : int
         Number of heads H, d_inner / 64.
     n_groups : int
@@ -304,9 +300,9 @@ class Mamba2Block(_MambaBase):
         g = check_n_groups(n_groups, d)
         views = weight_views(weights, mamba2_weight_shapes(d, g), self._lib)
         prep = self._keep_weights(views)
-        self.d_model = d
+        self._d_model = d
         self.n_groups = g
-        self.d_inner, self.nheads, self.conv_dim, self._npj = mamba2_dims(d, g)
+        _, self.nheads, self.conv_dim, self._npj = mamba2_dims(d, g)
         self.dt_limit = (lo, hi)
         self._blob = self._make_blob(prep)
         self._h_last = None

@@ -261,10 +261,6 @@ class Mamba3Block(_MambaBase):
 
     Attributes
     ----------
-    d_model : int
-        Model dimension, read from block_norm.weight.
-    d_inner : int
-        Inner dimension, 2 * d_model.
     nheads : int
         Number of heads H, d_inner / 64.
     d_in_proj : int
@@ -309,8 +305,7 @@ class Mamba3Block(_MambaBase):
         views = weight_views(weights, mamba3_weight_shapes(d), self._lib)
         prep = self._keep_weights(views)
         dm = mamba3_dims(d)
-        self.d_model = d
-        self.d_inner = dm["d_inner"]
+        self._d_model = d  # d_inner (2 d) is a base property
         self.nheads = dm["nheads"]
         self.d_in_proj = dm["d_in_proj"]
         self._blob = self._make_blob(prep)
