@@ -145,12 +145,8 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
         var fetch = ch.nc == 1 and ch.b >= FETCH_STATE_ROWS
         for bb in range(ch.b):
             var win = ch.win_in.unsafe_offset(bb * KCONV * di)
-            if fetch and bb + 1 < ch.b:  # the next row's window: 4 short runs di apart
-                for w in range(KCONV):
-                    var c = c0
-                    while c < c1:
-                        _fetch(win.unsafe_offset((KCONV + w) * di + c))
-                        c += SCAN_LANES
+            if fetch and bb + 1 < ch.b:  # the next row's window
+                _fetch_runs(win.unsafe_offset(KCONV * di), KCONV, di, c0, c1)
             var pre = ch.pre.unsafe_offset(bb * ch.nc * di) if RUN == RUN_B else ch.pre
             var u = ch.u.unsafe_offset(bb * ch.nc * di)
             var n = real_tokens(ch, bb)  # the window is saved after the real ones
@@ -194,8 +190,9 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
         var bb = task // ntb
         var q0 = (task % ntb) * per
         if ch.nc == 1 and ch.b >= FETCH_STATE_ROWS and task + 1 < ch.b * ntb:
-            _fetch_state(ch, di, (task + 1) // ntb, ((task + 1) % ntb) * per * SCAN_LANES,
-                         per * SCAN_LANES)
+            var f0 = ((task + 1) % ntb) * per * SCAN_LANES  # the next task's state
+            _fetch_runs(ch.h_in.unsafe_offset((task + 1) // ntb * NSTATE * di), NSTATE, di, f0,
+                        min(di, f0 + per * SCAN_LANES))
         for q in range(q0, min(nblk, q0 + per)):
             var c0 = q * SCAN_LANES
             var nv = min(SCAN_LANES, di - c0)
@@ -206,15 +203,14 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
 
 
 @always_inline
-def _fetch_state(ch: M1Chunk, di: Int, bb: Int, c0: Int, nch: Int):
-    """Ask for row bb's state lines of channels [c0, c0 + nch): the 16
-    states of a channel block are 16 short runs di floats apart, which no
-    hardware prefetcher follows."""
-    var h = ch.h_in.unsafe_offset(bb * NSTATE * di)
-    for n in range(NSTATE):
+def _fetch_runs(p: F32Ptr, runs: Int, stride: Int, c0: Int, c1: Int):
+    """Ask for the lines of channels [c0, c1) of `runs` rows stride floats
+    apart at p: a scan block's 16 states, a conv window's 4 rows (short
+    runs di floats apart, which no hardware prefetcher follows)."""
+    for n in range(runs):
         var c = c0
-        while c < min(di, c0 + nch):
-            _fetch(h.unsafe_offset(n * di + c))
+        while c < c1:
+            _fetch(p.unsafe_offset(n * stride + c))
             c += SCAN_LANES
 
 
