@@ -15,6 +15,7 @@ Usage (repository root; each folder holds libmojolearn_cpu*.so)::
 
     PYTHONPATH=python:. python bench/ab_decode.py --block 2 --batch 8 DIR_A DIR_B \\
         [--target baseline] [--pairs 60] [--steps 2] [--ctx 128] [--clock cpu]
+        [--evict-mb MB]
         [--roots] [--lm FOLDER [--format float32]]
 
 --roots: DIR_A and DIR_B are repository roots (worktrees): each worker
@@ -25,6 +26,10 @@ through a whole MambaLM checkpoint (Batcher.step: embedding, every layer,
 the head and the next tokens).
 
 --target baseline forces the x86-64-v3 (AVX2) binary in both workers.
+--evict-mb MB (one block): before each step, untimed, write over an MB
+megabyte buffer, so the step reads its weights and state from memory as a
+layer of a whole model does (a 24-layer model's weights and states do not
+stay in the last-level cache from one step to the next).
 --clock cpu times each burst in process CPU seconds instead of wall seconds:
 with MOJOLEARN_NUM_THREADS=1 (the kernels then run on the calling thread) a
 burst that the scheduler pauses for a neighbour's process is not charged
@@ -45,17 +50,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 1024  # distinct inputs a worker cycles through
 
 
-def _serve(step, clock: str) -> None:
+def _serve(step, clock: str, evict_mb: int = 0) -> None:
     """Print "ready", then per line read a step count, run that many
-    step() calls and print the mean seconds per call."""
+    step() calls and print the mean seconds per call. evict_mb > 0: before
+    each step (untimed) write over a buffer that large, so the step finds
+    its weights and state in memory, not in the caches, as a layer of a
+    whole model does."""
     now = time.process_time if clock == "cpu" else time.perf_counter
+    junk = bytearray(evict_mb << 20)
+    marks = [b"\x01" * (len(junk) // 64), bytes(len(junk) // 64)]  # a byte per line
     print("ready", flush=True)
     for line in sys.stdin:
         n = int(line)
-        t0 = now()
-        for _ in range(n):
+        total = 0.0
+        for i in range(n):
+            if evict_mb:
+                junk[::64] = marks[i % 2]
+            t0 = now()
             step()
-        print(f"{(now() - t0) / n:.9f}", flush=True)
+            total += now() - t0
+        print(f"{total / n:.9f}", flush=True)
 
 
 def _lm_worker(folder: str, fmt: str, batch: int, clock: str) -> None:
@@ -71,7 +85,8 @@ def _lm_worker(folder: str, fmt: str, batch: int, clock: str) -> None:
     _serve(b.step, clock)
 
 
-def _worker(block: int, batch: int, ctx: int, d: int, clock: str = "wall") -> None:
+def _worker(block: int, batch: int, ctx: int, d: int, clock: str = "wall",
+            evict_mb: int = 0) -> None:
     """Serve bursts: read a step count per line, run that many steps, print
     the mean seconds per step."""
     import numpy as np
@@ -93,7 +108,7 @@ def _worker(block: int, batch: int, ctx: int, d: int, clock: str = "wall") -> No
             pos[0] += 1
         for _ in range(4):  # warm-up
             step()
-        _serve(step, clock)
+        _serve(step, clock, evict_mb)
 
 
 def main(argv=None) -> None:
@@ -109,6 +124,8 @@ def main(argv=None) -> None:
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall seconds, or process CPU seconds (use with MOJOLEARN_NUM_THREADS=1)")
+    p.add_argument("--evict-mb", type=int, default=0, metavar="MB",
+                   help="one block: write over MB megabytes before each step (untimed)")
     p.add_argument("--roots", action="store_true",
                    help="DIR_A and DIR_B are repository roots: their python/ and binaries")
     p.add_argument("--lm", default=None, metavar="FOLDER",
@@ -120,7 +137,7 @@ def main(argv=None) -> None:
         if a.lm:
             _lm_worker(a.lm, a.format, a.batch, a.clock)
         else:
-            _worker(a.block, a.batch, a.ctx, a.d, a.clock)
+            _worker(a.block, a.batch, a.ctx, a.d, a.clock, a.evict_mb)
         return
     procs = []
     for folder in (a.dir_a, a.dir_b):
@@ -131,7 +148,7 @@ def main(argv=None) -> None:
             env["MOJOLEARN_LIB_DIR"] = os.path.abspath(folder)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", a.dir_a, a.dir_b,
                "--block", str(a.block), "--batch", str(a.batch), "--ctx", str(a.ctx),
-               "--d", str(a.d), "--clock", a.clock]
+               "--d", str(a.d), "--clock", a.clock, "--evict-mb", str(a.evict_mb)]
         if a.lm:
             cmd += ["--lm", os.path.abspath(a.lm), "--format", a.format]
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

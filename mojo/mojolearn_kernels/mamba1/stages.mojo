@@ -17,6 +17,7 @@ needs) or drops outputs nobody reads (pass A wants only the state at the
 next chunk start); it never changes an operation or its order.
 """
 from std.collections import Array
+from std.sys.intrinsics import prefetch, PrefetchOptions
 from ..abi import F32Ptr, I64Ptr, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..norms import rmsnorm_row, rmsnorm_plain_row, NORM_ROWS_PER_TASK
@@ -34,6 +35,18 @@ from .forward import (
 # task's dispatch and layout set-up). Each lane is its own channel: the
 # grouping never changes a bit.
 comptime SCAN_STEP_BLOCKS = 4
+# Decode steps of at least this many rows ask for the state lines of the
+# next scan task (and the conv window of the next row) while on this one:
+# a batched step finds them evicted by the weight stream. Into L2, not L1:
+# measured faster on the whole model (bench/RESULTS.md). One row's state is
+# left to the hardware, as before.
+comptime FETCH_STATE_ROWS = 2
+
+
+@always_inline
+def _fetch(p: F32Ptr):
+    """Prefetch p's line into L2."""
+    prefetch[PrefetchOptions().for_read().medium_locality()](p)
 
 
 @always_inline
@@ -129,8 +142,11 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
     elif stage == ST_CONV:
         var c0 = task * CONV_CHANNELS_PER_TASK
         var c1 = min(di, c0 + CONV_CHANNELS_PER_TASK)
+        var fetch = ch.nc == 1 and ch.b >= FETCH_STATE_ROWS
         for bb in range(ch.b):
             var win = ch.win_in.unsafe_offset(bb * KCONV * di)
+            if fetch and bb + 1 < ch.b:  # the next row's window
+                _fetch_runs(win.unsafe_offset(KCONV * di), KCONV, di, c0, c1)
             var pre = ch.pre.unsafe_offset(bb * ch.nc * di) if RUN == RUN_B else ch.pre
             var u = ch.u.unsafe_offset(bb * ch.nc * di)
             var n = real_tokens(ch, bb)  # the window is saved after the real ones
@@ -173,6 +189,10 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
         var ntb = ceil_div(nblk, per)  # tasks per row
         var bb = task // ntb
         var q0 = (task % ntb) * per
+        if ch.nc == 1 and ch.b >= FETCH_STATE_ROWS and task + 1 < ch.b * ntb:
+            var f0 = ((task + 1) % ntb) * per * SCAN_LANES  # the next task's state
+            _fetch_runs(ch.h_in.unsafe_offset((task + 1) // ntb * NSTATE * di), NSTATE, di, f0,
+                        min(di, f0 + per * SCAN_LANES))
         for q in range(q0, min(nblk, q0 + per)):
             var c0 = q * SCAN_LANES
             var nv = min(SCAN_LANES, di - c0)
@@ -180,6 +200,18 @@ def m1_stage[RUN: Int](dims: M1Dims, blob: F32Ptr, ch: M1Chunk, stage: Int, task
                 _scan[RUN, False](dims, blob, ch, bb, q, c0, nv)
             else:
                 _scan[RUN, True](dims, blob, ch, bb, q, c0, nv)
+
+
+@always_inline
+def _fetch_runs(p: F32Ptr, runs: Int, stride: Int, c0: Int, c1: Int):
+    """Ask for the lines of channels [c0, c1) of `runs` rows stride floats
+    apart at p: a scan block's 16 states, a conv window's 4 rows (short
+    runs di floats apart, which no hardware prefetcher follows)."""
+    for n in range(runs):
+        var c = c0
+        while c < c1:
+            _fetch(p.unsafe_offset(n * stride + c))
+            c += SCAN_LANES
 
 
 def _bias_softplus(raw: F32Ptr, dst: F32Ptr, bias: F32Ptr, c0: Int, c1: Int):
