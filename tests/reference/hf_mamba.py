@@ -13,9 +13,9 @@ transformers 5.x ``models/mamba/modeling_mamba.py``, ``models/mamba2/modeling_ma
 and ``models/falcon_mamba/modeling_falcon_mamba.py``, the float32 sources are:
 
 1. ``Tensor.float()`` calls: Mamba-1 mixer (since 5.25 its scan step
-   ``mamba_scan_forward``: ``A_log.float()``, ``D.float()``, ``dt_proj.bias.float()``), ``mamba_selective_scan`` (``B.float()``,
-   ``hidden_states.float()``), ``mamba_selective_state_update`` (``dt``, ``A``, ``B``,
-   ``hidden_states``, ``state``); Mamba-2 mixer (``A_log.float()``),
+   ``mamba_scan_forward``: ``A_log.float()``, ``D.float()``, ``dt_proj.bias.float()``),
+   ``mamba_selective_scan`` (``B.float()``, ``hidden_states.float()``),
+   ``mamba_selective_state_update`` (``dt``, ``A``, ``B``, ``hidden_states``, ``state``); Mamba-2 mixer (``A_log.float()``),
    ``mamba2_chunk_scan`` (``hidden_states``, ``B``, ``C``, ``dt``),
    ``mamba2_selective_state_update`` (``dt``, ``A``); Falcon-Mamba has Mamba-1's and its
    weightless B/C/dt norm computes in ``x.float()`` (cast back with ``type_as``).
@@ -40,8 +40,11 @@ whose dtype is not float64. After the run, a non-empty record raises
 raise.
 
 Torch path: during the run every kernel entry point of the block's modeling module is
-replaced by ``inspect.unwrap`` of itself, i.e. transformers' own torch function, so hub
-kernels / mamba_ssm / causal_conv1d are never used even if installed. The entry points
+replaced by transformers' own torch function behind it (``_torch_function``: with the
+kernels package installed, which transformers 5.25 requires, an entry point is that
+package's ``nn.Module`` made from the function; then ``inspect.unwrap`` through the
+fallback wrappers), so hub kernels / mamba_ssm / causal_conv1d are never used even if
+installed. The entry points
 are the module-level functions that transformers routes to those packages
 (``kernel_names`` lists them per module and release, ``_KERNEL_NAMES``):
 
@@ -82,8 +85,8 @@ import threading
 
 import numpy as np
 import torch
-import transformers
 import torch._dynamo  # noqa: F401  (imported up front: the cache calls mark_static_address)
+import transformers
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -222,17 +225,31 @@ def kernel_names(module) -> tuple:
     unlisted = sorted(routed - set(names))
     if unlisted:
         raise RuntimeError(
-            f"transformers {version}: {module.__name__} has kernel wrappers the float64 "
+            f"transformers {version}: {module.__name__} has kernel entry points the float64 "
             f"reference does not replace: {', '.join(unlisted)} (tests/reference/hf_mamba.py, "
             f"_KERNEL_NAMES)")
     return names
+
+
+def _torch_function(entry_point):
+    """transformers' own function behind a kernel entry point: through the kernels package's
+    function module (an ``nn.Module`` whose forward calls the function it was made from,
+    unless ``kernelize`` routed it) and the ``functools.wraps`` wrappers around either."""
+    fn = inspect.unwrap(entry_point)
+    if isinstance(fn, torch.nn.Module):
+        made_from = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        if not inspect.isfunction(made_from):
+            raise RuntimeError(f"transformers {transformers.__version__}: no function found "
+                               f"behind the kernel module {fn!r}")
+        fn = inspect.unwrap(made_from)
+    return fn
 
 
 @contextlib.contextmanager
 def torch_path(module):
     """Context in which ``module``'s kernel entry points are transformers' own torch functions
     (holds the patching lock)."""
-    with _LOCK, _patched(module, {n: inspect.unwrap(getattr(module, n))
+    with _LOCK, _patched(module, {n: _torch_function(getattr(module, n))
                                   for n in kernel_names(module)}):
         yield
 
@@ -503,7 +520,7 @@ def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf),
     h0 = _as64(initial_h, "initial_h", (B, H, 64, 128)) if initial_h is not None else None
 
     kernel_names(_hf_m2)  # the module's entry points checked before one is used here
-    chunk_scan = inspect.unwrap(_hf_m2.mamba2_chunk_scan)
+    chunk_scan = _torch_function(_hf_m2.mamba2_chunk_scan)
     finals = []
 
     def chunk_scan_with_states(*args, initial_states=None, return_final_states=False, **kwargs):

@@ -264,10 +264,10 @@ def test_references_are_deterministic():
     assert all(np.array_equal(p, q) for p, q in zip(mamba1_reference(w1, x1), mamba1_reference(w1, x1)))
 
 
-
 # ----------------------------------------------- (d) the torch path, whatever is installed
 MODULES = {"mamba": hf_mamba._hf_m1, "falcon_mamba": hf_mamba._hf_fm, "mamba2": hf_mamba._hf_m2}
 BLOCKS = {"mamba": "MambaBlock", "falcon_mamba": "FalconMambaBlock", "mamba2": "Mamba2Block"}
+BCDT_EPS = {"falcon_mamba": 1e-6}
 
 
 def _install_failing_kernels(monkeypatch, module, names):
@@ -291,9 +291,6 @@ def _run_references(kind):
     w, x, eps = mamba1_weights(16, 5), random_input(1, 3, 16, 6), BCDT_EPS.get(kind)
     mamba1_reference(w, x, bcdt_rms_eps=eps)
     mamba1_reference(w, x, np.zeros((1, 32, 4)), np.zeros((1, 32, 16)), bcdt_rms_eps=eps)
-
-
-BCDT_EPS = {"falcon_mamba": 1e-6}
 
 
 @pytest.mark.parametrize("kind", sorted(MODULES))
