@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import numpy as np
@@ -301,6 +302,10 @@ def test_every_kernel_entry_point_runs_as_torch(kind, monkeypatch):
     module = MODULES[kind]
     names = hf_mamba.kernel_names(module)
     _install_failing_kernels(monkeypatch, module, names)
+    with hf_mamba.torch_path(module):  # plain functions of the module, no wrapper or kernel
+        for fn in (getattr(module, n) for n in names):
+            assert inspect.isfunction(fn) and not hasattr(fn, "__wrapped__"), fn
+            assert fn.__module__ == module.__name__, fn
     with pytest.raises(AssertionError, match="the kernel at"):
         getattr(module, names[0])()
     _run_references(kind)
