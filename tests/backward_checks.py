@@ -3,7 +3,6 @@ and tests/test_mamba{1,2,3}_state_grad.py): each written once here, with the
 block, its names and its reference passed in, so that every block is held to
 the same assertions.
 """
-import inspect
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from tests.reference import hf_mamba as _hf
 
 
 # --------------------------------------------------------------------------- references
-def hf_float64_grads(block, hf_module, kernel_names, x, grad_output, key):
+def hf_float64_grads(block, hf_module, x, grad_output, key):
     """PyTorch autograd of a transformers block (built in float64 by
     tests/reference/hf_mamba.py) with its kernels replaced by their torch
     functions and its float32 casts neutralised, as the forward references
@@ -26,9 +25,8 @@ def hf_float64_grads(block, hf_module, kernel_names, x, grad_output, key):
     {"x": dx, key(parameter name): its gradient} as float64 arrays."""
     x64 = torch.from_numpy(np.array(x, dtype=np.float64)).requires_grad_(True)
     g64 = torch.from_numpy(np.array(grad_output, dtype=np.float64))
-    repl = {n: inspect.unwrap(getattr(hf_module, n)) for n in kernel_names}
     guard = _hf._Float64Guard()
-    with _hf._LOCK, _hf._patched(hf_module, repl), torch.enable_grad():
+    with _hf.torch_path(hf_module), torch.enable_grad():
         with _hf._CastNeutraliser(), guard:
             y = block(x64)
             (y * g64).sum().backward()

@@ -76,16 +76,15 @@ def hf_layers_float64(kind, folder, ids, inputs):
     hooks = [layer.register_forward_hook(lambda mod, inp, out: chained.append(out))
              for layer in model.backbone.layers]
     module = hf_mamba._hf_m1 if kind == "mamba" else hf_mamba._hf_m2
-    names = hf_mamba._M1_KERNEL_NAMES if kind == "mamba" else hf_mamba._M2_KERNEL_NAMES
     try:
-        with hf_mamba._float64_run(cls.__name__, module, names, True):
+        with hf_mamba._float64_run(cls.__name__, module, True):
             emb = model.backbone.embeddings(torch.tensor(ids))
             model(torch.tensor(ids), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
     per_layer = []
-    with hf_mamba._float64_run(cls.__name__, module, names, True):
+    with hf_mamba._float64_run(cls.__name__, module, True):
         for layer, x in zip(model.backbone.layers, inputs):
             per_layer.append(layer(torch.from_numpy(np.asarray(x, np.float64))))
     return emb.numpy(), [o.numpy() for o in per_layer], [o.numpy() for o in chained]

@@ -34,7 +34,7 @@ def grad_reference(weights, x, grad_output, bcdt_rms_eps=None):
                                              bcdt_eps=bcdt_rms_eps)
     module = _hf._hf_m1 if bcdt_rms_eps is None else _hf._hf_fm
     out = checks.hf_float64_grads(
-        block, module, _hf._M1_KERNEL_NAMES, x, grad_output,
+        block, module, x, grad_output,
         lambda name: name[len("mixer."):] if name.startswith("mixer.") else name)
     assert set(out) == set(NAMES)
     return out

@@ -5,7 +5,6 @@ reference, and conv1d.weight's gradient in the caller's shape. The intake
 of x and grad_output and the bit properties every block shares (each with
 its control) are in tests/contract/test_backward.py.
 """
-import inspect
 import math
 
 import numpy as np
@@ -38,8 +37,7 @@ def grad_reference(weights, x, grad_output, dt_limit=(0.0, INF), n_groups=1):
     lo, hi = _hf._check_dt_limit(dt_limit)
     block, _cfg, _d, _di, _h = _hf._mamba2_block(weights, (lo, hi), residual_in_fp32=False,
                                                  n_groups=n_groups)
-    out = checks.hf_float64_grads(block, _hf._hf_m2, _hf._M2_KERNEL_NAMES, x, grad_output,
-                                  _our_name)
+    out = checks.hf_float64_grads(block, _hf._hf_m2, x, grad_output, _our_name)
     assert set(out) == set(NAMES)
     return out
 
@@ -87,8 +85,7 @@ def _torch_float32_grads(weights, x, grad_output, dt_limit=(0.0, INF)):
     block, _cfg, _d, _di, _h = _hf._mamba2_block(weights, dt_limit, residual_in_fp32=False)
     block = block.to(torch.float32)
     xt = torch.from_numpy(np.array(x, dtype=np.float32)).requires_grad_(True)
-    repl = {n: inspect.unwrap(getattr(_hf._hf_m2, n)) for n in _hf._M2_KERNEL_NAMES}
-    with _hf._LOCK, _hf._patched(_hf._hf_m2, repl), torch.enable_grad():
+    with _hf.torch_path(_hf._hf_m2), torch.enable_grad():
         (block(xt) * torch.from_numpy(np.array(grad_output, np.float32))).sum().backward()
     out = {"x": xt.grad.double().numpy()}
     for name, p in block.named_parameters():

@@ -76,12 +76,12 @@ def test_transformers_block_state_dict_and_its_forward(kind):
     if kind == "mamba1":  # (build runs the mixer's own initialisation: A_log, D)
         hblock = build(hf._hf_m1.MambaBlock, hf._mamba1_config(D, False), layer_idx=0,
                        seed=6).eval()
-        mod, names = hf._hf_m1, hf._M1_KERNEL_NAMES
+        mod = hf._hf_m1
     else:
         hblock = build(hf._hf_m2.Mamba2Block, hf._mamba2_config(D, (0.0, math.inf), False),
                        layer_idx=0, seed=6).eval()
         _init_hf_mamba2(hblock.mixer, seed=6)
-        mod, names = hf._hf_m2, hf._M2_KERNEL_NAMES
+        mod = hf._hf_m2
     with torch.no_grad():  # distinct norms, and a mixer term as large as the residual
         for name, p in hblock.named_parameters():
             if name.endswith("norm.weight"):
@@ -91,9 +91,7 @@ def test_transformers_block_state_dict_and_its_forward(kind):
     m = cls(D)
     m.load_state_dict(cls.state_dict_from_transformers(hblock.state_dict()), strict=True)
     x = _t(random_input(2, 21, D, seed=7))
-    import inspect
-    with hf._patched(mod, {n: inspect.unwrap(getattr(mod, n)) for n in names}), \
-            torch.no_grad():
+    with hf.torch_path(mod), torch.no_grad():
         want = hblock(x).numpy()
         got = m(x).numpy()
     mix = np.abs(want - x.numpy()).max()  # the mixer's term

@@ -16,8 +16,8 @@ reads whatever the allocator left there, a failure on some runs and machines onl
    a module that is not a ``PreTrainedModel``: a ``PreTrainedModel`` initialised itself),
 
 then checks every parameter and buffer (``check_finite``): a non-finite value raises
-``NonFiniteTensorError`` naming the tensor. ``load`` is ``from_pretrained`` with the same
-check. tests/test_hf_build.py holds the guards: no test file builds a transformers module
+``NonFiniteTensorError`` naming the tensor. ``load`` is ``from_pretrained`` (with hub kernels off) with the
+same check. tests/test_hf_build.py holds the guards: no test file builds a transformers module
 another way, and an uninitialised block is refused.
 """
 from __future__ import annotations
@@ -98,6 +98,7 @@ def build(cls, *args, seed: int, _own_init: bool = True, **kwargs):
 
 
 def load(cls, folder, **kwargs):
-    """cls.from_pretrained(folder, **kwargs), checked like ``build``."""
-    return check_finite(cls.from_pretrained(folder, **kwargs),
+    """cls.from_pretrained(folder, use_kernels=False, **kwargs), checked like ``build``
+    (from 5.25 on, transformers kernelizes a loaded model unless told not to)."""
+    return check_finite(cls.from_pretrained(folder, use_kernels=False, **kwargs),
                         f"{cls.__name__}.from_pretrained")

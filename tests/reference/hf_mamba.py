@@ -9,15 +9,16 @@ stated below. They are checked against the independent float64 NumPy recurrences
 Making transformers truly float64
 ---------------------------------
 ``block.to(torch.float64)`` is not enough: the blocks still compute parts in float32. Read from
-transformers 5.x ``models/mamba/modeling_mamba.py`` and ``models/mamba2/modeling_mamba2.py``,
-the float32 sources are:
+transformers 5.x ``models/mamba/modeling_mamba.py``, ``models/mamba2/modeling_mamba2.py``
+and ``models/falcon_mamba/modeling_falcon_mamba.py``, the float32 sources are:
 
-1. ``Tensor.float()`` calls: Mamba-1 mixer (``A_log.float()``, ``D.float()``,
-   ``dt_proj.bias.float()``), ``mamba_selective_scan`` (``B.float()``,
-   ``hidden_states.float()``), ``mamba_selective_state_update`` (``dt``, ``A``, ``B``,
-   ``hidden_states``, ``state``); Mamba-2 mixer (``A_log.float()``),
+1. ``Tensor.float()`` calls: Mamba-1 mixer (since 5.25 its scan step
+   ``mamba_scan_forward``: ``A_log.float()``, ``D.float()``, ``dt_proj.bias.float()``),
+   ``mamba_selective_scan`` (``B.float()``, ``hidden_states.float()``),
+   ``mamba_selective_state_update`` (``dt``, ``A``, ``B``, ``hidden_states``, ``state``); Mamba-2 mixer (``A_log.float()``),
    ``mamba2_chunk_scan`` (``hidden_states``, ``B``, ``C``, ``dt``),
-   ``mamba2_selective_state_update`` (``dt``, ``A``).
+   ``mamba2_selective_state_update`` (``dt``, ``A``); Falcon-Mamba has Mamba-1's and its
+   weightless B/C/dt norm computes in ``x.float()`` (cast back with ``type_as``).
 2. ``Tensor.to(torch.float32)``: ``MambaRMSNorm``, ``Mamba2RMSNorm`` and
    ``MambaRMSNormGated`` (input and gate) compute in float32.
 3. ``residual_in_fp32``: ``MambaBlock``/``Mamba2Block.forward`` cast the residual with
@@ -38,14 +39,36 @@ whose dtype is not float64. After the run, a non-empty record raises
 (after ``.to(float64)``, with ``residual_in_fp32=True``, no cast rewriting) and must
 raise.
 
-Torch path: during the run the module-level kernel entry points of both modeling
-modules (``causal_conv1d_fn``, ``causal_conv1d_update``, ``mamba_selective_scan``,
-``mamba_selective_state_update``, ``mamba_inner_fn``, ``mamba2_chunk_scan``,
-``mamba2_selective_state_update``, ``mamba2_split_conv1d_scan_combined``) are replaced
-by ``inspect.unwrap`` of themselves, i.e. transformers' own torch functions, so the hub
-kernels / mamba_ssm / causal_conv1d are never used even if installed. Blocks are in
-``eval()`` mode (the fused training-only branch is skipped) and Mamba-1 uses the
-sequential scan (``use_mambapy=False``, ``use_associative_scan=False``).
+Torch path: during the run every kernel entry point of the block's modeling module is
+replaced by transformers' own torch function behind it (``_torch_function``: with the
+kernels package installed, which transformers 5.25 requires, an entry point is that
+package's ``nn.Module`` made from the function; then ``inspect.unwrap`` through the
+fallback wrappers), so hub kernels / mamba_ssm / causal_conv1d are never used even if
+installed. The entry points
+are the module-level functions that transformers routes to those packages
+(``kernel_names`` lists them per module and release, ``_KERNEL_NAMES``):
+
+* before 5.25, in all three modules: ``causal_conv1d_fn``, ``causal_conv1d_update``;
+  Mamba-1 and Falcon-Mamba also ``mamba_selective_scan``,
+  ``mamba_selective_state_update``, ``mamba_inner_fn``; Mamba-2 also
+  ``mamba2_chunk_scan``, ``mamba2_selective_state_update``,
+  ``mamba2_split_conv1d_scan_combined``;
+* since 5.25 the mixers reach the kernels through two replaceable steps, the cached
+  convolution ``causal_conv1d_forward`` and the cached scan ``mamba_scan_forward``
+  (Mamba-2: ``mamba2_scan_forward``), which join the list; Falcon-Mamba's mixer lost its
+  fused ``mamba_inner_fn`` (its dt norm comes before ``dt_proj``, which that kernel cannot
+  do), so its list has no such name.
+
+A listed name the module lacks, or a function of the module that transformers routes to
+kernels (a module-level ``def`` under a ``use_kernel_...`` decorator in the module's
+source, or one wrapping another at run time) and is not listed, raises ``RuntimeError``
+naming the transformers version and the function: the reference never silently runs with
+a kernel left in place. (Hub kernels for whole layers, such as Falcon-Mamba's
+``RMSNorm`` class, apply only to a model passed through ``kernelize``, which the
+references never do.) Blocks are in ``eval()`` mode (Mamba-1's and Mamba-2's fused
+training-only branch is skipped) and Mamba-1 and Falcon-Mamba use the sequential scan
+(``use_mambapy=False``, ``use_associative_scan=False``); 5.25 moved code between
+functions but added no float32 cast beyond those of (1)-(3).
 
 Everything runs under ``torch.no_grad()`` on the CPU with the inherited thread count and
 is deterministic. Module patching is serialised by a lock.
@@ -57,11 +80,13 @@ import collections
 import contextlib
 import inspect
 import math
+import re
 import threading
 
 import numpy as np
 import torch
 import torch._dynamo  # noqa: F401  (imported up front: the cache calls mark_static_address)
+import transformers
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,7 +98,8 @@ from transformers.models.mamba2 import modeling_mamba2 as _hf_m2
 
 from .hf_build import build
 
-__all__ = ["mamba1_reference", "mamba2_reference", "Float32LeakError", "LAST_RUN"]
+__all__ = ["mamba1_reference", "mamba2_reference", "Float32LeakError", "LAST_RUN", "kernel_names",
+           "torch_path"]
 
 #: Diagnostics of the most recent reference run: ``{"block", "path", "neutralised"
 #: (Counter of rewritten casts), "ops_checked"}``.
@@ -81,10 +107,23 @@ LAST_RUN: dict = {}
 
 _LOCK = threading.RLock()
 
-_M1_KERNEL_NAMES = ("causal_conv1d_fn", "causal_conv1d_update", "mamba_selective_scan",
-                    "mamba_selective_state_update", "mamba_inner_fn")
-_M2_KERNEL_NAMES = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan",
-                    "mamba2_selective_state_update", "mamba2_split_conv1d_scan_combined")
+#: The kernel entry points of each modeling module (module-level functions that hub
+#: kernels, mamba_ssm or causal_conv1d replace when installed), per module by the first
+#: transformers release (major, minor) with that set. See the module docstring.
+_CONV = ("causal_conv1d_fn", "causal_conv1d_update")
+_M1_SCAN = ("mamba_selective_scan", "mamba_selective_state_update")
+_M2_SCAN = ("mamba2_chunk_scan", "mamba2_selective_state_update",
+            "mamba2_split_conv1d_scan_combined")
+_STEPS_5_25 = ("causal_conv1d_forward",)  # and the module's scan step
+_KERNEL_NAMES = {
+    _hf_m1.__name__: {(5, 0): _CONV + _M1_SCAN + ("mamba_inner_fn",),
+                      (5, 25): _CONV + _M1_SCAN + ("mamba_inner_fn",)
+                      + _STEPS_5_25 + ("mamba_scan_forward",)},
+    _hf_fm.__name__: {(5, 0): _CONV + _M1_SCAN + ("mamba_inner_fn",),
+                      (5, 25): _CONV + _M1_SCAN + _STEPS_5_25 + ("mamba_scan_forward",)},
+    _hf_m2.__name__: {(5, 0): _CONV + _M2_SCAN,
+                      (5, 25): _CONV + _M2_SCAN + _STEPS_5_25 + ("mamba2_scan_forward",)},
+}
 
 _M1_MIXER_NAMES = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
                    "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")
@@ -159,16 +198,70 @@ def _patched(module, replacements: dict):
             setattr(module, name, value)
 
 
+def kernel_names(module) -> tuple:
+    """The kernel entry points of transformers' modeling ``module`` at the installed release.
+
+    Raises ``RuntimeError`` naming the transformers version and the function when a listed
+    entry point is missing, or when a function the module routes to kernels (decorated with
+    a ``use_kernel_...`` decorator, or wrapping another at run time) is not listed.
+    """
+    version = transformers.__version__
+    table = _KERNEL_NAMES[module.__name__]
+    release = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+    since = max(v for v in table if release >= v)
+    names = table[since]
+    missing = [n for n in names if not callable(getattr(module, n, None))]
+    if missing:
+        raise RuntimeError(
+            f"transformers {version}: {module.__name__} has no {', '.join(missing)}; the float64 "
+            f"reference expects the kernel entry points of transformers >= "
+            f"{since[0]}.{since[1]} there (tests/reference/hf_mamba.py, _KERNEL_NAMES)")
+    # the functions transformers routes to kernels: decorated for it in the source, or
+    # wrapping another at run time (a fallback wrapper, or a kernel package's)
+    routed = set(re.findall(r"^@use_kernel_\w+\(.*\)\n(?:@.*\n)*def (\w+)",
+                            inspect.getsource(module), re.MULTILINE))
+    routed |= {n for n, f in vars(module).items() if inspect.isfunction(f)
+               and f.__module__ == module.__name__ and hasattr(f, "__wrapped__")}
+    unlisted = sorted(routed - set(names))
+    if unlisted:
+        raise RuntimeError(
+            f"transformers {version}: {module.__name__} has kernel entry points the float64 "
+            f"reference does not replace: {', '.join(unlisted)} (tests/reference/hf_mamba.py, "
+            f"_KERNEL_NAMES)")
+    return names
+
+
+def _torch_function(entry_point):
+    """transformers' own function behind a kernel entry point: through the kernels package's
+    function module (an ``nn.Module`` whose forward calls the function it was made from,
+    unless ``kernelize`` routed it) and the ``functools.wraps`` wrappers around either."""
+    fn = inspect.unwrap(entry_point)
+    if isinstance(fn, torch.nn.Module):
+        made_from = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        if not inspect.isfunction(made_from):
+            raise RuntimeError(f"transformers {transformers.__version__}: no function found "
+                               f"behind the kernel module {fn!r}")
+        fn = inspect.unwrap(made_from)
+    return fn
+
+
 @contextlib.contextmanager
-def _float64_run(block_name: str, module, kernel_names, neutralise: bool, extra=None):
+def torch_path(module):
+    """Context in which ``module``'s kernel entry points are transformers' own torch functions
+    (holds the patching lock)."""
+    with _LOCK, _patched(module, {n: _torch_function(getattr(module, n))
+                                  for n in kernel_names(module)}):
+        yield
+
+
+@contextlib.contextmanager
+def _float64_run(block_name: str, module, neutralise: bool, extra=None):
     """Context of one reference run: torch path forced, casts neutralised, float64 verified."""
-    replacements = {name: inspect.unwrap(getattr(module, name)) for name in kernel_names}
-    replacements.update(extra or {})
     neutraliser = _CastNeutraliser() if neutralise else None
     guard = _Float64Guard()
     report = {"block": block_name, "path": None, "neutralised": collections.Counter(),
               "ops_checked": 0}
-    with _LOCK, _patched(module, replacements), torch.no_grad():
+    with torch_path(module), _patched(module, extra or {}), torch.no_grad():
         with (neutraliser if neutraliser is not None else contextlib.nullcontext()):
             with guard:
                 yield report
@@ -316,7 +409,7 @@ def mamba1_reference(weights: dict, x, conv_state=None, ssm_state=None, *, bcdt_
             else torch.zeros(B, di, 4, dtype=torch.float64)
         ss = _as64(ssm_state, "ssm_state", (B, di, 16)) if ssm_state is not None \
             else torch.zeros(B, di, 16, dtype=torch.float64)
-    with _float64_run(name, module, _M1_KERNEL_NAMES, neutral) as report:
+    with _float64_run(name, module, neutral) as report:
         cache = DynamicCache(config=cfg)
         if not carried:
             report["path"] = "prefill"
@@ -426,7 +519,8 @@ def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf),
     B, L, _ = x64.shape
     h0 = _as64(initial_h, "initial_h", (B, H, 64, 128)) if initial_h is not None else None
 
-    chunk_scan = inspect.unwrap(_hf_m2.mamba2_chunk_scan)
+    kernel_names(_hf_m2)  # the module's entry points checked before one is used here
+    chunk_scan = _torch_function(_hf_m2.mamba2_chunk_scan)
     finals = []
 
     def chunk_scan_with_states(*args, initial_states=None, return_final_states=False, **kwargs):
@@ -441,7 +535,7 @@ def mamba2_reference(weights: dict, x, initial_h=None, dt_limit=(0.0, math.inf),
 
     extra = {"mamba2_chunk_scan": chunk_scan_with_states,
              "mamba2_selective_state_update": no_recurrent_step}
-    with _float64_run("Mamba2Block", _hf_m2, _M2_KERNEL_NAMES, neutral, extra) as report:
+    with _float64_run("Mamba2Block", _hf_m2, neutral, extra) as report:
         report["path"] = "chunk_scan"
         y = block(x64)
     assert len(finals) == 1, len(finals)

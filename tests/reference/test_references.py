@@ -3,17 +3,21 @@
 (a) transformers-in-float64 (hf_mamba) == independent NumPy recurrence
     (mojolearn.reference.mamba1 / mamba2) to 1e-10 relative; (b) Mamba-1 continuation
     == one-shot run to 1e-12; (c) the float64 guard fires when neutralisation is off
-    (negative control). Plus weight-dict checks and a loose check against
-    transformers' own float32 run.
+    (negative control); (d) the references run transformers' torch functions, never
+    a kernel installed at an entry point. Plus weight-dict checks and a loose check
+    against transformers' own float32 run.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from . import hf_mamba
 from .hf_mamba import Float32LeakError, mamba1_reference, mamba2_reference
@@ -197,14 +201,16 @@ def test_mamba1_continuation_equals_one_shot(first):
 
 
 # ------------------------------------------------------------- (c) negative control
-def test_guard_fires_without_neutralisation_mamba1():
+@pytest.mark.parametrize("eps", [None, 1e-6])  # MambaBlock, FalconMambaBlock
+def test_guard_fires_without_neutralisation_mamba1(eps):
     w = mamba1_weights(32, 1)
     x = random_input(1, 3, 32, 2)
     with raises_naming(Float32LeakError, "torch.float32"):
-        mamba1_reference(w, x, _neutralise=False)
+        mamba1_reference(w, x, bcdt_rms_eps=eps, _neutralise=False)
     with raises_naming(Float32LeakError, "torch.float32"):   # decode path too
-        mamba1_reference(w, x, np.zeros((1, 64, 4)), np.zeros((1, 64, 16)), _neutralise=False)
-    mamba1_reference(w, x)
+        mamba1_reference(w, x, np.zeros((1, 64, 4)), np.zeros((1, 64, 16)), bcdt_rms_eps=eps,
+                         _neutralise=False)
+    mamba1_reference(w, x, bcdt_rms_eps=eps)
     run = hf_mamba.LAST_RUN
     assert run["ops_checked"] > 50
     assert run["neutralised"]["Tensor.float()"] > 0          # .float() calls were rewritten
@@ -230,7 +236,7 @@ def test_guard_catches_float32_parameters():
     block.mixer.D.data = block.mixer.D.data.float()
     x = torch.from_numpy(x64(random_input(1, 2, 32, 2)))
     with raises_naming(Float32LeakError, "torch.float32"):
-        with hf_mamba._float64_run("MambaBlock", hf_mamba._hf_m1, hf_mamba._M1_KERNEL_NAMES, True):
+        with hf_mamba._float64_run("MambaBlock", hf_mamba._hf_m1, True):
             block(x)
 
 
@@ -257,3 +263,65 @@ def test_references_are_deterministic():
     assert np.array_equal(a, b) and np.array_equal(ha, hb)
     w1, x1 = mamba1_weights(32, 43), random_input(2, 40, 32, 44)
     assert all(np.array_equal(p, q) for p, q in zip(mamba1_reference(w1, x1), mamba1_reference(w1, x1)))
+
+
+# ----------------------------------------------- (d) the torch path, whatever is installed
+MODULES = {"mamba": hf_mamba._hf_m1, "falcon_mamba": hf_mamba._hf_fm, "mamba2": hf_mamba._hf_m2}
+BLOCKS = {"mamba": "MambaBlock", "falcon_mamba": "FalconMambaBlock", "mamba2": "Mamba2Block"}
+BCDT_EPS = {"falcon_mamba": 1e-6}
+
+
+def _install_failing_kernels(monkeypatch, module, names):
+    """Each named function of module becomes a wrapper of it (the way transformers wraps
+    its kernel fallbacks) that fails when called: a kernel package installed there."""
+    def failing(name, fn):
+        @functools.wraps(fn)
+        def kernel(*args, **kwargs):
+            raise AssertionError(f"the kernel at {name} ran")
+        return kernel
+    for name in names:
+        monkeypatch.setattr(module, name, failing(name, getattr(module, name)))
+
+
+def _run_references(kind):
+    """The references of one modeling module: prefill and cached decode (Mamba-1,
+    Falcon-Mamba), the chunk scan (Mamba-2)."""
+    if kind == "mamba2":
+        mamba2_reference(mamba2_weights(32, 5), random_input(1, 3, 32, 6))
+        return
+    w, x, eps = mamba1_weights(16, 5), random_input(1, 3, 16, 6), BCDT_EPS.get(kind)
+    mamba1_reference(w, x, bcdt_rms_eps=eps)
+    mamba1_reference(w, x, np.zeros((1, 32, 4)), np.zeros((1, 32, 16)), bcdt_rms_eps=eps)
+
+
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_every_kernel_entry_point_runs_as_torch(kind, monkeypatch):
+    """A failing kernel at every entry point: the references still run (on
+    transformers' torch functions). Control: one left out of the entry-point list
+    is refused by name, with the transformers version."""
+    module = MODULES[kind]
+    names = hf_mamba.kernel_names(module)
+    _install_failing_kernels(monkeypatch, module, names)
+    with hf_mamba.torch_path(module):  # plain functions of the module, no wrapper or kernel
+        for fn in (getattr(module, n) for n in names):
+            assert inspect.isfunction(fn) and not hasattr(fn, "__wrapped__"), fn
+            assert fn.__module__ == module.__name__, fn
+    with pytest.raises(AssertionError, match="the kernel at"):
+        getattr(module, names[0])()
+    _run_references(kind)
+    assert hf_mamba.LAST_RUN["block"] == BLOCKS[kind] and hf_mamba.LAST_RUN["ops_checked"] > 50
+    left_out = names[-1]
+    monkeypatch.setitem(hf_mamba._KERNEL_NAMES, module.__name__,
+                        {(5, 0): tuple(n for n in names if n != left_out)})
+    with raises_naming(RuntimeError, f"transformers {transformers.__version__}", left_out):
+        _run_references(kind)
+
+
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_a_missing_entry_point_is_named_with_the_version(kind, monkeypatch):
+    module = MODULES[kind]
+    for name in hf_mamba.kernel_names(module):
+        with monkeypatch.context() as patch:
+            patch.delattr(module, name)
+            with raises_naming(RuntimeError, f"transformers {transformers.__version__}", name):
+                _run_references(kind)
