@@ -173,8 +173,10 @@ def main(argv=None) -> None:
     q = statistics.quantiles(ratios, n=4)
     what = f"MambaLM {os.path.basename(a.lm)} {a.format}" if a.lm else f"Mamba-{a.block}"
     if a.lm and a.prefill:
-        what += f" {a.prefill}-token prefill"
-    print(f"{what} B={a.batch} ({a.target or 'default binary'}, {a.clock} clock), "
+        what += f" {a.prefill}-token prefill,"
+    else:
+        what += f" B={a.batch}"
+    print(f"{what} ({a.target or 'default binary'}, {a.clock} clock), "
           f"{a.pairs} pairs of "
           f"{a.steps} steps" + ("" if a.lm else f" after a {a.ctx}-token prefill")
           + f": A median {statistics.median(ta) * 1e3:.4f}"
