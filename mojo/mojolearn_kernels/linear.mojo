@@ -37,7 +37,7 @@ segments of the canonical order, so each segment loads its scales once.
 """
 from std.collections import Array
 from std.memory import bitcast
-from std.sys import get_defined_string
+from std.sys import get_defined_string, is_defined
 from std.sys.intrinsics import prefetch, PrefetchOptions
 from std.memory import Pointer, stack_allocation
 from .abi import F32Ptr, ceil_div, round_up, ALIGN_FLOATS
@@ -459,7 +459,7 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
         _rows_many[WF, SEG](x.unsafe_offset(r0 * ldx), ldx, r1 - r0, wp, k, m, p0, p1,
                             y.unsafe_offset(r0 * ldy), ldy)
         return
-    comptime if WF != WF_F32 and SEG == KSEG and not WIDE:
+    comptime if WF != WF_F32 and SEG == KSEG and SLABS:
         _rows_slabs[WF](x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)
         return
     var full = r0 + (r1 - r0) // MR * MR
@@ -481,12 +481,19 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
                               y.unsafe_offset(r * ldy + col), ldy, ncols)
                 r += MR
             p += 1
-    # Leftover rows: all of them in one pass over the panels.
-    var rem = r1 - full
-    var xr = x.unsafe_offset(full * ldx)
-    var yr = y.unsafe_offset(full * ldy)
+    _rows_left[WF, SEG](x, ldx, full, r1, wp, k, m, p0, p1, y, ldy)
+
+
+def _rows_left[WF: Int, SEG: Int](
+    x: F32Ptr, ldx: Int, r0: Int, r1: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
+    y: F32Ptr, ldy: Int,
+):
+    """The leftover rows [r0, r1) of a row block (fewer than MR) over panels
+    [p0, p1): all of them in one pass over the panels."""
+    var xr = x.unsafe_offset(r0 * ldx)
+    var yr = y.unsafe_offset(r0 * ldy)
     comptime for R in range(1, MR):
-        if rem == R:
+        if r1 - r0 == R:
             _rows_few[R, WF, SEG](xr, ldx, wp, k, m, p0, p1, yr, ldy)
 
 
@@ -495,6 +502,9 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
 # in_proj panel in one slab, read from L2 by the row tiles as a float32
 # panel is (256-step slabs, in L1: int8 in_proj 1.05x the time).
 comptime KSLAB = 768
+# The widened slabs: AVX2 CPU binaries only (AVX-512 keeps its 2-panel
+# tiles; a GPU thread runs one task and has no 48 KB of stack to spare).
+comptime SLABS = not WIDE and not is_defined["GPU_API"]()
 
 
 @always_inline
@@ -545,13 +555,7 @@ def _rows_slabs[WF: Int](
             kb = ke
             if kb >= k:
                 break
-    # Leftover rows (fewer than MR): all of them in one pass over the panels.
-    var rem = r1 - full
-    var xr = x.unsafe_offset(full * ldx)
-    var yr = y.unsafe_offset(full * ldy)
-    comptime for R in range(1, MR):
-        if rem == R:
-            _rows_few[R, WF, KSEG](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+    _rows_left[WF, KSEG](x, ldx, full, r1, wp, k, m, p0, p1, y, ldy)
 
 
 # Task grid for one matmul phase: row blocks x panel blocks. A task runs its
