@@ -530,8 +530,10 @@ def _rows_slabs[WF: Int](
     in turn over the slab, its segments added to y as they end. A packed
     format's slab is widened once into a float32 slab on the stack and the
     tiles run the float32 kernel on it (the tiles widened it once per 6
-    rows); a float32 slab is read in place. Each output's segments still
-    run in ascending k from +0.0, so the bits are the segmented order's."""
+    rows); a float32 slab would be read in place (matmul_block sends
+    float32 panels to its own pass: slabs of them were slower). Each
+    output's segments still run in ascending k from +0.0, so the bits are
+    the segmented order's."""
     var buf = F32Ptr(unsafe_from_address=Int(stack_allocation[KSLAB * NR, Float32,
                                                               alignment=64]()))
     var full = r0 + (r1 - r0) // MR * MR
