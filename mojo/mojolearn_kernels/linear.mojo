@@ -577,11 +577,16 @@ def matmul_ntasks(rows: Int, m: Int) -> Int:
 
 
 @always_inline
-def _row_block(rows: Int) -> Int:
-    """Rows of each row block but the last: the ceil(rows / ROW_BLOCK)
-    blocks of nearly equal size, a multiple of MR (256 rows: 132 + 124,
-    not 192 + 64; a block of at most MANY_ROWS rows takes the decode pass)."""
-    return round_up(ceil_div(rows, ceil_div(rows, ROW_BLOCK)), MR)
+def _row_block[WF: Int](rows: Int) -> Int:
+    """Rows of each row block but the last. Packed formats with the widened
+    slabs: the ceil(rows / ROW_BLOCK) blocks of nearly equal size, a
+    multiple of MR (256 rows: 132 + 124, not 192 + 64, whose 64-row block
+    took the decode pass and widened its weights once per row group);
+    float32: ROW_BLOCK (the balanced blocks measured 0.94-1.08x on one
+    thread, not shown better)."""
+    comptime if WF != WF_F32 and SLABS:
+        return round_up(ceil_div(rows, ceil_div(rows, ROW_BLOCK)), MR)
+    return ROW_BLOCK
 
 
 struct TileRange(ImplicitlyCopyable):
@@ -608,7 +613,7 @@ def matmul_task[WF: Int = WF_F32, SEG: Int = ONE_CHAIN](
     matmul_task_wf."""
     var npanels = ceil_div(m, NR)
     var npb = ceil_div(npanels, PANEL_BLOCK)
-    var rb = _row_block(rows)
+    var rb = _row_block[WF](rows)
     var r0 = min(rows, (task // npb) * rb)
     var r1 = min(rows, r0 + rb)
     var p0 = (task % npb) * PANEL_BLOCK
