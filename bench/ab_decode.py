@@ -16,14 +16,15 @@ Usage (repository root; each folder holds libmojolearn_cpu*.so)::
     PYTHONPATH=python:. python bench/ab_decode.py --block 2 --batch 8 DIR_A DIR_B \\
         [--target baseline] [--pairs 60] [--steps 2] [--ctx 128] [--clock cpu]
         [--evict-mb MB]
-        [--roots] [--lm FOLDER [--format float32]]
+        [--roots] [--lm FOLDER [--format float32] [--prefill L]]
 
 --roots: DIR_A and DIR_B are repository roots (worktrees): each worker
 imports that root's python/ package with the binaries built there, so a
 change of the Python layer is measured too. --lm FOLDER: instead of one
 block, each worker decodes --batch requests of 16-token prompts together
 through a whole MambaLM checkpoint (Batcher.step: embedding, every layer,
-the head and the next tokens).
+the head and the next tokens); with --prefill L, each step is instead one
+L-token prompt through a fresh Batcher's first step (bench_lm.py's prefill).
 
 --target baseline forces the x86-64-v3 (AVX2) binary in both workers.
 --evict-mb MB (one block): before each step, untimed, write over an MB
@@ -72,10 +73,22 @@ def _serve(step, clock: str, evict_mb: int = 0) -> None:
         print(f"{total / n:.9f}", flush=True)
 
 
-def _lm_worker(folder: str, fmt: str, batch: int, clock: str) -> None:
-    """Serve bursts of Batcher steps of `batch` rows decoding together."""
+def _lm_worker(folder: str, fmt: str, batch: int, clock: str, prefill: int = 0) -> None:
+    """Serve bursts of Batcher steps of `batch` rows decoding together, or
+    (prefill > 0) of prefills: one prompt of `prefill` tokens through a
+    fresh Batcher's first step (as bench_lm.py times it)."""
     import mojolearn
     lm = mojolearn.MambaLM(folder, weight_format=fmt)
+    if prefill:
+        prompt = [(7 * i + 3) % lm.vocab_size for i in range(prefill)]
+
+        def first_step():
+            pb = lm.batcher(prefill_chunk=None)
+            pb.submit(prompt, max_new_tokens=1)
+            pb.step()
+        first_step()  # warm-up
+        _serve(first_step, clock)
+        return
     b = lm.batcher(prefill_chunk=None)
     vocab = lm.vocab_size
     for r in range(batch):
@@ -131,11 +144,13 @@ def main(argv=None) -> None:
     p.add_argument("--lm", default=None, metavar="FOLDER",
                    help="decode --batch rows of this MambaLM checkpoint instead of one block")
     p.add_argument("--format", default="float32", help="the MambaLM's weight_format (--lm)")
+    p.add_argument("--prefill", type=int, default=0, metavar="L",
+                   help="with --lm: time prefills of one L-token prompt instead of decode steps")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         if a.lm:
-            _lm_worker(a.lm, a.format, a.batch, a.clock)
+            _lm_worker(a.lm, a.format, a.batch, a.clock, a.prefill)
         else:
             _worker(a.block, a.batch, a.ctx, a.d, a.clock, a.evict_mb)
         return
@@ -150,7 +165,8 @@ def main(argv=None) -> None:
                "--block", str(a.block), "--batch", str(a.batch), "--ctx", str(a.ctx),
                "--d", str(a.d), "--clock", a.clock, "--evict-mb", str(a.evict_mb)]
         if a.lm:
-            cmd += ["--lm", os.path.abspath(a.lm), "--format", a.format]
+            cmd += ["--lm", os.path.abspath(a.lm), "--format", a.format,
+                    "--prefill", str(a.prefill)]
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
         if proc.stdout.readline().strip() != "ready":
@@ -173,7 +189,11 @@ def main(argv=None) -> None:
             proc.wait()
     q = statistics.quantiles(ratios, n=4)
     what = f"MambaLM {os.path.basename(a.lm)} {a.format}" if a.lm else f"Mamba-{a.block}"
-    print(f"{what} B={a.batch} ({a.target or 'default binary'}, {a.clock} clock), "
+    if a.lm and a.prefill:
+        what += f" {a.prefill}-token prefill,"
+    else:
+        what += f" B={a.batch}"
+    print(f"{what} ({a.target or 'default binary'}, {a.clock} clock), "
           f"{a.pairs} pairs of "
           f"{a.steps} steps" + ("" if a.lm else f" after a {a.ctx}-token prefill")
           + f": A median {statistics.median(ta) * 1e3:.4f}"

@@ -37,7 +37,7 @@ segments of the canonical order, so each segment loads its scales once.
 """
 from std.collections import Array
 from std.memory import bitcast
-from std.sys import get_defined_string
+from std.sys import get_defined_string, is_defined
 from std.sys.intrinsics import prefetch, PrefetchOptions
 from std.memory import Pointer, stack_allocation
 from .abi import F32Ptr, ceil_div, round_up, ALIGN_FLOATS
@@ -221,11 +221,14 @@ def pack_panels(w: F32Ptr, m: Int, k: Int, dst: F32Ptr):
 
 @always_inline
 def _tile[R: Int, WF: Int = WF_F32, SEG: Int = KSEG](
-    x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int, ncols: Int
+    x: F32Ptr, ldx: Int, panel: F32Ptr, k: Int, y: F32Ptr, ldy: Int, ncols: Int,
+    k_start: Int = 0,
 ):
-    """R rows x one panel: y[i, 0:ncols] = x[i, :] . panel (order SEG)."""
+    """R rows x one panel: y[i, 0:ncols] = x[i, :] . panel (order SEG).
+    k_start > 0 (a multiple of SEG): only the segments of steps
+    [k_start, k), added to y as every later segment is."""
     comptime assert WF < WF_Q4_0 or SEG == QBLOCK, "block formats: one block per segment"
-    var k0 = 0
+    var k0 = k_start
     while True:  # one segment per pass; k = 0 stores +0.0
         var k1 = _seg_end[SEG](k0, k)
         var scale = _wscale[WF](panel, k0)
@@ -456,6 +459,9 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
         _rows_many[WF, SEG](x.unsafe_offset(r0 * ldx), ldx, r1 - r0, wp, k, m, p0, p1,
                             y.unsafe_offset(r0 * ldy), ldy)
         return
+    comptime if WF != WF_F32 and SEG == KSEG and SLABS:
+        _rows_slabs[WF](x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)
+        return
     var full = r0 + (r1 - r0) // MR * MR
     var p = p0
     while p < p1:
@@ -475,13 +481,83 @@ def matmul_block[WF: Int = WF_F32, SEG: Int = KSEG](
                               y.unsafe_offset(r * ldy + col), ldy, ncols)
                 r += MR
             p += 1
-    # Leftover rows: all of them in one pass over the panels.
-    var rem = r1 - full
-    var xr = x.unsafe_offset(full * ldx)
-    var yr = y.unsafe_offset(full * ldy)
+    _rows_left[WF, SEG](x, ldx, full, r1, wp, k, m, p0, p1, y, ldy)
+
+
+def _rows_left[WF: Int, SEG: Int](
+    x: F32Ptr, ldx: Int, r0: Int, r1: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
+    y: F32Ptr, ldy: Int,
+):
+    """The leftover rows [r0, r1) of a row block (fewer than MR) over panels
+    [p0, p1): all of them in one pass over the panels."""
+    var xr = x.unsafe_offset(r0 * ldx)
+    var yr = y.unsafe_offset(r0 * ldy)
     comptime for R in range(1, MR):
-        if rem == R:
+        if r1 - r0 == R:
             _rows_few[R, WF, SEG](xr, ldx, wp, k, m, p0, p1, yr, ldy)
+
+
+# k steps of one widened prefill slab (a multiple of KSEG: slab ends are
+# segment ends): 768 steps are 48 KB of float32 on the stack, a d = 768
+# in_proj panel in one slab, read from L2 by the row tiles as a float32
+# panel is (256-step slabs, in L1: int8 in_proj 1.05x the time).
+comptime KSLAB = 768
+# The widened slabs: AVX2 CPU binaries only (AVX-512 keeps its 2-panel
+# tiles; a GPU thread runs one task and has no 48 KB of stack to spare).
+comptime SLABS = not WIDE and not is_defined["GPU_API"]()
+
+
+@always_inline
+def _expand_slab[WF: Int](panel: F32Ptr, kb: Int, ke: Int, dst: F32Ptr):
+    """Steps [kb, ke) of a panel in format WF as float32, k-major from
+    dst (each weight widened exactly, as the tiles widen it on load)."""
+    var k0 = kb
+    while k0 < ke:
+        var k1 = min(k0 + KSEG, ke)
+        var scale = _wscale[WF](panel, k0)
+        comptime for h in range(_parts[WF]()):
+            for kk in range(_part_start[WF, h](k0, k1), _part_end[WF, h](k0, k1)):
+                dst.unsafe_store((kk - kb) * NR, _wload[WF, h](panel, kk, k0, scale))
+        k0 = k1
+
+
+def _rows_slabs[WF: Int](
+    x: F32Ptr, ldx: Int, r0: Int, r1: Int, wp: F32Ptr, k: Int, m: Int, p0: Int, p1: Int,
+    y: F32Ptr, ldy: Int,
+):
+    """A prefill row block (more than MANY_ROWS rows; AVX2, the KSEG order)
+    over panels [p0, p1): per panel and KSLAB-step slab, every 6-row tile
+    in turn over the slab, its segments added to y as they end. A packed
+    format's slab is widened once into a float32 slab on the stack and the
+    tiles run the float32 kernel on it (the tiles widened it once per 6
+    rows); a float32 slab would be read in place (matmul_block sends
+    float32 panels to its own pass: slabs of them were slower). Each
+    output's segments still run in ascending k from +0.0, so the bits are
+    the segmented order's."""
+    var buf = F32Ptr(unsafe_from_address=Int(stack_allocation[KSLAB * NR, Float32,
+                                                              alignment=64]()))
+    var full = r0 + (r1 - r0) // MR * MR
+    var ps = panel_floats[WF](k)
+    for p in range(p0, p1):
+        var panel = wp.unsafe_offset(p * ps)
+        var col = p * NR
+        var ncols = min(NR, m - col)
+        var kb = 0
+        while True:  # k = 0: one empty slab, the tiles store +0.0
+            var ke = min(k, kb + KSLAB)
+            var src = panel
+            comptime if WF != WF_F32:
+                _expand_slab[WF](panel, kb, ke, buf)
+                src = buf.unsafe_offset(-kb * NR)  # step kk at (kk - kb) * NR
+            var r = r0
+            while r < full:
+                _tile[MR, WF_F32, KSEG](x.unsafe_offset(r * ldx), ldx, src, ke,
+                                        y.unsafe_offset(r * ldy + col), ldy, ncols, kb)
+                r += MR
+            kb = ke
+            if kb >= k:
+                break
+    _rows_left[WF, KSEG](x, ldx, full, r1, wp, k, m, p0, p1, y, ldy)
 
 
 # Task grid for one matmul phase: row blocks x panel blocks. A task runs its
@@ -498,6 +574,19 @@ comptime PANEL_BLOCK = 4
 
 def matmul_ntasks(rows: Int, m: Int) -> Int:
     return ceil_div(rows, ROW_BLOCK) * ceil_div(ceil_div(m, NR), PANEL_BLOCK)
+
+
+@always_inline
+def _row_block[WF: Int](rows: Int) -> Int:
+    """Rows of each row block but the last. Packed formats with the widened
+    slabs: the ceil(rows / ROW_BLOCK) blocks of nearly equal size, a
+    multiple of MR (256 rows: 132 + 124, not 192 + 64, whose 64-row block
+    took the decode pass and widened its weights once per row group);
+    float32: ROW_BLOCK (the balanced blocks measured 0.94-1.08x on one
+    thread, not shown better)."""
+    comptime if WF != WF_F32 and SLABS:
+        return round_up(ceil_div(rows, ceil_div(rows, ROW_BLOCK)), MR)
+    return ROW_BLOCK
 
 
 struct TileRange(ImplicitlyCopyable):
@@ -524,8 +613,9 @@ def matmul_task[WF: Int = WF_F32, SEG: Int = ONE_CHAIN](
     matmul_task_wf."""
     var npanels = ceil_div(m, NR)
     var npb = ceil_div(npanels, PANEL_BLOCK)
-    var r0 = (task // npb) * ROW_BLOCK
-    var r1 = min(rows, r0 + ROW_BLOCK)
+    var rb = _row_block[WF](rows)
+    var r0 = min(rows, (task // npb) * rb)
+    var r1 = min(rows, r0 + rb)
     var p0 = (task % npb) * PANEL_BLOCK
     var p1 = min(npanels, p0 + PANEL_BLOCK)
     matmul_block[WF, SEG](x, ldx, r0, r1, wp, k, m, p0, p1, y, ldy)

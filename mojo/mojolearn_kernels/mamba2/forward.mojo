@@ -38,7 +38,7 @@ from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import set_blob_option
 from ..block_prepare import prepare_plan, pack_projection, set_blob_header
-from ..norms import rmsnorm_row
+from ..norms import rms_scales_of, scale_row
 from ..residual import add_residual_tile
 from ..conv import causal_conv_silu
 from ..numerics import exp_f32
@@ -175,34 +175,50 @@ def _is_pad(cl: M2Call, bb: Int, t: Int) -> Bool:
     return cl.ragged and t >= Int(cl.lens[unsafe_offset=bb])
 
 
+# Rows whose RMSNorm sums of squares run side by side (norms.rms_scales):
+# one row's sequential chain is bound by the fma latency.
+comptime NORM_SIDE = 8
+
+
 def _norm_rows[GATED: Bool](cl: M2Call, gp: M2Group, task: Int):
     """RMSNorm of the task's rows of the group: the block norm (x -> xn,
     padding rows +0.0 whatever x holds) or, GATED, the gated norm of yg in
     place, over each B/C group's gs channels of d_inner on its own (one
-    norm over d_inner for one group; padding rows stay +0.0)."""
+    norm over d_inner for one group; padding rows stay +0.0). Up to
+    NORM_SIDE rows of one batch row at a time: their chains side by side,
+    each the same chain as alone."""
     var gn = gp.gn
     var r0 = task * NORM_ROWS_PER_TASK
     var r1 = min(cl.wk.b * gn, r0 + NORM_ROWS_PER_TASK)
-    for r in range(r0, r1):
+    var r = r0
+    while r < r1:
         var bb = r // gn
-        var t = gp.t0 + r % gn
-        var pad = _is_pad(cl, bb, t)
+        var nr = min(NORM_SIDE, min(r1, (bb + 1) * gn) - r)
+        var t0 = gp.t0 + r % gn
         comptime if GATED:
             var gs = cl.dims.gs
+            var di = cl.dims.di
             var w = cl.blob.unsafe_offset(cl.dims.o_gnorm)
-            if not pad:
-                for g in range(cl.dims.ng):
-                    var row = cl.work.unsafe_offset(cl.wk.o_yg + r * cl.dims.di + g * gs)
-                    rmsnorm_row(row, gs, w.unsafe_offset(g * gs), row)
+            for g in range(cl.dims.ng):
+                var rows = cl.work.unsafe_offset(cl.wk.o_yg + r * di + g * gs)
+                var sc = rms_scales_of[NORM_SIDE](rows, di, gs, nr)
+                for k in range(nr):
+                    if not _is_pad(cl, bb, t0 + k):
+                        var row = rows.unsafe_offset(k * di)
+                        scale_row(row, gs, sc[k], w.unsafe_offset(g * gs), row)
         else:
             var d = cl.dims.d
-            var dst = cl.work.unsafe_offset(cl.wk.o_xn + r * d)
-            if pad:
-                for j in range(d):
-                    dst[unsafe_offset=j] = 0.0
-            else:
-                rmsnorm_row(cl.x.unsafe_offset((bb * cl.wk.l + t) * d), d,
-                            cl.blob.unsafe_offset(cl.dims.o_norm), dst)
+            var src = cl.x.unsafe_offset((bb * cl.wk.l + t0) * d)
+            var sc = rms_scales_of[NORM_SIDE](src, d, d, nr)
+            for k in range(nr):
+                var dst = cl.work.unsafe_offset(cl.wk.o_xn + (r + k) * d)
+                if _is_pad(cl, bb, t0 + k):
+                    for j in range(d):
+                        dst[unsafe_offset=j] = 0.0
+                else:
+                    scale_row(src.unsafe_offset(k * d), d, sc[k],
+                              cl.blob.unsafe_offset(cl.dims.o_norm), dst)
+        r += nr
 
 
 def _residual(cl: M2Call, gp: M2Group, r0: Int, r1: Int, c0: Int, c1: Int):
