@@ -11,8 +11,8 @@ from .abi import F32Ptr
 from .numerics import sqrt_f32
 
 comptime RMS_EPS: Float32 = 1e-5
-# Rows one task of a norm stage takes (the LM's final norm; Mamba-1's norms,
-# forward and backward): a row's bits never depend on it.
+# Rows one task of a norm stage takes (the LM's final norm; every block's
+# row norms, forward and backward): a row's bits never depend on it.
 comptime NORM_ROWS_PER_TASK = 16
 
 

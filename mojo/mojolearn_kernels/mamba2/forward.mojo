@@ -38,13 +38,13 @@ from ..abi import I64Ptr, PHASE_END, PLAN_WORKSPACE, arg_int, arg_f32, ceil_div
 from ..linear import matmul_ntasks, matmul_task_wf
 from ..weight_panels import set_blob_option
 from ..block_prepare import prepare_plan, pack_projection, set_blob_header
-from ..norms import rms_scales_of, scale_row
+from ..norms import rms_scales_of, scale_row, NORM_ROWS_PER_TASK
 from ..residual import add_residual_tile
 from ..conv import causal_conv_silu
 from ..numerics import exp_f32
 from ..lanes import copy_floats, transpose_in, transpose_out
 from .layout import (
-    P, N, Q, KCONV, DIRECT_CB_MAX, NORM_ROWS_PER_TASK, CB_ROWS_PER_TASK, PREP_D, PREP_NORM, PREP_IN,
+    P, N, Q, KCONV, DIRECT_CB_MAX, CB_ROWS_PER_TASK, PREP_D, PREP_NORM, PREP_IN,
     PREP_CONVW, PREP_CONVB, PREP_DTB, PREP_ALOG, PREP_DSKIP, PREP_GNORM, PREP_OUT, PREP_LO, PREP_HI,
     PREP_BLOB, PREP_WFMT, PREP_IN_EXP, PREP_OUT_EXP, PREP_A_GIVEN, PREP_NGROUPS, NPROJ, ST_NORM,
     ST_INPROJ, ST_CONV, ST_CB, ST_SSD, ST_GNORM, NSTAGES, M2Dims, M2Call, M2Group, FWD_ROW_S,

@@ -68,7 +68,6 @@ comptime ST_GNORM = 5
 comptime ST_OUTPROJ = 6
 comptime NSTAGES = 7
 
-comptime NORM_ROWS_PER_TASK = 16
 # A chunk's new rows are processed in groups of at most this many rows in
 # all (B rows x G tokens), to bound the workspace; grouping never changes an
 # operand, so it never changes a bit.

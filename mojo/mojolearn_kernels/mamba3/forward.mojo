@@ -31,6 +31,7 @@ from ..weight_panels import blob_formats
 from ..block_prepare import prepare_plan, pack_projection, set_blob_header
 from .stages import norm_rows, bc_norm_rows
 from .layout import *
+from ..norms import NORM_ROWS_PER_TASK
 from ..lanes import copy_floats
 from .scan import scan_task, row_gates, report_task
 

@@ -67,7 +67,6 @@ comptime ST_SCAN = 3
 comptime ST_OUTPROJ = 4
 comptime NSTAGES = 5
 
-comptime NORM_ROWS_PER_TASK = 16
 comptime NG = 8  # rows whose RMSNorm sums advance side by side
 # B/C norms and gates: small tasks, so a few rows (a decode step) still
 # spread over the threads
